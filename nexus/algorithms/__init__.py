@@ -1,0 +1,1 @@
+"""Learning algorithms on a tenant policy: PPO (online RL) and SFT (behaviour cloning)."""

@@ -1,0 +1,222 @@
+"""Inference Model Service: a Dask actor on an ``INFER`` worker.
+
+It holds the frozen backbone, the latest head of every tenant and the versions pinned by running
+evaluations. Rollout tasks call :meth:`InferenceEngine.predict` directly (worker to worker: the
+observation never passes through the scheduler). Requests are grouped next to the model: the
+group fires when its oldest request waited ``T`` or it reached ``B`` requests (``GroupBatcher``),
+and the whole group shares one backbone forward.
+
+The engine's methods are coroutines: they run on the worker's event loop and hand all model work
+to one model thread, so the loop stays free and model state is touched by one thread only.
+Module-level imports stay light (the scheduler names this class to create the actor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from nexus.config import ServiceConfig
+from nexus.queues import GroupBatcher
+
+
+@dataclass
+class _Request:
+    tenant: str
+    obs: Any  # nexus.features.Observation
+    version: int | None
+    deterministic: bool
+    future: asyncio.Future
+    t_arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class EngineStats:
+    groups: int = 0
+    requests: int = 0
+    busy_s: float = 0.0
+    group_sizes: list[int] = field(default_factory=list)  # last 1000
+    waits_s: list[float] = field(default_factory=list)  # last 1000
+
+    def record(self, size: int, waits: list[float], busy: float) -> None:
+        self.groups += 1
+        self.requests += size
+        self.busy_s += busy
+        self.group_sizes = (self.group_sizes + [size])[-1000:]
+        self.waits_s = (self.waits_s + waits)[-1000:]
+
+
+class InferenceEngine:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = ServiceConfig.model_validate(config)
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="nexus-infer")
+        self._batcher = GroupBatcher(self.config.infer_max_wait_s, self.config.infer_max_batch)
+        self._framework = None
+        self._specs: dict[str, tuple[Any, Any]] = {}  # tenant -> (TenantSpec, TenantSchema)
+        self._live: dict[str, tuple[int, Any]] = {}  # tenant -> (version, TenantPolicy)
+        self._pinned: dict[tuple[str, int], list] = {}  # (tenant, version) -> [policy, refcount]
+        self._timer: asyncio.TimerHandle | None = None
+        self._firing = False
+        self.stats = EngineStats()
+
+    # -- model thread ----------------------------------------------------------------------
+    async def _in_model_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
+
+    def _fw(self):
+        if self._framework is None:
+            import torch
+
+            from nexus.model.backbone import BackboneConfig, SharedBackbone
+            from nexus.model.framework import VLAFramework
+
+            torch.set_num_threads(1)
+            self._framework = VLAFramework(SharedBackbone(BackboneConfig(**self.config.backbone.model_dump())))
+        return self._framework
+
+    def _policy_from_bytes(self, tenant: str, weights: bytes):
+        from nexus.tenant_slot import TenantSlot
+
+        spec, schema = self._specs[tenant]
+        return TenantSlot.load_weights_bytes(weights, spec, schema, self._fw().backbone.hidden_size)
+
+    # -- weights and pins --------------------------------------------------------------------
+    async def register_tenant(self, spec: dict, schema: dict, version: int, weights: bytes) -> int:
+        from nexus.master import schema_from_dict
+        from nexus.model.preprocessor import TenantPreprocessor
+        from nexus.spec import TenantSpec
+
+        def build():
+            spec_, schema_ = TenantSpec.model_validate(spec), schema_from_dict(schema)
+            self._specs[spec_.name] = (spec_, schema_)
+            policy = self._policy_from_bytes(spec_.name, weights)
+            fw = self._fw()
+            fw.add_tenant(spec_.name, policy, TenantPreprocessor(schema_, fw.backbone.cfg))
+            self._live[spec_.name] = (version, policy)
+
+        await self._in_model_thread(build)
+        return version
+
+    async def load_weights(self, tenant: str, version: int, weights: bytes) -> int:
+        """Weight sync from the actor: the tenant's live head becomes ``version``."""
+        def load():
+            policy = self._policy_from_bytes(tenant, weights)
+            self._live[tenant] = (version, policy)
+            self._fw().policies[tenant] = policy
+
+        await self._in_model_thread(load)
+        return version
+
+    async def pin(self, tenant: str, version: int, output_dir: str) -> int:
+        """Keep ``version`` of a tenant's head for an evaluation, whatever training does meanwhile."""
+        key = (tenant, version)
+        if key in self._pinned:
+            self._pinned[key][1] += 1
+            return version
+
+        def load():
+            from nexus.output_dir import TenantOutputDir
+
+            live_version, live = self._live[tenant]
+            if live_version == version:
+                return live
+            return self._policy_from_bytes(tenant, TenantOutputDir(output_dir).weights_path(version).read_bytes())
+
+        self._pinned[key] = [await self._in_model_thread(load), 1]
+        return version
+
+    async def unpin(self, tenant: str, version: int) -> None:
+        key = (tenant, version)
+        if key in self._pinned:
+            self._pinned[key][1] -= 1
+            if self._pinned[key][1] <= 0:
+                del self._pinned[key]
+
+    def versions(self) -> dict[str, Any]:
+        return {"live": {t: v for t, (v, _) in self._live.items()},
+                "pinned": sorted(f"{t}@{v}" for t, v in self._pinned)}
+
+    def engine_stats(self) -> dict[str, Any]:
+        s = self.stats
+        return {"groups": s.groups, "requests": s.requests, "busy_s": s.busy_s,
+                "group_sizes": list(s.group_sizes), "waits_s": list(s.waits_s)}
+
+    # -- requests --------------------------------------------------------------------------
+    async def predict(self, tenant: str, obs: Any, version: int | None = None,
+                      deterministic: bool = False) -> dict[str, Any]:
+        """One action for one observation; grouped with other tenants' requests."""
+        if tenant not in self._live:
+            raise KeyError(f"tenant {tenant!r} is not registered on this inference engine")
+        if version is not None and (tenant, version) not in self._pinned and self._live[tenant][0] != version:
+            raise KeyError(f"version {version} of tenant {tenant!r} is neither live nor pinned")
+        fut = asyncio.get_running_loop().create_future()
+        self._batcher.add(_Request(tenant, obs, version, deterministic, fut))
+        self._schedule()
+        return await fut
+
+    def _schedule(self) -> None:
+        if self._firing:
+            return  # the running group re-checks when it ends
+        due = self._batcher.due_in()
+        if due is None:
+            return
+        if due == 0:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._firing = True
+            asyncio.get_running_loop().create_task(self._fire())
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(due, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._schedule()
+
+    async def _fire(self) -> None:
+        group: list[_Request] = self._batcher.take()
+        now = time.monotonic()
+        try:
+            t0 = time.perf_counter()
+            outs = await self._in_model_thread(self._forward, group)
+            self.stats.record(len(group), [now - r.t_arrival for r in group], time.perf_counter() - t0)
+            for r, o in zip(group, outs, strict=True):
+                if not r.future.done():
+                    r.future.set_result(o)
+        except Exception as e:
+            for r in group:
+                if not r.future.done():
+                    r.future.set_exception(e)
+        finally:
+            self._firing = False
+            self._schedule()
+
+    def _forward(self, group: list[_Request]) -> list[dict[str, Any]]:
+        """One grouped backbone forward, then each tenant's own head (live or pinned version)."""
+        import numpy as np
+        import torch
+
+        fw = self._fw()
+        feats = [fw.preprocessors[r.tenant](r.obs) for r in group]
+        rows = fw.group_encode([(r.tenant, f) for r, f in zip(group, feats, strict=True)])
+        outs: list[dict[str, Any] | None] = [None] * len(group)
+        heads: dict[tuple[str, int, bool], list[int]] = {}
+        for i, r in enumerate(group):
+            live_version, _ = self._live[r.tenant]
+            heads.setdefault((r.tenant, live_version if r.version is None else r.version, r.deterministic),
+                             []).append(i)
+        for (tenant, version, det), idx in heads.items():
+            live_version, live = self._live[tenant]
+            policy = live if version == live_version else self._pinned[(tenant, version)][0]
+            feat = torch.stack([rows[i] for i in idx])
+            proprio = torch.as_tensor(np.stack([feats[i].proprio for i in idx]))
+            with torch.no_grad():
+                action, logprob, value = policy.act(feat, proprio, deterministic=det)
+            action = action.numpy().astype(np.float32)  # unclipped sample: its logprob is PPO's
+            for j, i in enumerate(idx):
+                outs[i] = {"action": action[j], "logprob": float(logprob[j]), "value": float(value[j]),
+                           "version": version}
+        return outs  # type: ignore[return-value]

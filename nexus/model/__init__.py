@@ -1,0 +1,1 @@
+"""Model side of JoyNexus: shared frozen backbone, tenant preprocessors, action heads, framework."""

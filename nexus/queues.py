@@ -1,0 +1,194 @@
+"""The two queues of the Master, as plain data structures (no torch, no I/O, no Dask).
+
+* :class:`TrainingQueue` — large, latency-tolerant work items (RL trajectory batches, SFT batches,
+  low-level ops). Highest priority first, FIFO within a priority; a per-tenant admission cap
+  (reserved + queued + running <= ``max_inflight``) gives producers back-pressure so one tenant
+  cannot flood the queue; RL items whose policy version lags the tenant's current version by more
+  than ``max_staleness`` are dropped (and counted) when they reach the head of the queue.
+* :class:`GroupBatcher` — the inference queue's firing rule: collect requests FIFO and fire a
+  group when the oldest request has waited ``max_wait_s`` (T) or the group reached ``max_batch`` (B).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ItemKind = Literal["rl", "sft", "op"]
+
+
+class AdmissionError(RuntimeError):
+    """An item was offered for a tenant that holds no free admission slot."""
+
+
+@dataclass
+class TenantLimits:
+    max_inflight: int = 2
+    max_staleness: int = 128
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 1 or self.max_staleness < 0:
+            raise ValueError(f"invalid limits {self}: max_inflight >= 1 and max_staleness >= 0 required")
+
+
+@dataclass
+class TrainingItem:
+    tenant: str
+    kind: ItemKind
+    policy_version: int  # version of the policy that produced the data (RL); informative otherwise
+    payload: dict[str, Any] = field(default_factory=dict)
+    item_id: str = ""
+    enqueued_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "kind": self.kind, "policy_version": self.policy_version,
+                "payload": self.payload, "item_id": self.item_id}
+
+
+@dataclass
+class TenantCounters:
+    reserved: int = 0
+    queued: int = 0
+    running: int = 0
+    dispatched: int = 0
+    dropped_stale: int = 0
+    max_inflight_seen: int = 0
+
+    @property
+    def inflight(self) -> int:
+        return self.reserved + self.queued + self.running
+
+
+class TrainingQueue:
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, TrainingItem]] = []
+        self._seq = itertools.count()
+        self.limits: dict[str, TenantLimits] = {}
+        self.counters: dict[str, TenantCounters] = {}
+
+    # -- tenants ---------------------------------------------------------------------------
+    def set_limits(self, tenant: str, limits: TenantLimits) -> None:
+        self.limits[tenant] = limits
+        self.counters.setdefault(tenant, TenantCounters())
+
+    def remove_tenant(self, tenant: str) -> list[TrainingItem]:
+        """Forget a tenant; returns its items that were still queued."""
+        gone = [it for _, _, it in self._heap if it.tenant == tenant]
+        self._heap = [e for e in self._heap if e[2].tenant != tenant]
+        heapq.heapify(self._heap)
+        self.limits.pop(tenant, None)
+        self.counters.pop(tenant, None)
+        return gone
+
+    def _c(self, tenant: str) -> TenantCounters:
+        if tenant not in self.limits:
+            raise KeyError(f"unknown tenant {tenant!r} in the training queue")
+        return self.counters[tenant]
+
+    # -- producers -------------------------------------------------------------------------
+    def can_reserve(self, tenant: str) -> bool:
+        return self._c(tenant).inflight < self.limits[tenant].max_inflight
+
+    def reserve(self, tenant: str) -> bool:
+        """Take an admission slot before producing an item (a rollout, an SFT batch)."""
+        c = self._c(tenant)
+        if c.inflight >= self.limits[tenant].max_inflight:
+            return False
+        c.reserved += 1
+        c.max_inflight_seen = max(c.max_inflight_seen, c.inflight)
+        return True
+
+    def cancel_reservation(self, tenant: str) -> None:
+        c = self._c(tenant)
+        if c.reserved <= 0:
+            raise AdmissionError(f"tenant {tenant!r} holds no reservation")
+        c.reserved -= 1
+
+    def put(self, item: TrainingItem) -> None:
+        """Enqueue an item for which a reservation was taken."""
+        c = self._c(item.tenant)
+        if c.reserved <= 0:
+            raise AdmissionError(f"tenant {item.tenant!r} enqueued without a reservation")
+        c.reserved -= 1
+        c.queued += 1
+        seq = next(self._seq)
+        item.item_id = item.item_id or f"{item.tenant}-{item.kind}-{seq}"
+        item.enqueued_at = time.time()
+        heapq.heappush(self._heap, (-self.limits[item.tenant].priority, seq, item))
+
+    # -- consumer --------------------------------------------------------------------------
+    def pop(self, versions: dict[str, int]) -> tuple[TrainingItem | None, list[TrainingItem]]:
+        """Next item to run, and the stale RL items dropped on the way (their slots are freed)."""
+        dropped: list[TrainingItem] = []
+        while self._heap:
+            _, _, item = heapq.heappop(self._heap)
+            c = self.counters[item.tenant]
+            c.queued -= 1
+            lag = versions.get(item.tenant, 0) - item.policy_version
+            if item.kind == "rl" and lag > self.limits[item.tenant].max_staleness:
+                c.dropped_stale += 1
+                dropped.append(item)
+                continue
+            c.running += 1
+            c.dispatched += 1
+            return item, dropped
+        return None, dropped
+
+    def done(self, item: TrainingItem) -> None:
+        c = self._c(item.tenant)
+        if c.running <= 0:
+            raise AdmissionError(f"tenant {item.tenant!r} has no running item")
+        c.running -= 1
+
+    # -- views -----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def depth(self) -> dict[str, int]:
+        return dict(Counter(it.tenant for _, _, it in self._heap))
+
+    def lags(self, versions: dict[str, int]) -> dict[str, int]:
+        """Largest version lag among each tenant's queued RL items."""
+        out: dict[str, int] = {}
+        for _, _, it in self._heap:
+            if it.kind == "rl":
+                out[it.tenant] = max(out.get(it.tenant, 0), versions.get(it.tenant, 0) - it.policy_version)
+        return out
+
+
+@dataclass
+class GroupBatcher:
+    """Firing rule of the inference queue: max wait T (seconds) and target batch B."""
+
+    max_wait_s: float = 0.005
+    max_batch: int = 8
+    _pending: list[tuple[float, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_wait_s < 0 or self.max_batch < 1:
+            raise ValueError("max_wait_s >= 0 and max_batch >= 1 required")
+
+    def add(self, request: Any, now: float | None = None) -> None:
+        self._pending.append((time.monotonic() if now is None else now, request))
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def due_in(self, now: float | None = None) -> float | None:
+        """Seconds until the group must fire (0 = now); None when nothing is pending."""
+        if not self._pending:
+            return None
+        if len(self._pending) >= self.max_batch:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return max(0.0, self._pending[0][0] + self.max_wait_s - now)
+
+    def take(self) -> list[Any]:
+        """The next group, oldest first, at most B requests."""
+        group, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
+        return [r for _, r in group]

@@ -1,0 +1,80 @@
+"""Rollout producers: tasks on ``SIM`` workers that run a tenant's policy in its simulator.
+
+Each step's action comes from the inference engine (a direct actor call); finished episodes go
+to the tenant's Arrow trajectory store, and only a small reference to the batch goes back.
+Module-level imports stay light (the scheduler names these functions).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+_envs: dict[str, Any] = {}  # env name -> SimEnv, reused across tasks of this worker process
+_envs_lock = threading.Lock()
+
+
+def _env(name: str):
+    from nexus import catalog
+    from nexus.environment_service import make_env
+
+    with _envs_lock:
+        if name not in _envs:
+            _envs[name] = make_env(catalog.env(name))
+        return _envs[name]
+
+
+def collect(tenant: str, env_name: str, output_dir: str, schema: dict, episodes: int, seed: int,
+            episode_offset: int, deterministic: bool, version: int | None, engine) -> dict[str, Any]:
+    """Run ``episodes`` episodes (ids from ``episode_offset``); RL batches are stored, eval
+    episodes (pinned ``version``) are not."""
+    import torch
+
+    from nexus.environment_service import PolicyOutput, collect_episodes, episode_stats
+    from nexus.master import schema_from_dict
+    from nexus.output_dir import TenantOutputDir
+    from nexus.trajectory_store import TrajectoryStore
+
+    torch.set_num_threads(1)
+    env = _env(env_name)
+    wait_s = 0.0
+
+    def policy(obs) -> PolicyOutput:
+        nonlocal wait_s
+        t0 = time.perf_counter()
+        out = engine.predict(tenant, obs, version, deterministic).result()
+        wait_s += time.perf_counter() - t0
+        return PolicyOutput(action=out["action"], logprob=out["logprob"], value=out["value"],
+                            version=out["version"])
+
+    t0 = time.perf_counter()
+    columns = collect_episodes(env, policy, episodes=episodes, seed=seed, tenant=tenant,
+                               episode_offset=episode_offset)
+    busy = time.perf_counter() - t0
+    stats = episode_stats(columns) | {"sim_s": busy - wait_s, "inference_wait_s": wait_s}
+    result: dict[str, Any] = {"stats": stats,
+                              "versions": sorted({int(v) for v in columns["policy_version"]})}
+    if version is None:
+        store = TrajectoryStore(TenantOutputDir(output_dir).trajectories, tenant, schema_from_dict(schema))
+        result["batch"] = store.append(columns).to_dict()
+    return result
+
+
+def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Episode statistics of several rollout tasks, weighted by their episode counts."""
+    episodes = sum(p["episodes"] for p in parts)
+    if episodes == 0:
+        return {"episodes": 0, "steps": 0, "mean_return": 0.0, "success_rate": 0.0}
+    return {"episodes": episodes, "steps": sum(p["steps"] for p in parts),
+            "mean_return": sum(p["mean_return"] * p["episodes"] for p in parts) / episodes,
+            "success_rate": sum(p["success_rate"] * p["episodes"] for p in parts) / episodes}
+
+
+def write_eval_report(output_dir: str, report: dict[str, Any]) -> str:
+    from nexus.output_dir import TenantOutputDir, atomic_write_bytes
+
+    path = TenantOutputDir(output_dir).eval_dir / f"{report['job']}-v{report['version']:06d}.json"
+    atomic_write_bytes(path, json.dumps(report, indent=2).encode())
+    return str(path)

@@ -1,0 +1,84 @@
+"""Tenant and job specifications (pydantic). No torch: validated inside the scheduler process.
+
+A spec is plain data; ``nexus.catalog`` checks it against the environment and dataset catalogs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TenantName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,39}$")]
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PPOConfig(_Spec):
+    """PPO with GAE on the Gaussian action head (CleanRL names)."""
+
+    gamma: float = Field(0.95, gt=0, le=1)
+    gae_lambda: float = Field(0.9, ge=0, le=1)
+    clip_coef: float = Field(0.2, gt=0)
+    vf_coef: float = Field(0.5, ge=0)
+    ent_coef: float = Field(0.0, ge=0)
+    update_epochs: int = Field(4, ge=1)
+    minibatch_size: int = Field(64, ge=1)
+    norm_adv: bool = True
+
+
+class TenantSpec(_Spec):
+    """A tenant: its task (env for RL/eval, dataset for SFT), action module and limits."""
+
+    name: TenantName
+    env: str | None = Field(None, description="catalog env, e.g. 'maniskill/pushcube-state'")
+    dataset: str | None = Field(None, description="catalog dataset, e.g. 'pickcube-scripted'")
+    action_dim: int | None = Field(None, ge=1, description="checked against the env/dataset schema")
+    action_head: Literal["oft"] = "oft"
+    hidden_dim: int = Field(256, ge=8)
+    init_log_std: float = -0.5
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0, description="max gradient norm of every optimizer step")
+    priority: int = 0
+    max_inflight: int = Field(2, ge=1, description="training items admitted at once (queued + running)")
+    max_staleness: int = Field(128, ge=0, description="RL batches lagging more versions are dropped")
+    seed: int = 0
+    output_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _needs_a_source(self) -> TenantSpec:
+        if self.env is None and self.dataset is None:
+            raise ValueError("a tenant needs an 'env' (RL/eval) or a 'dataset' (SFT)")
+        return self
+
+
+class SFTJob(_Spec):
+    kind: Literal["sft"] = "sft"
+    steps: int = Field(50, ge=1)
+    batch_size: int = Field(32, ge=1)
+
+
+class RLJob(_Spec):
+    kind: Literal["rl"] = "rl"
+    updates: int = Field(5, ge=1, description="policy versions to produce")
+    episodes_per_batch: int = Field(2, ge=1)
+    collectors: int = Field(2, ge=1, description="rollout tasks kept in flight")
+    ppo: PPOConfig = PPOConfig()
+
+
+class EvalJob(_Spec):
+    kind: Literal["eval"] = "eval"
+    episodes: int = Field(4, ge=1)
+    version: int | None = Field(None, ge=0, description="policy version to pin; default: current")
+    deterministic: bool = True
+
+
+JobSpec = Annotated[SFTJob | RLJob | EvalJob, Field(discriminator="kind")]
+
+
+class JobRequest(_Spec):
+    tenant: TenantName
+    job: JobSpec

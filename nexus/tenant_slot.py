@@ -1,0 +1,191 @@
+"""One tenant's slot on the training (actor) side: its policy, its own DeepSpeed engine, its version.
+
+The frozen backbone stays outside every engine (features come in precomputed); each tenant gets a
+separate ZeRO engine around its small ``TenantPolicy`` so a step of one tenant can never touch another
+tenant's parameters or optimizer state.
+
+Constraints the caller must respect:
+
+- DeepSpeed collectives (``optim_step``, ``save_checkpoint``, ``load_checkpoint``) must be issued by
+  every rank for the same tenant in the same order; with one process (the default here) this is free.
+- A slot is not thread-safe: drive all slots of a process from one thread (e.g. one actor task at a time).
+- Gradient accumulation is owned by the caller: the engine runs with
+  ``managed_gradient_accumulation=false``, so any number of ``forward_backward`` calls *sum* their
+  gradients and the next ``optim_step`` applies them (scale each loss by 1/k for a mean).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import socket
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nexus.features import TenantSchema
+from nexus.model.action_head import TenantPolicy
+from nexus.spec import TenantSpec
+
+if not torch.cuda.is_available():
+    # Skip DeepSpeed's accelerator probing (and its "unable to detect a GPU" warning) on CPU machines.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402  (must see DS_ACCELERATOR)
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+LossFn = Callable[[TenantPolicy], tuple[torch.Tensor, dict[str, Any]]]
+
+_dist_lock = threading.Lock()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _quiet_deepspeed() -> None:
+    # DeepSpeed logs its whole config at INFO on every initialize(); one engine per tenant makes that loud.
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    # torch 2.13 deprecates all_gather_into_tensor/reduce_scatter_tensor, which DeepSpeed 0.19.8
+    # calls on every step.
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.",
+                            category=FutureWarning)
+
+
+def ensure_distributed() -> None:
+    """Initialize torch.distributed/DeepSpeed once per process (idempotent, thread-safe).
+
+    Without a launcher this is a world of size 1: RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR default to a
+    single local process and MASTER_PORT to a free port (each only if not already set, so torchrun or
+    the deepspeed launcher keep control). Backend: gloo on CPU, nccl on CUDA.
+    """
+    _quiet_deepspeed()
+    with _dist_lock:
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                deepspeed.comm.is_initialized():
+            return
+        if not torch.distributed.is_initialized():
+            for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                               ("MASTER_ADDR", "127.0.0.1")):
+                os.environ.setdefault(key, value)
+            if "MASTER_PORT" not in os.environ:
+                os.environ["MASTER_PORT"] = str(_free_port())
+        accel = get_accelerator()
+        if accel.device_name() == "cpu":
+            # The shm comm op would be JIT-compiled (minutes of g++); it only serves
+            # inference_all_reduce, ZeRO's collectives go through gloo anyway.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        else:
+            accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+
+
+class TenantSlot:
+    """A tenant's policy wrapped in its own DeepSpeed ZeRO engine (ZeRO-2 by default)."""
+
+    def __init__(self, spec: TenantSpec, schema: TenantSchema, feat_dim: int, zero_stage: int = 2,
+                 grad_clip: float = 1.0, chunk: int = 1) -> None:
+        if zero_stage not in (0, 1, 2):
+            # Stage 3 would partition the head's parameters between forwards, but TenantPolicy reads
+            # log_std outside a submodule forward; heads are small, stages 1-2 already shard optimizer state.
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage}")
+        ensure_distributed()
+        self.spec, self.schema, self.feat_dim, self.chunk = spec, schema, feat_dim, chunk
+        policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk)
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,  # nominal: we call backward/step ourselves
+            "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False,  # caller owns the boundary: k backward()s, then step()
+            "zero_optimization": {"stage": zero_stage},
+            # torch_adam: torch.optim.AdamW inside DeepSpeed, no C++ op compilation.
+            "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "weight_decay": spec.weight_decay,
+                                                      "torch_adam": True}},
+            "gradient_clipping": float(grad_clip),
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, _, _, _ = deepspeed.initialize(model=policy, config=config,
+                                                    model_parameters=list(policy.parameters()),
+                                                    dist_init_required=False)
+        self.policy: TenantPolicy = self.engine.module
+        self.version: int = 0
+        self._pending_backward = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def device(self) -> torch.device:
+        return self.policy.device
+
+    # -- training -------------------------------------------------------------------------------------
+
+    def forward_backward(self, loss_fn: LossFn) -> dict[str, float]:
+        """Run ``loss_fn(policy)`` and backpropagate its loss; gradients add up until ``optim_step``."""
+        self.policy.train()
+        loss, stats = loss_fn(self.policy)
+        self.engine.backward(loss)
+        self._pending_backward += 1
+        out = {k: float(v) for k, v in stats.items()}
+        out["loss"] = float(loss.detach())
+        return out
+
+    def optim_step(self) -> dict[str, float]:
+        """Apply the accumulated gradients (clipped to ``grad_clip``) and clear them."""
+        if self._pending_backward == 0:
+            raise RuntimeError(f"tenant {self.name!r}: optim_step() without a forward_backward() "
+                               "since the last step")
+        self.engine.step()
+        self._pending_backward = 0
+        grad_norm = self.engine.get_global_grad_norm()
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "lr": float(self.engine.get_lr()[0]), "optimizer_steps": float(self.engine.global_steps)}
+
+    def train_step(self, loss_fn: LossFn) -> dict[str, float]:
+        return {**self.forward_backward(loss_fn), **self.optim_step()}
+
+    def bump_version(self) -> int:
+        self.version += 1
+        return self.version
+
+    # -- weights and checkpoints ---------------------------------------------------------------------
+
+    def export_weights(self) -> bytes:
+        """The full policy state_dict (ZeRO 0-2 keep full replicas in the module) as torch.save bytes."""
+        state = {k: v.detach().cpu().clone() for k, v in self.policy.state_dict().items()}
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return buf.getvalue()
+
+    @staticmethod
+    def load_weights_bytes(data: bytes, spec: TenantSpec, schema: TenantSchema, feat_dim: int,
+                           chunk: int = 1) -> TenantPolicy:
+        """Rebuild a policy (CPU, eval mode) from ``export_weights`` bytes, e.g. on an inference worker."""
+        policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk)
+        policy.load_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+        return policy.eval()
+
+    def save_checkpoint(self, directory: str) -> str:
+        """Params + optimizer state under tag ``v{version}`` (collective); returns the tag's directory."""
+        tag = f"v{self.version}"
+        self.engine.save_checkpoint(directory, tag=tag, client_state={"version": self.version})
+        if self.engine.global_rank == 0:
+            Path(directory, "version").write_text(f"{self.version}\n")
+        return os.path.join(directory, tag)
+
+    def load_checkpoint(self, directory: str, tag: str | None = None) -> None:
+        """Restore params, optimizer state and version (``tag=None``: DeepSpeed's ``latest``)."""
+        path, client_state = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
+                                                         load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory!r} (tag={tag!r})")
+        self.version = int((client_state or {}).get("version", 0))
+        self._pending_backward = 0

@@ -1,0 +1,342 @@
+"""Per-tenant trajectory storage as Arrow IPC files (one immutable file per appended batch).
+
+Layout: ``<root>/v<policy_version:08d>-<time_ns>-<uuid>.arrow`` where ``root`` is the tenant's
+trajectory folder (``TenantOutputDir(...).trajectories``). Files are written under a temporary
+name and hard-linked into place, so readers never see a partial file and an existing file is never
+overwritten. Reads are memory-mapped (zero-copy for the fixed-size list columns); a version-range
+scan uses a ``pyarrow.dataset`` filter, which is how the training queue drops stale rollouts.
+
+Uncompressed IPC on purpose: compression would defeat memory mapping, and dictionary encoding is
+applied to the tenant column only (encoding float columns makes writes several times slower).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+
+from nexus.features import CameraSpec, Observation, TenantSchema
+
+__all__ = [
+    "BatchRef",
+    "SCHEMA_METADATA_KEY",
+    "TrajectoryStore",
+    "arrays_to_observations",
+    "columns_to_table",
+    "image_columns",
+    "read_ipc",
+    "schema_from_arrow",
+    "table_arrays",
+    "table_to_observations",
+    "trajectory_schema",
+    "write_ipc",
+]
+
+SCHEMA_METADATA_KEY = b"nexus.tenant_schema"
+BATCH_METADATA_KEY = b"nexus.batch"
+IMAGE_PREFIX = "image."
+SUFFIX = ".arrow"
+
+# per-step scalar columns and their numpy/arrow types
+_SCALARS: dict[str, tuple[type, pa.DataType]] = {
+    "episode": (np.int64, pa.int64()),
+    "step": (np.int32, pa.int32()),
+    "reward": (np.float32, pa.float32()),
+    "terminated": (np.bool_, pa.bool_()),
+    "truncated": (np.bool_, pa.bool_()),
+    "success": (np.bool_, pa.bool_()),
+    "logprob": (np.float32, pa.float32()),
+    "value": (np.float32, pa.float32()),
+    "policy_version": (np.int64, pa.int64()),
+}
+
+
+def _schema_json(schema: TenantSchema) -> str:
+    return json.dumps({
+        "proprio_dim": schema.proprio_dim,
+        "action_dim": schema.action_dim,
+        "instruction": schema.instruction,
+        "cameras": [{"name": c.name, "height": c.height, "width": c.width} for c in schema.cameras],
+    }, sort_keys=True)
+
+
+def trajectory_schema(schema: TenantSchema) -> pa.Schema:
+    """The Arrow schema of a tenant's trajectory rows; the TenantSchema rides along as metadata."""
+    fields = [
+        pa.field("tenant", pa.dictionary(pa.int32(), pa.string()), nullable=False),
+        pa.field("episode", pa.int64(), nullable=False),
+        pa.field("step", pa.int32(), nullable=False),
+        pa.field("state", pa.list_(pa.float32(), schema.proprio_dim), nullable=False),
+    ]
+    fields += [pa.field(f"{IMAGE_PREFIX}{c.name}", pa.list_(pa.uint8(), c.height * c.width * 3),
+                        nullable=False) for c in schema.cameras]
+    fields.append(pa.field("action", pa.list_(pa.float32(), schema.action_dim), nullable=False))
+    fields += [pa.field(k, t, nullable=False) for k, (_, t) in _SCALARS.items()
+               if k not in ("episode", "step")]
+    return pa.schema(fields, metadata={SCHEMA_METADATA_KEY: _schema_json(schema)})
+
+
+def schema_from_arrow(arrow_schema: pa.Schema) -> TenantSchema:
+    """The TenantSchema stored in a trajectory table's metadata."""
+    meta = arrow_schema.metadata or {}
+    if SCHEMA_METADATA_KEY not in meta:
+        raise ValueError("not a trajectory table: its Arrow schema has no 'nexus.tenant_schema' metadata")
+    d = json.loads(meta[SCHEMA_METADATA_KEY])
+    return TenantSchema(proprio_dim=int(d["proprio_dim"]), action_dim=int(d["action_dim"]),
+                        cameras=tuple(CameraSpec(c["name"], int(c["height"]), int(c["width"]))
+                                      for c in d["cameras"]),
+                        instruction=d.get("instruction", ""))
+
+
+@dataclass(frozen=True)
+class BatchRef:
+    """A handle to one stored batch; plain fields so it travels through msgpack, pickle and Dask.
+
+    ``policy_version`` is the *oldest* version that produced a row of the batch (conservative for
+    the staleness check when a batch straddles a weight update).
+    """
+
+    path: str
+    rows: int
+    episodes: int
+    policy_version: int
+    tenant: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BatchRef:
+        return cls(path=str(d["path"]), rows=int(d["rows"]), episodes=int(d["episodes"]),
+                   policy_version=int(d["policy_version"]), tenant=str(d["tenant"]))
+
+
+class TrajectoryStore:
+    """The trajectories of one tenant: batch files directly in ``root`` (created on first append).
+
+    Safe for concurrent appenders (different processes) on one local filesystem: every batch gets
+    a unique file and appears atomically.
+    """
+
+    def __init__(self, root: str | Path, tenant: str, schema: TenantSchema) -> None:
+        self.dir = Path(root)
+        self.tenant = tenant
+        self.schema = schema
+        self.arrow_schema = trajectory_schema(schema)
+
+    # ---- writing -------------------------------------------------------------------------------
+    def append(self, columns: Mapping[str, np.ndarray]) -> BatchRef:
+        """Write one batch of per-step columns (see :func:`columns_to_table`) as a new IPC file."""
+        table = columns_to_table(columns, self.schema, self.tenant)
+        n = table.num_rows
+        if n == 0:
+            raise ValueError("refusing to store an empty batch")
+        versions = table.column("policy_version").to_numpy()
+        version = int(versions.min())
+        ref_meta = {"rows": n, "episodes": int(len(np.unique(table.column("episode").to_numpy()))),
+                    "policy_version": version, "max_policy_version": int(versions.max()),
+                    "tenant": self.tenant}
+        table = table.replace_schema_metadata({**self.arrow_schema.metadata,
+                                               BATCH_METADATA_KEY: json.dumps(ref_meta)})
+        name = f"v{version:08d}-{time.time_ns()}-{uuid.uuid4().hex[:12]}{SUFFIX}"
+        path = write_ipc(table, self.dir / name)
+        return BatchRef(path=str(path), rows=n, episodes=ref_meta["episodes"], policy_version=version,
+                        tenant=self.tenant)
+
+    # ---- reading -------------------------------------------------------------------------------
+    def read(self, ref: BatchRef | Mapping[str, Any]) -> pa.Table:
+        """The rows of one batch, memory-mapped."""
+        if not isinstance(ref, BatchRef):
+            ref = BatchRef.from_dict(ref)
+        if ref.tenant != self.tenant:
+            raise ValueError(f"batch of tenant {ref.tenant!r} read from the store of {self.tenant!r}")
+        table = read_ipc(ref.path)
+        self._check_schema(table.schema, ref.path)
+        return table
+
+    def scan(self, min_version: int | None = None, max_version: int | None = None) -> pa.Table:
+        """All stored rows whose ``policy_version`` lies in ``[min_version, max_version]``."""
+        files = [str(p) for p in self._files()
+                 if max_version is None or _name_version(p) <= max_version]  # names carry the min version
+        if not files:
+            return self.arrow_schema.empty_table()
+        dataset = pads.dataset(files, schema=self.arrow_schema, format="arrow")
+        cond = None
+        if min_version is not None:
+            cond = pads.field("policy_version") >= min_version
+        if max_version is not None:
+            upper = pads.field("policy_version") <= max_version
+            cond = upper if cond is None else cond & upper
+        return dataset.to_table(filter=cond).replace_schema_metadata(self.arrow_schema.metadata)
+
+    def batches(self) -> list[BatchRef]:
+        """Every stored batch, ordered by policy version then write time."""
+        refs = []
+        for path in self._files():
+            with pa.memory_map(str(path), "r") as source:
+                meta = json.loads(pa.ipc.open_file(source).schema.metadata[BATCH_METADATA_KEY])
+            refs.append(BatchRef(path=str(path), rows=meta["rows"], episodes=meta["episodes"],
+                                 policy_version=meta["policy_version"], tenant=meta["tenant"]))
+        return refs
+
+    def _files(self) -> list[Path]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.iterdir() if p.suffix == SUFFIX and not p.name.startswith("."))
+
+    def _check_schema(self, schema: pa.Schema, where: str) -> None:
+        if not schema.equals(self.arrow_schema, check_metadata=False):
+            raise ValueError(f"{where}: columns do not match the trajectory schema of tenant {self.tenant!r}")
+
+
+def columns_to_table(columns: Mapping[str, np.ndarray], schema: TenantSchema, tenant: str) -> pa.Table:
+    """Validate per-step columns and build a table with :func:`trajectory_schema`.
+
+    ``tenant`` may be omitted from ``columns`` (filled in); keys starting with ``ep_`` (per-episode
+    summaries from ``collect_episodes``) are ignored; any other unknown key, a missing column, a
+    wrong shape, float values for an integer column or non-uint8 images raise ``ValueError``.
+    """
+    arrow_schema = trajectory_schema(schema)
+    cols = {k: v for k, v in columns.items() if not k.startswith("ep_")}
+    cols.setdefault("tenant", None)
+    expected = set(arrow_schema.names)
+    unknown, missing = set(cols) - expected, expected - set(cols)
+    if unknown or missing:
+        raise ValueError(f"trajectory columns mismatch: unknown {sorted(unknown)}, missing {sorted(missing)}")
+    n = len(np.asarray(cols["episode"]))
+    shapes = {"state": ((schema.proprio_dim,), np.float32), "action": ((schema.action_dim,), np.float32)}
+    shapes.update({f"{IMAGE_PREFIX}{c.name}": ((c.height, c.width, 3), np.uint8) for c in schema.cameras})
+    arrays: list[pa.Array] = []
+    for field in arrow_schema:
+        name = field.name
+        if name == "tenant":
+            arrays.append(_tenant_column(cols["tenant"], n, tenant))
+            continue
+        arr = np.asarray(cols[name])
+        if name in _SCALARS:
+            if arr.shape != (n,):
+                raise ValueError(f"column {name!r}: shape {arr.shape}, expected ({n},)")
+            arrays.append(pa.array(_cast(arr, _SCALARS[name][0], name), type=field.type))
+            continue
+        shape, dtype = shapes[name]
+        if arr.shape != (n, *shape):
+            raise ValueError(f"column {name!r}: shape {arr.shape}, expected {(n, *shape)}")
+        if dtype is np.uint8 and arr.dtype != np.uint8:
+            raise ValueError(f"column {name!r}: images must be uint8, got {arr.dtype}")
+        flat = np.ascontiguousarray(_cast(arr, dtype, name)).reshape(-1)
+        arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat), int(np.prod(shape))))
+    return pa.Table.from_arrays(arrays, schema=arrow_schema)
+
+
+def _tenant_column(values: Any, n: int, tenant: str) -> pa.Array:
+    if values is not None:
+        vals = np.asarray(values)
+        if vals.shape != (n,):
+            raise ValueError(f"column 'tenant': shape {vals.shape}, expected ({n},)")
+        bad = set(map(str, np.unique(vals.astype(str)))) - {tenant}
+        if bad:
+            raise ValueError(f"rows of tenant(s) {sorted(bad)} in a batch of tenant {tenant!r}")
+    indices = pa.array(np.zeros(n, np.int32))
+    return pa.DictionaryArray.from_arrays(indices, pa.array([tenant], pa.string()))
+
+
+def write_ipc(table: pa.Table, path: str | Path, *, overwrite: bool = False) -> Path:
+    """Write ``table`` as one Arrow IPC file, atomically (temporary name, then link/rename).
+
+    Without ``overwrite`` an existing file is never replaced (``FileExistsError``).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # atomic and refuses an existing name, unlike rename
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _name_version(path: Path) -> int:
+    return int(path.name[1:].split("-", 1)[0])
+
+
+def _cast(arr: np.ndarray, dtype: type, name: str) -> np.ndarray:
+    if arr.dtype == dtype:
+        return arr
+    if np.issubdtype(arr.dtype, np.floating) and not np.issubdtype(dtype, np.floating):
+        raise ValueError(f"column {name!r}: {arr.dtype} values for an integer/bool column")
+    return arr.astype(dtype)
+
+
+def read_ipc(path: str | Path) -> pa.Table:
+    # the memory map stays alive as long as the table's buffers reference it
+    return pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+
+
+def _fixed_list_to_numpy(col: pa.ChunkedArray | pa.Array, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if len(arr) == 0:
+        return np.zeros((0, *shape), dtype)
+    # flatten() honours slice offsets; zero-copy when the table is one memory-mapped chunk
+    return arr.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(len(arr), *shape)
+
+
+def table_arrays(table: pa.Table) -> dict[str, np.ndarray]:
+    """Numpy columns of a trajectory table, keyed like ``collect_episodes`` output.
+
+    state [N, P] float32, action [N, A] float32, ``image.<camera>`` [N, H, W, 3] uint8 (see
+    :func:`image_columns` for a camera-keyed view), tenant [N] str, and the per-step scalars.
+    """
+    schema = schema_from_arrow(table.schema)
+    out: dict[str, np.ndarray] = {
+        "tenant": table.column("tenant").cast(pa.string()).to_numpy().astype(object),
+        "state": _fixed_list_to_numpy(table.column("state"), (schema.proprio_dim,), np.float32),
+        "action": _fixed_list_to_numpy(table.column("action"), (schema.action_dim,), np.float32),
+    }
+    for c in schema.cameras:
+        out[f"{IMAGE_PREFIX}{c.name}"] = _fixed_list_to_numpy(
+            table.column(f"{IMAGE_PREFIX}{c.name}"), (c.height, c.width, 3), np.uint8)
+    for name, (dtype, _) in _SCALARS.items():
+        out[name] = table.column(name).to_numpy().astype(dtype, copy=False)
+    return out
+
+
+def image_columns(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``{camera: uint8 [N, H, W, 3]}`` from trajectory columns."""
+    return {k.removeprefix(IMAGE_PREFIX): v for k, v in arrays.items() if k.startswith(IMAGE_PREFIX)}
+
+
+def arrays_to_observations(arrays: Mapping[str, np.ndarray], schema: TenantSchema) -> list[Observation]:
+    """One :class:`Observation` per row of trajectory columns (views into the column arrays)."""
+    state = np.asarray(arrays["state"], np.float32)
+    if state.ndim != 2 or state.shape[1] != schema.proprio_dim:
+        raise ValueError(f"state shape {state.shape}, expected (N, {schema.proprio_dim})")
+    images = image_columns(arrays)
+    missing = {c.name for c in schema.cameras} - set(images)
+    if missing:
+        raise ValueError(f"missing image columns for cameras {sorted(missing)}")
+    cams = [c.name for c in schema.cameras]
+    return [Observation(state=state[i], images={c: images[c][i] for c in cams},
+                        instruction=schema.instruction) for i in range(state.shape[0])]
+
+
+def table_to_observations(table: pa.Table, schema: TenantSchema) -> list[Observation]:
+    """One :class:`Observation` per row of a trajectory table."""
+    stored = schema_from_arrow(table.schema)
+    if (stored.proprio_dim, stored.cameras) != (schema.proprio_dim, schema.cameras):
+        raise ValueError(f"table schema {stored} does not match {schema}")
+    return arrays_to_observations(table_arrays(table), schema)

@@ -1,0 +1,167 @@
+"""Integration on a real local Dask cluster: scheduler plugin, SIM/ACTOR/INFER workers,
+DeepSpeed slots, ManiSkill rollouts, Arrow stores and a real MLflow store."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from nexus.api import Nexus
+from nexus.features import Observation
+from nexus.master import SpecError
+from nexus.spec import TenantSpec
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def nx(tmp_path_factory):
+    root = tmp_path_factory.mktemp("service")
+    with Nexus.local(root, n_sim=2, infer_max_wait_s=0.005) as nexus:
+        yield nexus
+
+
+def _tenants(nx: Nexus) -> list[str]:
+    return [t["tenant"] for t in nx.status()["tenants"]]
+
+
+def test_scheduler_process_never_imports_torch(nx):
+    assert nx.client.run_on_scheduler(lambda: "torch" in sys.modules) is False
+    assert "nexus" in nx.client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(name="bad-env", env="maniskill/no-such-task"), "unknown env"),
+    (dict(name="bad-dims", env="maniskill/pushcube-state", action_dim=7), "action_dim=7"),
+    (dict(name="bad-limit", env="maniskill/pushcube-state", max_inflight=-1), "max_inflight"),
+    (dict(name="bad-stale", env="maniskill/pushcube-state", max_staleness=-3), "max_staleness"),
+    (dict(name="needs-dl", env="maniskill/PickSingleYCB"), "download"),
+    (dict(name="Bad Name!", env="maniskill/pushcube-state"), "name"),
+])
+def test_invalid_spec_rejected_and_no_slot_taken(nx, spec, message):
+    before = _tenants(nx)
+    with pytest.raises(SpecError, match=message):
+        nx.create_tenant(spec)
+    assert _tenants(nx) == before
+
+
+def test_rl_versions_advance_and_trajectories_carry_versions(nx):
+    from nexus.master import schema_from_dict
+    from nexus.output_dir import TenantOutputDir
+    from nexus.trajectory_store import TrajectoryStore
+
+    t = nx.create_tenant(TenantSpec(name="rl-a", env="maniskill/pushcube-state", action_dim=4, seed=5))
+    v0 = t.version
+    res = t.rl(updates=3, episodes_per_batch=1, collectors=2).result(timeout=600)
+    assert res["updates"] == 3 and res["version"] == v0 + 3 == t.version
+    out = TenantOutputDir(t.info["output_dir"])
+    schema = schema_from_dict(json.loads(out.manifest_path.read_text())["schema"])
+    table = TrajectoryStore(out.trajectories, "rl-a", schema).scan()
+    versions = set(table.column("policy_version").to_pylist())
+    assert versions and versions <= set(range(v0, v0 + 3))
+    assert table.num_rows >= 3 * 50
+    manifest = json.loads(out.manifest_path.read_text())
+    assert manifest["latest_version"] == v0 + 3
+    assert manifest["jobs"][-1]["state"] == "done" and manifest["checkpoints"]
+
+
+def test_stale_batches_dropped_and_counted(nx):
+    t = nx.create_tenant(TenantSpec(name="rl-stale", env="maniskill/pushcube-state", action_dim=4,
+                                    max_staleness=0, max_inflight=2, seed=6))
+    res = t.rl(updates=2, episodes_per_batch=1, collectors=2).result(timeout=600)
+    assert res["updates"] == 2
+    assert res["dropped_stale"] >= 1
+    st = {x["tenant"]: x for x in nx.status()["tenants"]}["rl-stale"]
+    assert st["dropped_stale"] == res["dropped_stale"]
+    assert st["max_inflight_seen"] <= 2
+
+
+def test_sft_loss_falls_and_eval_pins_version_while_training(nx):
+    t = nx.create_tenant(TenantSpec(name="sft-a", dataset="pickcube-scripted", env="maniskill/pickcube-state",
+                                    action_dim=4, lr=1e-3, seed=7))
+    warm = t.sft(steps=3, batch_size=32).result(timeout=300)
+    pinned = warm["version"]
+    job = t.submit({"kind": "sft", "steps": 40, "batch_size": 32})
+    ev = t.evaluate(episodes=2, version=pinned)
+    report = ev.result(timeout=600)
+    res = job.result(timeout=600)
+    assert report["version"] == pinned and report["versions_seen"] == [pinned]
+    assert res["version"] > pinned, "training went on while the evaluation ran"
+    assert 0.0 <= report["success_rate"] <= 1.0
+    losses = [h["loss"] for h in _history(nx, job.id) if "loss" in h]
+    assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
+
+
+def _history(nx: Nexus, job_id: str) -> list[dict]:
+    return nx.client.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.plugins["nexus"].jobs[job_id].history)
+
+
+def test_eval_creates_no_training_queue_entries(nx):
+    t = nx.create_tenant(TenantSpec(name="eval-only", env="maniskill/pushcube-state", action_dim=4, seed=8))
+    before = {x["tenant"]: x for x in nx.status()["tenants"]}["eval-only"]
+    dispatched = nx.client.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.plugins["nexus"].queue.counters["eval-only"].dispatched)
+    res = t.evaluate(episodes=2).result(timeout=300)
+    assert res["version"] == before["version"] and res["episodes"] == 2
+    after = nx.client.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.plugins["nexus"].queue.counters["eval-only"].dispatched)
+    assert after == dispatched == 0
+
+
+def test_low_level_api_futures(nx):
+    from nexus import catalog
+    from nexus.offline_dataset import OfflineDataset
+
+    t = nx.create_tenant(TenantSpec(name="tinker", dataset="pickcube-scripted", action_dim=4, seed=9))
+    ds = OfflineDataset(catalog.dataset("pickcube-scripted"))
+    batch = ds.sample_batch(16, step=0, seed=0)
+    obs = ds.observations(batch)
+    v0 = t.version
+    f1 = t.forward_backward({"observations": obs, "actions": batch["action"]}, loss="sft")
+    f2 = t.forward_backward({"observations": obs, "actions": batch["action"]}, loss="sft")
+    f3 = t.optim_step()
+    f4 = t.save_weights()
+    l1, l2 = f1.result(120)["metrics"]["loss"], f2.result(120)["metrics"]["loss"]
+    assert l1 == pytest.approx(l2)  # no step between them: same weights, same loss
+    f3.result(120)
+    assert f4.result(120) == v0 + 1 == t.version
+    out = t.predict_action(obs[0]).result()
+    assert out["action"].shape == (4,) and out["version"] == v0 + 1
+    after = t.forward_backward({"observations": obs, "actions": batch["action"]}).result(120)
+    assert after["metrics"]["loss"] < l1
+    with pytest.raises(SpecError, match="unknown op|loss"):
+        nx.call("nexus_op", tenant="tinker", op="forward_backward", data=None, loss="bogus")
+
+
+def test_mlflow_one_run_per_job(nx):
+    from mlflow.tracking import MlflowClient
+
+    nx.flush()
+    st = nx.status()
+    jobs = [j for j in st["jobs"] if j["state"] in ("done", "failed")]
+    client = MlflowClient(tracking_uri=f"sqlite:///{st['config']['root']}/mlflow.db")
+    exp = client.get_experiment_by_name(st["config"]["experiment"])
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    by_job = {}
+    for r in runs:
+        by_job.setdefault(r.data.tags["nexus.job"], []).append(r)
+    for j in jobs:
+        assert len(by_job.get(j["job"], [])) == 1, j["job"]
+        run = by_job[j["job"]][0]
+        assert run.data.params["name"] == j["tenant"]
+        assert run.info.status == ("FINISHED" if j["state"] == "done" else "FAILED")
+    sft_runs = [by_job[j["job"]][0] for j in jobs if j["kind"] == "sft"]
+    assert any("loss" in r.data.metrics for r in sft_runs)
+
+
+def test_predict_observation_goes_direct_to_engine(nx):
+    t = nx.tenant("rl-a")
+    obs = Observation(state=np.zeros(35, np.float32), instruction="push")
+    t0 = time.time()
+    out = t.predict_action(obs, deterministic=True).result()
+    assert out["action"].shape == (4,) and time.time() - t0 < 60
