@@ -97,7 +97,11 @@ class Nexus:
     def engine(self):
         """The inference engine actor (for direct, low-latency action requests)."""
         if self._engine is None:
-            self._engine = self.client.get_dataset("nexus-inference-engine").result()
+            from distributed.actor import Actor
+
+            published = self.client.get_dataset("nexus-inference-engine").result()
+            with self.client.as_current():  # the proxy binds to this connection, not a global client
+                self._engine = Actor(published._cls, published._address, published.key)
         return self._engine
 
 
@@ -167,10 +171,11 @@ class Tenant:
         def run() -> dict[str, Any]:
             client = self.nexus.client
             name = f"nexus-op-{self.name}-{uuid.uuid4().hex[:12]}"
-            fut = client.scatter(batch, direct=False)
+            fut = client.scatter(batch, direct=False, hash=False)  # a unique key per call
             client.publish_dataset(fut, name=name)
             try:
-                return self.nexus.call("nexus_op", tenant=self.name, op="forward_backward", data=name, loss=loss)
+                return self.nexus.call("nexus_op", tenant=self.name, verb="forward_backward", data=name,
+                                      loss=loss)
             finally:
                 if name in client.list_datasets():
                     client.unpublish_dataset(name)
@@ -178,11 +183,11 @@ class Tenant:
         return self._ops.submit(run)
 
     def optim_step(self) -> Future:
-        return self._ops.submit(self.nexus.call, "nexus_op", tenant=self.name, op="optim_step")
+        return self._ops.submit(self.nexus.call, "nexus_op", tenant=self.name, verb="optim_step")
 
     def save_weights(self) -> Future:
         """Publish the current head as a new policy version; the future gives the version."""
-        return self._ops.submit(lambda: self.nexus.call("nexus_op", tenant=self.name, op="save_weights")["version"])
+        return self._ops.submit(lambda: self.nexus.call("nexus_op", tenant=self.name, verb="save_weights")["version"])
 
     def predict_action(self, obs: Observation, version: int | None = None, deterministic: bool = True):
         """An action from the inference engine (grouped with other tenants' requests)."""

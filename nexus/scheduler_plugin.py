@@ -13,6 +13,7 @@ their modules import torch lazily.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import traceback
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
+from tornado import web
 
 from nexus import rollout, tracking, training_service
 from nexus.config import ServiceConfig
@@ -103,6 +105,9 @@ class NexusPlugin(SchedulerPlugin):
             "nexus_op": self.op,
             "nexus_flush": self.flush,
         })
+        http = getattr(scheduler, "http_application", None)
+        if http is not None:  # JSON view of the service next to the dashboard
+            http.add_handlers(r".*", [(r"/nexus/api/state", _StateHandler, {"plugin": self})])
         logger.info("Nexus plugin started on %s (service root %s)", scheduler.address, self.config.root)
 
     async def close(self) -> None:
@@ -202,26 +207,26 @@ class NexusPlugin(SchedulerPlugin):
                                    "lag": self.queue.lags(versions)},
                 "actor_busy": self._actor_busy, "config": self.config.model_dump()}
 
-    async def op(self, tenant: str, op: str, data: str | None = None, loss: str = "sft") -> dict[str, Any]:
+    async def op(self, tenant: str, verb: str, data: str | None = None, loss: str = "sft") -> dict[str, Any]:
         """Low-level, Tinker-style operations, ordered through the training queue.
 
         ``data`` names a dataset published by the client (its payload never passes through here).
         """
-        if op not in ("forward_backward", "optim_step", "save_weights"):
-            raise SpecError(f"unknown op {op!r}: forward_backward, optim_step or save_weights")
-        if op == "forward_backward" and loss not in ("sft", "ppo"):
+        if verb not in ("forward_backward", "optim_step", "save_weights"):
+            raise SpecError(f"unknown op {verb!r}: forward_backward, optim_step or save_weights")
+        if verb == "forward_backward" and loss not in ("sft", "ppo"):
             raise SpecError(f"unknown loss {loss!r}: 'sft' or 'ppo'")
         t = self._tenant(tenant)
         client = await self._get_client()
         fut = None
-        if op == "forward_backward":
+        if verb == "forward_backward":
             if data is None:
                 raise SpecError("forward_backward needs a batch")
             fut = await client.get_dataset(data)
         while not self.queue.reserve(tenant):
             await self._until_freed(tenant)
         item = TrainingItem(tenant=tenant, kind="op", policy_version=t.version,
-                            payload={"op": op, "loss": loss, "data": fut})
+                            payload={"op": verb, "loss": loss, "data": fut})
         res = await self._enqueue(item)
         if data is not None:
             await client.unpublish_dataset(data)
@@ -449,8 +454,8 @@ class NexusPlugin(SchedulerPlugin):
             shares = [spec.episodes // n_tasks + (i < spec.episodes % n_tasks) for i in range(n_tasks)]
             futs = [client.submit(rollout.collect, t.spec.name, t.spec.env, t.output_dir,
                                   schema_to_dict(t.schema), n, 7_000_003 * (1 + t.spec.seed),
-                                  sum(shares[:i]), spec.deterministic, version, engine, resources={"SIM": 1}, pure=False,
-                                  key=f"nexus-eval-{js.job_id}-{i}")
+                                  sum(shares[:i]), spec.deterministic, version, engine,
+                                  resources={"SIM": 1}, pure=False, key=f"nexus-eval-{js.job_id}-{i}")
                     for i, n in enumerate(shares)]
             outs = await client.gather(futs)
         finally:
@@ -465,6 +470,15 @@ class NexusPlugin(SchedulerPlugin):
         self._log(js, {"success_rate": stats["success_rate"], "return": stats["mean_return"],
                        "episodes": stats["episodes"]}, version)
         return report
+
+
+class _StateHandler(web.RequestHandler):
+    def initialize(self, plugin: NexusPlugin) -> None:
+        self.plugin = plugin
+
+    def get(self) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.write(json.dumps(self.plugin.status(), default=str))
 
 
 def dask_setup(scheduler) -> None:

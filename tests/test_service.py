@@ -89,7 +89,7 @@ def test_sft_loss_falls_and_eval_pins_version_while_training(nx):
     ev = t.evaluate(episodes=2, version=pinned)
     report = ev.result(timeout=600)
     res = job.result(timeout=600)
-    assert report["version"] == pinned and report["versions_seen"] == [pinned]
+    assert report["version"] == pinned and list(report["versions_seen"]) == [pinned]
     assert res["version"] > pinned, "training went on while the evaluation ran"
     assert 0.0 <= report["success_rate"] <= 1.0
     losses = [h["loss"] for h in _history(nx, job.id) if "loss" in h]
@@ -135,7 +135,7 @@ def test_low_level_api_futures(nx):
     after = t.forward_backward({"observations": obs, "actions": batch["action"]}).result(120)
     assert after["metrics"]["loss"] < l1
     with pytest.raises(SpecError, match="unknown op|loss"):
-        nx.call("nexus_op", tenant="tinker", op="forward_backward", data=None, loss="bogus")
+        nx.call("nexus_op", tenant="tinker", verb="forward_backward", data=None, loss="bogus")
 
 
 def test_mlflow_one_run_per_job(nx):
@@ -160,8 +160,24 @@ def test_mlflow_one_run_per_job(nx):
 
 
 def test_predict_observation_goes_direct_to_engine(nx):
-    t = nx.tenant("rl-a")
+    t = nx.create_tenant(TenantSpec(name="direct", env="maniskill/pushcube-state", seed=13))
     obs = Observation(state=np.zeros(35, np.float32), instruction="push")
     t0 = time.time()
     out = t.predict_action(obs, deterministic=True).result()
     assert out["action"].shape == (4,) and time.time() - t0 < 60
+
+
+def test_state_route_and_cli_status(nx, capsys):
+    import urllib.request
+
+    from nexus.cli import main
+
+    nx.create_tenant(TenantSpec(name="probe", env="maniskill/pushcube-state", seed=12))
+    url = nx.dashboard_link.replace("/status", "/nexus/api/state")
+    state = json.loads(urllib.request.urlopen(url, timeout=30).read())
+    assert "probe" in {t["tenant"] for t in state["tenants"]}
+    assert main(["status", "--root", nx.service.config.root, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert {t["tenant"] for t in printed["tenants"]} == {t["tenant"] for t in state["tenants"]}
+    assert main(["status", "--root", nx.service.config.root]) == 0
+    assert "probe" in capsys.readouterr().out
