@@ -33,7 +33,7 @@ def _fmt(x: Any, nd: int = 3) -> str:
 
 def job_row(info: dict[str, Any]) -> list[str]:
     p = {**info["progress"], **(info["result"] or {})}
-    steps = p.get("steps", p.get("updates", p.get("episodes")))
+    steps = p.get("episodes") if info["kind"] == "eval" else p.get("steps", p.get("updates"))
     metric = {"sft": ("loss", p.get("loss")), "rl": ("return", p.get("return")),
               "eval": ("success", p.get("success_rate"))}[info["kind"]]
     extra = (f"held-out mse {_fmt(p.get('heldout_action_mse'))}" if info["kind"] == "sft" else
@@ -53,8 +53,8 @@ def table(infos: list[dict[str, Any]], title: str) -> Table:
     return t
 
 
-def run_demo(root: str = "runs/demo", rl_updates: int = 6, sft_steps: int = 60, eval_episodes: int = 4) -> list[dict]:
-    console = Console()
+def run_demo(root: str = "runs/demo", rl_updates: int = 24, sft_steps: int = 300, eval_episodes: int = 8) -> list[dict]:
+    console = Console() if Console().is_terminal else Console(width=150)
     t0 = time.time()
     console.print(f"[bold]JoyNexus demo[/] — starting a local Dask cluster in {Path(root).resolve()} …")
     with Nexus.local(root) as nx:
@@ -63,7 +63,7 @@ def run_demo(root: str = "runs/demo", rl_updates: int = 6, sft_steps: int = 60, 
         console.print(f"tenants created: {', '.join(tenants)} ({time.time() - t0:.0f} s)")
         jobs: list[Job] = [
             tenants["push-rl"].rl(updates=rl_updates, episodes_per_batch=2, collectors=2),
-            tenants["pick-rgb"].rl(updates=max(2, rl_updates // 2), episodes_per_batch=1, collectors=1),
+            tenants["pick-rgb"].rl(updates=max(2, rl_updates // 4), episodes_per_batch=1, collectors=1),
             tenants["pick-sft"].sft(steps=sft_steps, batch_size=64),
             tenants["pick-sft"].evaluate(episodes=eval_episodes),
         ]
@@ -74,6 +74,10 @@ def run_demo(root: str = "runs/demo", rl_updates: int = 6, sft_steps: int = 60, 
                 if all(i["state"] in ("done", "failed") for i in infos):
                     break
                 time.sleep(1.0)
+        # the SFT policy at its final version, for comparison with the version pinned at the start
+        final = tenants["pick-sft"].evaluate(episodes=eval_episodes)
+        final.result(timeout=600)
+        infos.append(final.info())
         nx.flush()
         console.print(table(infos, f"JoyNexus demo — finished in {time.time() - t0:.0f} s"))
         cfg = nx.status()["config"]

@@ -272,7 +272,8 @@ def collect_episodes(env: SimEnv, policy: Policy, episodes: int, seed: int, tena
     ``episode_offset + i``, so disjoint offsets give reproducible, non-overlapping episodes across
     rollout tasks. Per-step columns (length N) follow :func:`nexus.trajectory_store.trajectory_schema`:
     tenant, episode, step, state, ``image.<camera>``, action (the policy's sample, whose logprob
-    is recorded; the env receives it clipped to the action bounds), reward, terminated, truncated, success, logprob, value, policy_version.
+    is recorded; the env receives it clipped to the action bounds), reward, terminated, truncated,
+    success, logprob, value, policy_version.
     Per-episode summaries (length E) use the ``ep_`` prefix: ep_episode, ep_return, ep_length,
     ep_success (success at any step); the trajectory store ignores them.
 
