@@ -125,6 +125,23 @@ class Job:
                 return
             time.sleep(poll_s)
 
+    def follow(self, console: Any = None, poll_s: float = 0.5) -> dict[str, Any]:
+        """Wait for the job with a progress bar (steps, updates or episodes); returns its result."""
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        info = self.info()
+        counter = {"sft": "steps", "rl": "updates", "eval": "episodes"}[info["kind"]]
+        total = info["spec"][counter]
+        with Progress(TextColumn(f"{self.id} ({counter})"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TextColumn("{task.fields[metric]}"), TimeElapsedColumn(), console=console) as bar:
+            task = bar.add_task(self.id, total=total, metric="")
+            for info in self.stream(poll_s):
+                p = {**info["progress"], **(info["result"] or {})}
+                metric = next((f"{k} {p[k]:.3f}" for k in ("loss", "return", "success_rate") if k in p), "")
+                done = total if info["state"] == "done" and counter == "episodes" else p.get(counter, 0)
+                bar.update(task, completed=done, metric=metric)
+        return self.result()
+
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         deadline = None if timeout is None else time.time() + timeout
         while True:

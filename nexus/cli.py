@@ -39,28 +39,71 @@ def _up(a: argparse.Namespace) -> int:
     return 0
 
 
-def _status(a: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
+def _connect(a: argparse.Namespace):
     from nexus.api import Nexus
 
     address = a.address or json.loads((Path(a.root) / "scheduler.json").read_text())["address"]
-    nx = Nexus(address)
-    st = nx.status()
-    nx.client.close()
+    return Nexus(address)
+
+
+def _console():
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def _status(a: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    with _connect(a) as nx:
+        st = nx.status()
     if a.json:
         print(json.dumps(st, indent=2, default=str))
         return 0
-    t = Table(title=f"JoyNexus at {address}")
-    for col in ("tenant", "kind", "version", "in-flight", "queued", "running", "dropped stale", "training job"):
+    t = Table(title="JoyNexus tenants")
+    for col in ("tenant", "kind", "state", "version", "in-flight", "queued", "dropped stale", "training job",
+                "actor s", "inference s", "simulator s"):
         t.add_column(col)
     for x in st["tenants"]:
-        t.add_row(x["tenant"], x["kind"], str(x["version"]), str(x["inflight"]), str(x["queued"]),
-                  str(x["running"]), str(x["dropped_stale"]), x["training_job"] or "-")
-    Console().print(t)
-    print(f"training queue depth: {st['training_queue']['depth']}; jobs: "
-          + ", ".join(f"{j['job']}={j['state']}" for j in st["jobs"]))
+        m = x["metered_s"]
+        t.add_row(x["tenant"], x["kind"], x["state"], str(x["version"]), str(x["inflight"]), str(x["queued"]),
+                  str(x["dropped_stale"]), x["training_job"] or "-", f"{m['actor']:.2f}", f"{m['inference']:.2f}",
+                  f"{m['simulator']:.2f}")
+    console = _console()
+    console.print(t)
+    console.print(f"training queue depth {st['training_queue']['depth']}, inference queue pending "
+                  f"{st['inference_queue']['pending']}; busy s: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(st["busy_s"].items())))
+    w = Table(title="workers")
+    for col in ("name", "status", "resources", "tasks", "since heartbeat s"):
+        w.add_column(col)
+    for x in st["workers"]:
+        w.add_row(x["name"], x["status"], ",".join(f"{k}={v:g}" for k, v in x["resources"].items()),
+                  str(x["processing"]), f"{x['since_heartbeat_s']:.1f}")
+    console.print(w)
+    return 0
+
+
+def _logs(a: argparse.Namespace) -> int:
+    with _connect(a) as nx:
+        log = nx.call("nexus_tenant_log", tenant=a.tenant)
+    for job in log["jobs"]:
+        print(f"== {job['job']} ({job['kind']}) {job['state']}"
+              + (f": {job['error']}" if job["error"] else "") + f"  metered s {job['metered_s']}")
+        for h in job["history"]:
+            fields = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in h.items())
+            print(f"  {fields}")
+    return 0
+
+
+def _report(a: argparse.Namespace) -> int:
+    from nexus.report import write_report
+
+    with _connect(a) as nx:
+        log = nx.call("nexus_tenant_log", tenant=a.tenant)
+    for path in write_report(log, Path(a.out)):
+        print(path)
     return 0
 
 
@@ -82,6 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--address", default=None, help="scheduler address instead of --root")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_status)
+    lg = sub.add_parser("logs", help="a tenant's jobs and their metric history")
+    r = sub.add_parser("report", help="PNG plots of a tenant: learning curves and utilization timeline")
+    for q in (lg, r):
+        q.add_argument("tenant")
+        q.add_argument("--root", default="runs/service", help="service root (reads its scheduler.json)")
+        q.add_argument("--address", default=None)
+    lg.set_defaults(fn=_logs)
+    r.add_argument("--out", default=".", help="folder for the PNG files")
+    r.set_defaults(fn=_report)
     a = p.parse_args(argv)
     return a.fn(a)
 

@@ -10,6 +10,7 @@ Every process gets the service config through ``NEXUS_SERVICE_CONFIG`` and one t
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -19,6 +20,17 @@ import time
 from pathlib import Path
 
 from nexus.config import ENV_VAR, ServiceConfig
+
+
+_DIST_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+
+def _die_with_parent() -> None:
+    """Linux: a service process gets SIGTERM when the process that started it dies, however it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 class LocalService:
@@ -41,21 +53,27 @@ class LocalService:
         return self.root / "logs"
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # a torch.distributed set-up of the calling process (its rendezvous port) must not leak into
+        # the actor, which starts its own
+        env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
         env.update({ENV_VAR: str(self.root / "service.json"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                     "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "TOKENIZERS_PARALLELISM": "false", "MLFLOW_ENABLE_ASYNC_LOGGING": "false"})
         return env
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 (kept open for the child's lifetime)
-        self.procs.append(subprocess.Popen([sys.executable, "-m", *args], env=self._env(), stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True, cwd=self.root))
+        self.procs.append(subprocess.Popen([sys.executable, "-m", *args], env={**self._env(), **(env or {})},
+                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                           cwd=self.root, preexec_fn=_die_with_parent))
 
     def _worker(self, name: str, resources: str) -> None:
+        # simulator workers may run vector envs with a process per sub-env: Dask's daemonic worker
+        # processes could not start them
+        env = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"} if resources.startswith("SIM") else None
         self._spawn(name, ["distributed.cli.dask_worker", "--scheduler-file", str(self.scheduler_file),
                            "--name", name, "--nthreads", "1", "--resources", resources, "--no-dashboard",
-                           "--memory-limit", self.memory_limit, "--death-timeout", "60"])
+                           "--memory-limit", self.memory_limit, "--death-timeout", "60"], env)
 
     def start(self, timeout: float = 120) -> LocalService:
         self.logs.mkdir(parents=True, exist_ok=True)

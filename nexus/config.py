@@ -32,7 +32,7 @@ class ServiceConfig(BaseModel):
     infer_max_wait_s: float = Field(0.005, ge=0, description="inference queue: max wait T")
     infer_max_batch: int = Field(8, ge=1, description="inference queue: target group size B")
     tracking_uri: str | None = Field(None, description="MLflow URI; default sqlite in root")
-    experiment: str = "joynexus"
+    experiment: str | None = Field(None, description="MLflow experiment; default: one per service root")
     checkpoint_every: int = Field(0, ge=0, description="DeepSpeed checkpoint every N versions (0: job end)")
 
     @property
@@ -41,6 +41,9 @@ class ServiceConfig(BaseModel):
 
     def resolved_tracking_uri(self) -> str:
         return self.tracking_uri or f"sqlite:///{Path(self.root).resolve() / 'mlflow.db'}"
+
+    def resolved_experiment(self) -> str:
+        return self.experiment or f"joynexus-{Path(self.root).resolve().name}"
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

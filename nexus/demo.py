@@ -53,6 +53,19 @@ def table(infos: list[dict[str, Any]], title: str) -> Table:
     return t
 
 
+def metering_table(status: dict[str, Any]) -> Table:
+    """Device-seconds charged to each tenant per service, and each service's measured busy time."""
+    t = Table(title="Metering: device-seconds per tenant")
+    for col in ("tenant", "actor s", "inference s", "simulator s"):
+        t.add_column(col, justify="right" if col != "tenant" else "left")
+    for x in status["tenants"]:
+        m = x["metered_s"]
+        t.add_row(x["tenant"], f"{m['actor']:.2f}", f"{m['inference']:.2f}", f"{m['simulator']:.2f}")
+    busy = status["busy_s"]
+    t.add_row("[b]measured busy[/b]", *(f"{busy.get(s, 0.0):.2f}" for s in ("actor", "inference", "simulator")))
+    return t
+
+
 def run_demo(root: str = "runs/demo", rl_updates: int = 24, sft_steps: int = 300, eval_episodes: int = 8) -> list[dict]:
     console = Console() if Console().is_terminal else Console(width=150)
     t0 = time.time()
@@ -80,7 +93,9 @@ def run_demo(root: str = "runs/demo", rl_updates: int = 24, sft_steps: int = 300
         infos.append(final.info())
         nx.flush()
         console.print(table(infos, f"JoyNexus demo — finished in {time.time() - t0:.0f} s"))
-        cfg = nx.status()["config"]
+        st = nx.status()
+        console.print(metering_table(st))
+        cfg = st["config"]
         console.print(f"Dask dashboard: {nx.dashboard_link} (live while the service runs)")
         uri = cfg["tracking_uri"] or f"sqlite:///{Path(cfg['root']) / 'mlflow.db'}"
         console.print(f"MLflow store: {uri}  →  mlflow ui --backend-store-uri {uri}")

@@ -1,111 +1,106 @@
 """Environment Service: simulators that turn a tenant's policy into trajectories.
 
 A :class:`SimEnv` wraps one simulator instance (one episode at a time) and speaks the service's
-raw, model-agnostic types (:class:`~nexus.features.Observation`). :func:`collect_episodes` runs whole
-episodes with a policy callable and returns trajectory *columns* in the layout of
-:mod:`nexus.trajectory_store`, so a rollout task can append them without reshaping.
+raw, model-agnostic types (:class:`~nexus.features.Observation`); back-ends live in
+``nexus.simulators`` (ManiSkill3, robosuite). :func:`make_env` builds the env a catalog entry
+declares — one instance, a gymnasium vector env of ``num_envs`` CPU sub-envs, or a batched GPU
+simulation. :func:`collect_episodes` runs whole episodes with a policy callable on any of them and
+returns trajectory *columns* in the layout of :mod:`nexus.trajectory_store`, so a rollout task can
+append them without reshaping.
 
-Simulator packages (ManiSkill, sapien, torch) are imported lazily inside functions: importing this
-module stays cheap, so control-plane processes may reference it without paying for a simulator.
+Simulator packages (ManiSkill, sapien, robosuite, torch) are imported lazily inside functions:
+importing this module stays cheap, so control-plane processes may reference it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from nexus.catalog import CatalogError, EnvEntry
 from nexus.features import Observation, TenantSchema
+from nexus.simulators.base import EnvSchemaError, PolicyOutput, SimEnv, StepResult
+from nexus.simulators.maniskill import PROPRIO_GROUPS, ManiSkillBatchedEnv, ManiSkillEnv
+from nexus.simulators.robosuite import RobosuiteEnv
+from nexus.simulators.vector import VectorSimEnv, make_single
 
 __all__ = [
+    "PROPRIO_GROUPS",
+    "BatchedEnv",
+    "CatalogError",
     "EnvSchemaError",
+    "ManiSkillBatchedEnv",
     "ManiSkillEnv",
     "PolicyOutput",
+    "RobosuiteEnv",
     "SimEnv",
     "StepResult",
+    "VectorSimEnv",
     "collect_episodes",
     "episode_stats",
     "make_env",
+    "resolve_device",
 ]
 
-# ManiSkill observation groups flattened, in this order, into Observation.state for camera obs
-# modes (obs_mode "rgb", "rgbd", ...). Within a group the simulator's own key order is kept, which
-# is fixed per task version (PickCube-v1: agent.qpos, agent.qvel, extra.is_grasped,
-# extra.tcp_pose, extra.goal_pos). A catalog task may pin the exact keys with
-# ``options.proprio_keys = ["agent/qpos", ...]``.
-PROPRIO_GROUPS: tuple[str, ...] = ("agent", "extra")
 
-# Entry options consumed here; every other option is passed to gym.make as a keyword argument.
-_SERVICE_OPTIONS = frozenset({"proprio_keys"})
+class BatchedEnv(Protocol):
+    """Several sub-environments stepped together (CPU vector env or GPU batched simulation)."""
 
-
-class EnvSchemaError(CatalogError):
-    """A simulator produced observations that do not match the catalog's tenant schema."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    obs: Observation
-    reward: float
-    terminated: bool
-    truncated: bool
-    success: bool
-
-
-@dataclass(frozen=True)
-class PolicyOutput:
-    """What a policy returns for one observation; logprob/value feed PPO, version the staleness check."""
-
-    action: np.ndarray  # float32 [action_dim]
-    logprob: float = 0.0
-    value: float = 0.0
-    version: int = 0
-
-
-class SimEnv:
-    """One simulator instance of a catalog env; subclasses implement one simulator each."""
-
-    def __init__(self, entry: EnvEntry) -> None:
-        self.entry = entry
+    num_envs: int
+    entry: EnvEntry
 
     @property
-    def schema(self) -> TenantSchema:
-        return self.entry.schema
+    def schema(self) -> TenantSchema: ...
 
     @property
-    def max_episode_steps(self) -> int:
-        return self.entry.max_episode_steps
+    def max_episode_steps(self) -> int: ...
 
-    def reset(self, seed: int | None = None) -> Observation:
-        raise NotImplementedError
+    @property
+    def action_bounds(self) -> tuple[np.ndarray, np.ndarray]: ...
 
-    def step(self, action: np.ndarray) -> StepResult:
-        raise NotImplementedError
+    def reset_some(self, seeds: dict[int, int | None]) -> dict[int, Observation]: ...
 
-    def close(self) -> None:
-        """Release the simulator; the instance is unusable afterwards."""
+    def step(self, actions: np.ndarray) -> list[StepResult]: ...
 
-    def __enter__(self) -> SimEnv:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def close(self) -> None: ...
 
 
-def make_env(entry: EnvEntry, seed: int = 0, device: str = "cpu") -> SimEnv:
-    """Build the simulator for a catalog entry and reset it once with ``seed``.
-
-    ``device="cuda"`` selects ManiSkill's GPU physics/renderer when CUDA is available (falls back to
-    the CPU backend otherwise); the first reset validates the produced schema against the catalog.
-    """
+def resolve_device(entry: EnvEntry, device: str) -> str:
+    """``auto``: ManiSkill's GPU simulation when a CUDA torch and a GPU are present, else CPU."""
+    if device != "auto":
+        return device
     if entry.simulator == "maniskill":
-        env: SimEnv = ManiSkillEnv(entry, device=device)
-    else:
-        raise CatalogError(f"env {entry.name!r}: unknown simulator {entry.simulator!r} "
-                           "(supported: maniskill)")
+        from nexus.simulators.maniskill import cuda_available
+
+        return "cuda" if cuda_available() else "cpu"
+    return "cpu"  # robosuite (MuJoCo) simulates on the CPU only
+
+
+def make_env(entry: EnvEntry, seed: int = 0, device: str = "auto",
+             num_envs: int | None = None) -> SimEnv | BatchedEnv:
+    """Build the simulator(s) for a catalog entry, validated against its schema.
+
+    ``num_envs`` (default: the entry's ``num_envs``) > 1 gives a :class:`BatchedEnv`: on CUDA
+    ManiSkill's batched GPU simulation, otherwise a gymnasium vector env (``entry.vector_mode``).
+    A single env is reset once with ``seed``; the first reset checks the produced schema.
+    """
+    n = entry.num_envs if num_envs is None else num_envs
+    dev = resolve_device(entry, device)
+    if n > 1:
+        batched: BatchedEnv
+        if dev.startswith("cuda") and entry.simulator == "maniskill":
+            batched = ManiSkillBatchedEnv(entry, n)
+        else:
+            batched = VectorSimEnv(entry, n, mode=entry.vector_mode)
+        try:
+            batched.reset_some({i: seed + i for i in range(n)})
+        except BaseException:
+            batched.close()
+            raise
+        return batched
+    env = make_single(entry, device=dev)
     try:
         env.reset(seed=seed)
     except BaseException:
@@ -114,168 +109,43 @@ def make_env(entry: EnvEntry, seed: int = 0, device: str = "cpu") -> SimEnv:
     return env
 
 
-class ManiSkillEnv(SimEnv):
-    """A ManiSkill3 task with ``num_envs=1``.
+class _One:
+    """A single :class:`SimEnv` behind the batched interface (one slot)."""
 
-    On CPU (the default) the env runs on ``physx_cpu`` with sapien's software-Vulkan renderer and is
-    wrapped in ``CPUGymWrapper`` (numpy, unbatched). One instance is not thread-safe: use it from one
-    thread; parallel rollouts need separate processes (``spawn``/``forkserver``, never ``fork``).
-    """
+    num_envs = 1
 
-    def __init__(self, entry: EnvEntry, device: str = "cpu") -> None:
-        super().__init__(entry)
-        import gymnasium as gym
-        import mani_skill.envs  # noqa: F401  (registers the ManiSkill tasks with gymnasium)
-        import torch
+    def __init__(self, env: SimEnv) -> None:
+        self.env = env
 
-        self._gpu = device.startswith("cuda") and torch.cuda.is_available()
-        options = dict(entry.options)
-        self._proprio_keys: tuple[str, ...] | None = (
-            tuple(options["proprio_keys"]) if "proprio_keys" in options else None)
-        kwargs: dict[str, Any] = {k: v for k, v in options.items() if k not in _SERVICE_OPTIONS}
-        if entry.schema.cameras:
-            # per-camera overrides, so cameras of different sizes can coexist
-            kwargs["sensor_configs"] = {c.name: dict(width=c.width, height=c.height)
-                                        for c in entry.schema.cameras}
-        env = gym.make(
-            entry.env_id,
-            obs_mode=entry.obs_mode,
-            control_mode=entry.control_mode,
-            reward_mode=entry.reward_mode,
-            max_episode_steps=entry.max_episode_steps,
-            sim_backend="physx_cuda" if self._gpu else "physx_cpu",
-            render_backend="gpu" if self._gpu else "cpu",
-            num_envs=1,
-            **kwargs,
-        )
-        if not self._gpu:
-            from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
+    def reset_some(self, seeds: dict[int, int]) -> dict[int, Observation]:
+        return {0: self.env.reset(seed=seeds[0])}
 
-            env = CPUGymWrapper(env)
-        self._env = env
-        space = env.action_space
-        shape = space.shape[-1:] if self._gpu else space.shape
-        if shape != (entry.schema.action_dim,):
-            env.close()
-            raise EnvSchemaError(f"env {entry.name!r}: simulator action shape {tuple(shape)} != catalog "
-                                 f"action_dim {entry.schema.action_dim}")
-        self._low = np.asarray(space.low, np.float32).reshape(-1)[-shape[0]:]
-        self._high = np.asarray(space.high, np.float32).reshape(-1)[-shape[0]:]
-        self._checked = False
-
-    @property
-    def unwrapped(self) -> Any:
-        """The ManiSkill ``BaseEnv`` (privileged simulator state, e.g. for scripted experts)."""
-        return self._env.unwrapped
-
-    @property
-    def action_bounds(self) -> tuple[np.ndarray, np.ndarray]:
-        return self._low, self._high
-
-    def reset(self, seed: int | None = None) -> Observation:
-        raw, _info = self._env.reset(seed=seed)
-        obs = self._observation(_to_numpy(raw, self._gpu))
-        if not self._checked:  # the catalog is a promise to the tenant: check it once per instance
-            self._check(obs)
-            self._checked = True
-        return obs
-
-    def step(self, action: np.ndarray) -> StepResult:
-        act = np.asarray(action, np.float32).reshape(-1)
-        if act.shape != self._low.shape:
-            raise ValueError(f"env {self.entry.name!r}: action shape {act.shape} != ({self._low.shape[0]},)")
-        if self._gpu:
-            import torch
-
-            act_in: Any = torch.as_tensor(act[None], device=self.unwrapped.device)
-        else:
-            act_in = act
-        raw, reward, terminated, truncated, info = self._env.step(act_in)
-        return StepResult(
-            obs=self._observation(_to_numpy(raw, self._gpu)),
-            reward=float(_scalar(reward, self._gpu)),
-            terminated=bool(_scalar(terminated, self._gpu)),
-            truncated=bool(_scalar(truncated, self._gpu)),
-            success=bool(_scalar(info.get("success", False), self._gpu)),
-        )
-
-    def close(self) -> None:
-        env, self._env = getattr(self, "_env", None), None
-        if env is not None:
-            env.close()
-
-    def _observation(self, raw: Any) -> Observation:
-        schema = self.entry.schema
-        if not isinstance(raw, Mapping):  # obs_mode "state": already the flat state vector
-            return Observation(state=np.asarray(raw, np.float32).reshape(-1), instruction=schema.instruction)
-        if self._proprio_keys is None:
-            self._proprio_keys = tuple(_leaf_keys(raw, PROPRIO_GROUPS))
-        parts = [np.asarray(_lookup(raw, k), np.float32).reshape(-1) for k in self._proprio_keys]
-        state = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-        sensors = raw.get("sensor_data", {})
-        images = {name: np.asarray(d["rgb"], np.uint8) for name, d in sensors.items() if "rgb" in d}
-        return Observation(state=state, images=images, instruction=schema.instruction)
-
-    def _check(self, obs: Observation) -> None:
-        schema, name = self.entry.schema, self.entry.name
-        if obs.state.shape != (schema.proprio_dim,):
-            keys = f" (keys {', '.join(self._proprio_keys)})" if self._proprio_keys else ""
-            raise EnvSchemaError(f"env {name!r}: simulator state has {obs.state.shape[0]} dims{keys}, "
-                                 f"the catalog declares proprio_dim={schema.proprio_dim}")
-        declared = {c.name: (c.height, c.width, 3) for c in schema.cameras}
-        produced = {k: v.shape for k, v in obs.images.items()}
-        if declared != produced:
-            raise EnvSchemaError(f"env {name!r}: simulator cameras {produced} != catalog cameras {declared}")
-
-
-def _leaf_keys(tree: Mapping[str, Any], groups: tuple[str, ...]) -> list[str]:
-    """Slash-joined paths of all array leaves under ``groups``, in the simulator's key order."""
-
-    def walk(node: Any, prefix: str) -> list[str]:
-        if isinstance(node, Mapping):
-            return [p for k, v in node.items() for p in walk(v, f"{prefix}/{k}")]
-        return [prefix]
-
-    return [p for g in groups if g in tree for p in walk(tree[g], g)]
-
-
-def _lookup(tree: Mapping[str, Any], path: str) -> Any:
-    node: Any = tree
-    for part in path.split("/"):
-        node = node[part]
-    return node
-
-
-def _to_numpy(tree: Any, batched: bool) -> Any:
-    """GPU envs return batched torch tensors; CPUGymWrapper already gives unbatched numpy."""
-    if not batched:
-        return tree
-    if isinstance(tree, Mapping):
-        return {k: _to_numpy(v, batched) for k, v in tree.items()}
-    return tree[0].cpu().numpy() if hasattr(tree, "cpu") else tree
-
-
-def _scalar(x: Any, batched: bool) -> Any:
-    if batched and hasattr(x, "cpu"):
-        return x.reshape(-1)[0].item()
-    return np.asarray(x).reshape(-1)[0] if np.ndim(x) else x
+    def step(self, actions: np.ndarray) -> list[StepResult]:
+        return [self.env.step(actions[0])]
 
 
 Policy = Callable[[Observation], PolicyOutput]
+_STEP_KEYS = ("episode", "step", "state", "action", "reward", "terminated", "truncated", "success",
+              "logprob", "value", "policy_version")
 
 
-def collect_episodes(env: SimEnv, policy: Policy, episodes: int, seed: int, tenant: str,
+def collect_episodes(env: SimEnv | BatchedEnv, policy: Policy, episodes: int, seed: int, tenant: str,
                      episode_offset: int = 0) -> dict[str, np.ndarray]:
     """Run ``episodes`` whole episodes and return trajectory columns.
 
     Episode ``i`` is reset with seed ``seed + episode_offset + i`` and gets episode id
     ``episode_offset + i``, so disjoint offsets give reproducible, non-overlapping episodes across
-    rollout tasks. Per-step columns (length N) follow :func:`nexus.trajectory_store.trajectory_schema`:
-    tenant, episode, step, state, ``image.<camera>``, action (the policy's sample, whose logprob
-    is recorded; the env receives it clipped to the action bounds), reward, terminated, truncated,
-    success, logprob, value, policy_version.
-    Per-episode summaries (length E) use the ``ep_`` prefix: ep_episode, ep_return, ep_length,
-    ep_success (success at any step); the trajectory store ignores them.
+    rollout tasks, whether the env is one instance or several sub-environments (each sub-env runs
+    one episode at a time; a finished slot starts the next pending episode). With several slots,
+    a policy that has a ``batch(list[Observation]) -> list[PolicyOutput]`` method is asked once per
+    step for all running slots (one group-batched inference round trip).
+
+    Per-step columns (length N, episodes contiguous and in id order) follow
+    :func:`nexus.trajectory_store.trajectory_schema`: tenant, episode, step, state,
+    ``image.<camera>``, action (the policy's sample, whose logprob is recorded; the env receives it
+    clipped to the action bounds), reward, terminated, truncated, success, logprob, value,
+    policy_version. Per-episode summaries (length E) use the ``ep_`` prefix: ep_episode, ep_return,
+    ep_length, ep_success (success at any step); the trajectory store ignores them.
 
     The observation after an episode's last step is not recorded: a learner that bootstraps
     truncated episodes must treat their last value as the bootstrap estimate.
@@ -283,72 +153,81 @@ def collect_episodes(env: SimEnv, policy: Policy, episodes: int, seed: int, tena
     if episodes < 0:
         raise ValueError("episodes must be >= 0")
     schema = env.schema
-    low, high = _action_bounds(env)
+    low, high = env.action_bounds
+    batched: Any = env if hasattr(env, "reset_some") else _One(env)  # type: ignore[arg-type]
+    batch_policy = getattr(policy, "batch", None)
     cams = [c.name for c in schema.cameras]
-    rows: dict[str, list[Any]] = {k: [] for k in (
-        "episode", "step", "state", "action", "reward", "terminated", "truncated", "success",
-        "logprob", "value", "policy_version")}
-    images: dict[str, list[np.ndarray]] = {c: [] for c in cams}
-    ep_return, ep_length, ep_success = [], [], []
-    for i in range(episodes):
-        ep = episode_offset + i
-        obs = env.reset(seed=seed + ep)
-        total, success = 0.0, False
-        for t in range(env.max_episode_steps):
-            out = policy(obs)
-            raw = np.asarray(out.action, np.float32).reshape(-1)
-            res = env.step(np.clip(raw, low, high))
-            rows["episode"].append(ep)
-            rows["step"].append(t)
-            rows["state"].append(obs.state)
-            for c in cams:
-                images[c].append(obs.images[c])
-            rows["action"].append(raw)  # the policy's own sample: PPO's logprob belongs to it
-            rows["reward"].append(res.reward)
-            rows["terminated"].append(res.terminated)
-            # the catalog's step limit is authoritative even if a simulator forgets to truncate
-            last = t == env.max_episode_steps - 1
-            rows["truncated"].append(res.truncated or (last and not res.terminated))
-            rows["success"].append(res.success)
-            rows["logprob"].append(out.logprob)
-            rows["value"].append(out.value)
-            rows["policy_version"].append(out.version)
-            total += res.reward
-            success |= res.success
-            obs = res.obs
-            if res.terminated or res.truncated:
-                break
-        ep_return.append(total)
-        ep_length.append(t + 1)
-        ep_success.append(success)
+    limit = env.max_episode_steps
+    pending = list(range(episodes))[::-1]  # pop() gives the lowest pending episode
+    records: dict[int, dict[str, list[Any]]] = {}
+    slot_ep: dict[int, int] = {}  # running slot -> episode index i
+    obs: dict[int, Observation] = {}
 
-    n = len(rows["episode"])
+    def start(slots: list[int]) -> None:
+        seeds = {}
+        for s in slots:
+            if pending:
+                i = pending.pop()
+                slot_ep[s], seeds[s] = i, seed + episode_offset + i
+                records[i] = {k: [] for k in (*_STEP_KEYS, *(f"image.{c}" for c in cams))}
+        if seeds:
+            obs.update(batched.reset_some(seeds))
+
+    start(list(range(batched.num_envs)))
+    while slot_ep:
+        running = sorted(slot_ep)
+        inputs = [obs[s] for s in running]
+        outs = list(batch_policy(inputs)) if batch_policy and len(running) > 1 else [policy(o) for o in inputs]
+        raws = {s: np.asarray(o.action, np.float32).reshape(-1) for s, o in zip(running, outs, strict=True)}
+        actions = np.zeros((batched.num_envs, schema.action_dim), np.float32)
+        for s, raw in raws.items():
+            actions[s] = np.clip(raw, low, high)
+        results = batched.step(actions)
+        done_slots = []
+        for s, out in zip(running, outs, strict=True):
+            i, res, rec = slot_ep[s], results[s], records[slot_ep[s]]
+            t = len(rec["step"])
+            last = t == limit - 1  # the catalog's step limit is authoritative
+            for key, value in (("episode", episode_offset + i), ("step", t), ("state", obs[s].state),
+                               ("action", raws[s]), ("reward", res.reward), ("terminated", res.terminated),
+                               ("truncated", res.truncated or (last and not res.terminated)),
+                               ("success", res.success), ("logprob", out.logprob), ("value", out.value),
+                               ("policy_version", out.version)):
+                rec[key].append(value)  # the action is the policy's own sample: PPO's logprob belongs to it
+            for c in cams:
+                rec[f"image.{c}"].append(obs[s].images[c])
+            obs[s] = res.obs
+            if res.terminated or res.truncated or last:
+                done_slots.append(s)
+                del slot_ep[s]
+        start(done_slots)
+    return _columns([records[i] for i in range(episodes)], schema, tenant, episode_offset)
+
+
+def _columns(records: list[dict[str, list[Any]]], schema: TenantSchema, tenant: str,
+             episode_offset: int) -> dict[str, np.ndarray]:
+    def cat(key: str) -> list[Any]:
+        return [v for rec in records for v in rec[key]]
+
+    n = sum(len(rec["step"]) for rec in records)
     cols: dict[str, np.ndarray] = {
         "tenant": np.full(n, tenant, dtype=object),
-        "episode": np.asarray(rows["episode"], np.int64),
-        "step": np.asarray(rows["step"], np.int32),
-        "state": _stack(rows["state"], (n, schema.proprio_dim), np.float32),
+        "episode": np.asarray(cat("episode"), np.int64),
+        "step": np.asarray(cat("step"), np.int32),
+        "state": _stack(cat("state"), (n, schema.proprio_dim), np.float32),
     }
     for c in schema.cameras:
-        cols[f"image.{c.name}"] = _stack(images[c.name], (n, c.height, c.width, 3), np.uint8)
-    cols["action"] = _stack(rows["action"], (n, schema.action_dim), np.float32)
+        cols[f"image.{c.name}"] = _stack(cat(f"image.{c.name}"), (n, c.height, c.width, 3), np.uint8)
+    cols["action"] = _stack(cat("action"), (n, schema.action_dim), np.float32)
     for k, dt in (("reward", np.float32), ("terminated", np.bool_), ("truncated", np.bool_),
                   ("success", np.bool_), ("logprob", np.float32), ("value", np.float32),
                   ("policy_version", np.int64)):
-        cols[k] = np.asarray(rows[k], dt)
-    cols["ep_episode"] = np.arange(episode_offset, episode_offset + episodes, dtype=np.int64)
-    cols["ep_return"] = np.asarray(ep_return, np.float32)
-    cols["ep_length"] = np.asarray(ep_length, np.int64)
-    cols["ep_success"] = np.asarray(ep_success, np.bool_)
+        cols[k] = np.asarray(cat(k), dt)
+    cols["ep_episode"] = np.arange(episode_offset, episode_offset + len(records), dtype=np.int64)
+    cols["ep_return"] = np.asarray([float(np.sum(r["reward"], dtype=np.float64)) for r in records], np.float32)
+    cols["ep_length"] = np.asarray([len(r["step"]) for r in records], np.int64)
+    cols["ep_success"] = np.asarray([any(r["success"]) for r in records], np.bool_)
     return cols
-
-
-def _action_bounds(env: SimEnv) -> tuple[np.ndarray, np.ndarray]:
-    bounds = getattr(env, "action_bounds", None)
-    if bounds is not None:
-        return bounds
-    a = env.schema.action_dim  # the service's action convention: normalized to [-1, 1]
-    return -np.ones(a, np.float32), np.ones(a, np.float32)
 
 
 def _stack(items: list[np.ndarray], shape: tuple[int, ...], dtype: type) -> np.ndarray:
@@ -376,3 +255,4 @@ def episode_stats(columns: Mapping[str, np.ndarray]) -> dict[str, float]:
         "success_rate": float(success.mean()),
         "mean_length": float(lengths.mean()),
     }
+

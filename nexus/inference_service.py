@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from nexus.config import ServiceConfig
+from nexus.monitoring import emit
 from nexus.queues import GroupBatcher
 
 
@@ -29,6 +31,7 @@ class _Request:
     obs: Any  # nexus.features.Observation
     version: int | None
     deterministic: bool
+    job: str | None
     future: asyncio.Future
     t_arrival: float = field(default_factory=time.monotonic)
 
@@ -49,6 +52,10 @@ class EngineStats:
         self.waits_s = (self.waits_s + waits)[-1000:]
 
 
+def _empty_signal() -> dict[str, Any]:
+    return {"busy_s": 0.0, "by_tenant": {}, "by_job": {}, "spans": [], "sizes": [], "waits": []}
+
+
 class InferenceEngine:
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = ServiceConfig.model_validate(config)
@@ -61,6 +68,9 @@ class InferenceEngine:
         self._timer: asyncio.TimerHandle | None = None
         self._firing = False
         self.stats = EngineStats()
+        self._signal = _empty_signal()
+        self._last_flush = time.time()
+        self._flush_timer: asyncio.TimerHandle | None = None
 
     # -- model thread ----------------------------------------------------------------------
     async def _in_model_thread(self, fn, *args):
@@ -146,14 +156,16 @@ class InferenceEngine:
 
     # -- requests --------------------------------------------------------------------------
     async def predict(self, tenant: str, obs: Any, version: int | None = None,
-                      deterministic: bool = False) -> dict[str, Any]:
-        """One action for one observation; grouped with other tenants' requests."""
+                      deterministic: bool = False, job: str | None = None) -> dict[str, Any]:
+        """One action for one observation; grouped with other tenants' requests.
+
+        ``job`` only labels the request for metering."""
         if tenant not in self._live:
             raise KeyError(f"tenant {tenant!r} is not registered on this inference engine")
         if version is not None and (tenant, version) not in self._pinned and self._live[tenant][0] != version:
             raise KeyError(f"version {version} of tenant {tenant!r} is neither live nor pinned")
         fut = asyncio.get_running_loop().create_future()
-        self._batcher.add(_Request(tenant, obs, version, deterministic, fut))
+        self._batcher.add(_Request(tenant, obs, version, deterministic, job, fut))
         self._schedule()
         return await fut
 
@@ -180,9 +192,11 @@ class InferenceEngine:
         group: list[_Request] = self._batcher.take()
         now = time.monotonic()
         try:
-            t0 = time.perf_counter()
+            t0, wall0 = time.perf_counter(), time.time()
             outs = await self._in_model_thread(self._forward, group)
-            self.stats.record(len(group), [now - r.t_arrival for r in group], time.perf_counter() - t0)
+            busy, waits = time.perf_counter() - t0, [now - r.t_arrival for r in group]
+            self.stats.record(len(group), waits, busy)
+            self._account(group, wall0, time.time(), busy, waits)
             for r, o in zip(group, outs, strict=True):
                 if not r.future.done():
                     r.future.set_result(o)
@@ -194,29 +208,64 @@ class InferenceEngine:
             self._firing = False
             self._schedule()
 
+    # -- metering signals ------------------------------------------------------------------
+    def _account(self, group: list[_Request], t0: float, t1: float, busy: float, waits: list[float]) -> None:
+        """Split a group's busy time over its tenants by their share of its requests."""
+        counts = Counter(r.tenant for r in group)
+        acc = self._signal
+        acc["busy_s"] += busy
+        for tenant, c in counts.items():
+            acc["by_tenant"][tenant] = acc["by_tenant"].get(tenant, 0.0) + busy * c / len(group)
+        for job, c in Counter(r.job for r in group if r.job).items():
+            acc["by_job"][job] = acc["by_job"].get(job, 0.0) + busy * c / len(group)
+        acc["spans"].append((t0, t1, sorted(counts)))
+        acc["sizes"].append(len(group))
+        acc["waits"].extend(waits)
+        if time.time() - self._last_flush >= 1.0:
+            self._flush_signal()
+        elif self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(1.0, self._flush_signal)
+
+    def _flush_signal(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        if self._signal["sizes"]:
+            emit("inference", **self._signal, pending=len(self._batcher))
+        self._signal = _empty_signal()
+        self._last_flush = time.time()
+
+    async def flush_signals(self) -> bool:
+        """Send the pending metering signal now (tests, shutdown)."""
+        self._flush_signal()
+        return True
+
     def _forward(self, group: list[_Request]) -> list[dict[str, Any]]:
-        """One grouped backbone forward, then each tenant's own head (live or pinned version)."""
+        """One grouped backbone forward per compatible group, then each tenant's own head (live or
+        pinned version). A chunked policy returns its first action (receding horizon) and the chunk."""
         import numpy as np
         import torch
 
         fw = self._fw()
         feats = [fw.preprocessors[r.tenant](r.obs) for r in group]
-        rows = fw.group_encode([(r.tenant, f) for r, f in zip(group, feats, strict=True)])
+        per_tenant = fw.group_features([(r.tenant, f) for r, f in zip(group, feats, strict=True)])
         outs: list[dict[str, Any] | None] = [None] * len(group)
-        heads: dict[tuple[str, int, bool], list[int]] = {}
-        for i, r in enumerate(group):
-            live_version, _ = self._live[r.tenant]
-            heads.setdefault((r.tenant, live_version if r.version is None else r.version, r.deterministic),
-                             []).append(i)
-        for (tenant, version, det), idx in heads.items():
+        for tenant, (idx, cond) in per_tenant.items():
             live_version, live = self._live[tenant]
-            policy = live if version == live_version else self._pinned[(tenant, version)][0]
-            feat = torch.stack([rows[i] for i in idx])
-            proprio = torch.as_tensor(np.stack([feats[i].proprio for i in idx]))
-            with torch.no_grad():
-                action, logprob, value = policy.act(feat, proprio, deterministic=det)
-            action = action.numpy().astype(np.float32)  # unclipped sample: its logprob is PPO's
-            for j, i in enumerate(idx):
-                outs[i] = {"action": action[j], "logprob": float(logprob[j]), "value": float(value[j]),
-                           "version": version}
+            heads: dict[tuple[int, bool], list[int]] = {}  # (version, deterministic) -> rows of this tenant
+            for row, i in enumerate(idx):
+                r = group[i]
+                heads.setdefault((live_version if r.version is None else r.version, r.deterministic), []).append(row)
+            for (version, det), rows in heads.items():
+                policy = live if version == live_version else self._pinned[(tenant, version)][0]
+                proprio = torch.as_tensor(np.stack([feats[idx[row]].proprio for row in rows]))
+                with torch.no_grad():
+                    action, logprob, value = policy.act(cond[rows], proprio, deterministic=det)
+                action = action.float().cpu().numpy()  # unclipped sample: its logprob is PPO's
+                for j, row in enumerate(rows):
+                    out = {"action": action[j][:policy.action_dim], "logprob": float(logprob[j]),
+                           "value": float(value[j]), "version": version}
+                    if policy.chunk > 1:
+                        out["chunk"] = action[j]
+                    outs[idx[row]] = out
         return outs  # type: ignore[return-value]

@@ -12,7 +12,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from nexus import catalog
 from nexus.features import TenantSchema
-from nexus.spec import JobSpec, TenantSpec
+from nexus.spec import RL_ACTION_HEADS, JobSpec, TenantSpec
 
 _JOB = TypeAdapter(JobSpec)
 
@@ -63,6 +63,13 @@ def validate_job(spec: TenantSpec, raw: dict[str, Any]) -> Any:
         raise SpecError(f"tenant {spec.name!r} has no env: a {job.kind} job needs one")
     if job.kind == "sft" and not spec.dataset:
         raise SpecError(f"tenant {spec.name!r} has no dataset: an sft job needs one")
+    if job.kind == "rl" and spec.action_head not in RL_ACTION_HEADS:
+        heads = ", ".join(sorted(RL_ACTION_HEADS))
+        raise SpecError(f"tenant {spec.name!r}: RL needs a Gaussian action head ({heads}); "
+                        f"{spec.action_head!r} is a flow-matching expert without action log-probabilities "
+                        "(SFT and eval only)")
+    if job.kind == "rl" and spec.chunk != 1:
+        raise SpecError(f"tenant {spec.name!r}: RL trains one action per step, but chunk={spec.chunk}")
     return job
 
 

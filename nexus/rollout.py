@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any
 
+from nexus.monitoring import emit
+
 _envs: dict[str, Any] = {}  # env name -> SimEnv, reused across tasks of this worker process
 _envs_lock = threading.Lock()
 
@@ -27,9 +29,11 @@ def _env(name: str):
 
 
 def collect(tenant: str, env_name: str, output_dir: str, schema: dict, episodes: int, seed: int,
-            episode_offset: int, deterministic: bool, version: int | None, engine) -> dict[str, Any]:
+            episode_offset: int, deterministic: bool, version: int | None, engine,
+            job: str | None = None) -> dict[str, Any]:
     """Run ``episodes`` episodes (ids from ``episode_offset``); RL batches are stored, eval
     episodes (pinned ``version``) are not."""
+    t_start = time.time()  # the whole task is the tenant's simulator time, imports included
     import torch
 
     from nexus.environment_service import PolicyOutput, collect_episodes, episode_stats
@@ -41,13 +45,23 @@ def collect(tenant: str, env_name: str, output_dir: str, schema: dict, episodes:
     env = _env(env_name)
     wait_s = 0.0
 
-    def policy(obs) -> PolicyOutput:
-        nonlocal wait_s
-        t0 = time.perf_counter()
-        out = engine.predict(tenant, obs, version, deterministic).result()
-        wait_s += time.perf_counter() - t0
-        return PolicyOutput(action=out["action"], logprob=out["logprob"], value=out["value"],
-                            version=out["version"])
+    class EnginePolicy:
+        """Actions from the inference engine; ``batch`` asks for all sub-envs of a vector env at once
+        (the requests overlap, so the engine can group them into one backbone forward)."""
+
+        def __call__(self, obs) -> PolicyOutput:
+            return self.batch([obs])[0]
+
+        def batch(self, observations: list) -> list[PolicyOutput]:
+            nonlocal wait_s
+            t0 = time.perf_counter()
+            futures = [engine.predict(tenant, obs, version, deterministic, job) for obs in observations]
+            outs = [f.result() for f in futures]
+            wait_s += time.perf_counter() - t0
+            return [PolicyOutput(action=o["action"], logprob=o["logprob"], value=o["value"], version=o["version"])
+                    for o in outs]
+
+    policy = EnginePolicy()
 
     t0 = time.perf_counter()
     columns = collect_episodes(env, policy, episodes=episodes, seed=seed, tenant=tenant,
@@ -59,6 +73,9 @@ def collect(tenant: str, env_name: str, output_dir: str, schema: dict, episodes:
     if version is None:
         store = TrajectoryStore(TenantOutputDir(output_dir).trajectories, tenant, schema_from_dict(schema))
         result["batch"] = store.append(columns).to_dict()
+    # the simulator slot is the tenant's for the whole task, waits for actions included
+    emit("rollout", tenant=tenant, job=job, t0=t_start, t1=time.time(), what="rl" if version is None else "eval",
+         steps=int(stats["steps"]))
     return result
 
 

@@ -23,11 +23,12 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
-from nexus import rollout, tracking, training_service
+from nexus import dashboard, rollout, tracking, training_service
 from nexus.config import ServiceConfig
 from nexus.features import TenantSchema
 from nexus.inference_service import InferenceEngine
 from nexus.master import SpecError, schema_to_dict, validate_job, validate_tenant
+from nexus.monitoring import SERVICES, TOPIC, MonitoringState, PrometheusCollector
 from nexus.queues import TenantLimits, TrainingItem, TrainingQueue
 from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec
 
@@ -91,6 +92,8 @@ class NexusPlugin(SchedulerPlugin):
         self._runners: set[asyncio.Task] = set()
         self._freed: dict[str, asyncio.Event] = {}
         self._seq = 0
+        self.monitoring = MonitoringState()
+        self._sampler: asyncio.Task | None = None
 
     # ------------------------------------------------------------------------- lifecycle
     async def start(self, scheduler) -> None:
@@ -104,13 +107,20 @@ class NexusPlugin(SchedulerPlugin):
             "nexus_status": self.status,
             "nexus_op": self.op,
             "nexus_flush": self.flush,
+            "nexus_monitoring": self.monitoring_view,
+            "nexus_tenant_log": self.tenant_log,
         })
+        scheduler.get_task_stream(count=0)  # record task start/stops from the start (dashboard, metering checks)
+        self._sampler = asyncio.get_running_loop().create_task(self._sample_forever())
+        _register_prometheus(self)
         http = getattr(scheduler, "http_application", None)
         if http is not None:  # JSON view of the service next to the dashboard
             http.add_handlers(r".*", [(r"/nexus/api/state", _StateHandler, {"plugin": self})])
         logger.info("Nexus plugin started on %s (service root %s)", scheduler.address, self.config.root)
 
     async def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
         for t in list(self._runners):
             t.cancel()
         if self._client is not None:
@@ -184,7 +194,10 @@ class NexusPlugin(SchedulerPlugin):
         return js.job_id
 
     def job(self, job_id: str) -> dict[str, Any]:
-        return self._job(job_id).view()
+        return self._job_view(self._job(job_id))
+
+    def _job_view(self, js: JobState) -> dict[str, Any]:
+        return {**js.view(), "metered_s": self.monitoring.job_metering(js.job_id)}
 
     async def wait(self, job_id: str, timeout: float | None = None) -> dict[str, Any]:
         js = self._job(job_id)
@@ -192,20 +205,57 @@ class NexusPlugin(SchedulerPlugin):
             await asyncio.wait_for(js.finished.wait(), timeout)
         except TimeoutError:
             pass
-        return js.view()
+        return self._job_view(js)
 
     def status(self) -> dict[str, Any]:
         versions = {n: t.version for n, t in self.tenants.items()}
+        metering = self.monitoring.metering_table()
         tenants = []
         for name, t in self.tenants.items():
             c = self.queue.counters.get(name)
-            tenants.append({**t.view(), "inflight": c.inflight if c else 0, "queued": c.queued if c else 0,
-                            "running": c.running if c else 0, "dropped_stale": c.dropped_stale if c else 0,
-                            "max_inflight_seen": c.max_inflight_seen if c else 0})
-        return {"tenants": tenants, "jobs": [j.view() for j in self.jobs.values()],
+            state = "training" if t.training_job else "evaluating" if any(
+                self.jobs[j].state == "running" for j in t.jobs) else "idle"
+            tenants.append({**t.view(), "state": state, "inflight": c.inflight if c else 0,
+                            "queued": c.queued if c else 0, "running": c.running if c else 0,
+                            "dropped_stale": c.dropped_stale if c else 0,
+                            "max_inflight_seen": c.max_inflight_seen if c else 0,
+                            "metered_s": metering.get(name, {s: 0.0 for s in SERVICES})})
+        now = time.time()
+        workers = [{"name": str(ws.name), "address": ws.address, "status": ws.status.name,
+                    "resources": dict(ws.resources), "since_heartbeat_s": round(now - ws.last_seen, 3),
+                    "processing": len(ws.processing)} for ws in self.scheduler.workers.values()]
+        return {"tenants": tenants, "jobs": [self._job_view(j) for j in self.jobs.values()],
                 "training_queue": {"depth": len(self.queue), "by_tenant": self.queue.depth(),
                                    "lag": self.queue.lags(versions)},
+                "inference_queue": {"pending": self.monitoring.inference_pending},
+                "workers": workers, "busy_s": dict(self.monitoring.busy),
                 "actor_busy": self._actor_busy, "config": self.config.model_dump()}
+
+    def monitoring_view(self, since: float = 0.0) -> dict[str, Any]:
+        """Everything the dashboard page shows: status + signals since ``since``."""
+        return {"status": self.status(), **self.monitoring.snapshot(since)}
+
+    def tenant_log(self, tenant: str) -> dict[str, Any]:
+        """A tenant's jobs with their full metric histories (CLI ``logs`` and ``report``)."""
+        t = self._tenant(tenant)
+        return {"tenant": t.view(), "t_start": self.monitoring.t_start,
+                "jobs": [{**self._job_view(self.jobs[j]), "history": self.jobs[j].history} for j in t.jobs],
+                "spans": [vars(sp) for sp in self.monitoring.spans]}
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        if topic == TOPIC and isinstance(msg, dict):
+            self.monitoring.ingest(msg)
+
+    async def _sample_forever(self, period_s: float = 1.0) -> None:
+        """Control signals over time: queue depths, in-flight and version lag per tenant."""
+        while True:
+            versions = {n: t.version for n, t in self.tenants.items()}
+            self.monitoring.sample({
+                "training_depth": len(self.queue), "inference_pending": self.monitoring.inference_pending,
+                "by_tenant": {n: {"queued": c.queued, "inflight": c.inflight, "version": versions.get(n, 0)}
+                              for n, c in self.queue.counters.items()},
+                "lag": self.queue.lags(versions)})
+            await asyncio.sleep(period_s)
 
     async def op(self, tenant: str, verb: str, data: str | None = None, loss: str = "sft") -> dict[str, Any]:
         """Low-level, Tinker-style operations, ordered through the training queue.
@@ -233,7 +283,10 @@ class NexusPlugin(SchedulerPlugin):
         return res
 
     async def flush(self) -> bool:
-        """Wait until the tracker has written everything sent so far (tests, shutdown)."""
+        """Wait until pending metering signals arrived and the tracker wrote everything sent so far."""
+        if self._engine is not None:
+            await self._engine[1].flush_signals()
+            await asyncio.sleep(0.5)  # the signal travels on the worker's event stream
         if self._tracker is not None:
             await self._tracker[1].flush()
         return True
@@ -322,7 +375,10 @@ class NexusPlugin(SchedulerPlugin):
         try:
             _, _, tracker = await self._services()
             run_params = {**t.spec.model_dump(), **{f"job.{k}": v for k, v in js.spec.model_dump().items()}}
-            tracker.start_run(js.job_id, js.tenant, js.spec.kind, run_params)
+            # an evaluation is a nested run under the tenant's latest training job
+            parent = next((j for j in reversed(t.jobs) if self.jobs[j].spec.kind != "eval"), None)
+            tracker.start_run(js.job_id, js.tenant, js.spec.kind, run_params,
+                              parent if js.spec.kind == "eval" else None)
             runner = {"sft": self._run_sft, "rl": self._run_rl, "eval": self._run_eval}[js.spec.kind]
             js.result = await runner(js, t)
             js.state = "done"
@@ -354,7 +410,12 @@ class NexusPlugin(SchedulerPlugin):
             artifacts = (await fut)["artifacts"]
         except Exception as e:
             logger.error("could not record job %s: %s", js.job_id, e)
-        tracker.end_run(js.job_id, js.state, artifacts, js.result or {})
+        if js.result and js.result.get("report_path"):
+            artifacts.append(js.result["report_path"])
+        if self._engine is not None:
+            await self._engine[1].flush_signals()
+        tracker.end_run(js.job_id, js.state, artifacts, js.result or {}, js.history,
+                        self.monitoring.job_metering(js.job_id))
 
     def _log(self, js: JobState, metrics: dict[str, float], step: int) -> None:
         js.progress.update(metrics)
@@ -374,7 +435,8 @@ class NexusPlugin(SchedulerPlugin):
             while not self.queue.reserve(t.spec.name):
                 await self._until_freed(t.spec.name)
             item = TrainingItem(tenant=t.spec.name, kind="sft", policy_version=t.version,
-                                payload={"dataset": t.spec.dataset, "step": k, "batch_size": spec.batch_size,
+                                payload={"job": js.job_id, "dataset": t.spec.dataset, "step": k,
+                                         "batch_size": spec.batch_size,
                                          "eval_heldout": k == spec.steps - 1 or k % 10 == 0})
             pending.add(asyncio.ensure_future(self._enqueue(item)))
             finished = {f for f in pending if f.done()}
@@ -400,7 +462,7 @@ class NexusPlugin(SchedulerPlugin):
         async def collect(offset: int) -> dict[str, Any]:
             fut = client.submit(rollout.collect, name, t.spec.env, t.output_dir, schema_to_dict(t.schema),
                                 spec.episodes_per_batch, t.spec.seed * 1_000_003, offset, False, None, engine,
-                                resources={"SIM": 1}, pure=False, key=f"nexus-rollout-{js.job_id}-{offset}")
+                                js.job_id, resources={"SIM": 1}, pure=False, key=f"nexus-rollout-{js.job_id}-{offset}")
             return await fut
 
         try:
@@ -423,7 +485,8 @@ class NexusPlugin(SchedulerPlugin):
                                        "success_rate": out["stats"]["success_rate"], "episodes": episodes,
                                        "env_steps": env_steps}, t.version)
                         item = TrainingItem(tenant=name, kind="rl", policy_version=out["batch"]["policy_version"],
-                                            payload={"batch": out["batch"], "ppo": spec.ppo.model_dump()})
+                                            payload={"job": js.job_id, "batch": out["batch"],
+                                                     "ppo": spec.ppo.model_dump()})
                         items.add(asyncio.ensure_future(self._enqueue(item)))
                     else:
                         items.discard(f)
@@ -454,7 +517,7 @@ class NexusPlugin(SchedulerPlugin):
             shares = [spec.episodes // n_tasks + (i < spec.episodes % n_tasks) for i in range(n_tasks)]
             futs = [client.submit(rollout.collect, t.spec.name, t.spec.env, t.output_dir,
                                   schema_to_dict(t.schema), n, 7_000_003 * (1 + t.spec.seed),
-                                  sum(shares[:i]), spec.deterministic, version, engine,
+                                  sum(shares[:i]), spec.deterministic, version, engine, js.job_id,
                                   resources={"SIM": 1}, pure=False, key=f"nexus-eval-{js.job_id}-{i}")
                     for i, n in enumerate(shares)]
             outs = await client.gather(futs)
@@ -479,6 +542,24 @@ class _StateHandler(web.RequestHandler):
     def get(self) -> None:
         self.set_header("Content-Type", "application/json")
         self.write(json.dumps(self.plugin.status(), default=str))
+
+
+_prometheus_registered: list[PrometheusCollector] = []
+
+
+def _register_prometheus(plugin: NexusPlugin) -> None:
+    """One collector per scheduler process, pointing at the newest plugin."""
+    import prometheus_client
+
+    if _prometheus_registered:
+        _prometheus_registered[0].plugin = plugin
+        return
+    collector = PrometheusCollector(plugin)
+    prometheus_client.REGISTRY.register(collector)
+    _prometheus_registered.append(collector)
+
+
+dashboard.register()  # at import (preload), before the scheduler builds its dashboard
 
 
 def dask_setup(scheduler) -> None:

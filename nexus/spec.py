@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TenantName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,39}$")]
+# Action-module families with exact action log-probabilities (Gaussian policies): the only ones RL can train.
+RL_ACTION_HEADS = frozenset({"oft"})
 
 
 class _Spec(BaseModel):
@@ -27,6 +29,7 @@ class PPOConfig(_Spec):
     update_epochs: int = Field(4, ge=1)
     minibatch_size: int = Field(64, ge=1)
     norm_adv: bool = True
+    target_kl: float | None = Field(None, gt=0, description="end an update's epochs once approx KL exceeds it")
 
 
 class TenantSpec(_Spec):
@@ -36,7 +39,9 @@ class TenantSpec(_Spec):
     env: str | None = Field(None, description="catalog env, e.g. 'maniskill/pushcube-state'")
     dataset: str | None = Field(None, description="catalog dataset, e.g. 'pickcube-scripted'")
     action_dim: int | None = Field(None, ge=1, description="checked against the env/dataset schema")
-    action_head: Literal["oft"] = "oft"
+    action_head: Literal["oft", "groot", "pi"] = Field(
+        "oft", description="action-module family: oft (Gaussian, SFT + RL), groot / pi (flow matching, SFT + eval)")
+    chunk: int = Field(1, ge=1, le=64, description="actions predicted per observation (RL needs 1)")
     hidden_dim: int = Field(256, ge=8)
     init_log_std: float = -0.5
     lr: float = Field(3e-4, gt=0)
@@ -52,6 +57,13 @@ class TenantSpec(_Spec):
     def _needs_a_source(self) -> TenantSpec:
         if self.env is None and self.dataset is None:
             raise ValueError("a tenant needs an 'env' (RL/eval) or a 'dataset' (SFT)")
+        return self
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> TenantSpec:
+        if self.action_head != "oft" and self.hidden_dim % 4:
+            raise ValueError(f"hidden_dim={self.hidden_dim}: the {self.action_head!r} expert's 4 attention heads "
+                             "need a multiple of 4")
         return self
 
 

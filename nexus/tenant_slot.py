@@ -1,8 +1,8 @@
 """One tenant's slot on the training (actor) side: its policy, its own DeepSpeed engine, its version.
 
 The frozen backbone stays outside every engine (features come in precomputed); each tenant gets a
-separate ZeRO engine around its small ``TenantPolicy`` so a step of one tenant can never touch another
-tenant's parameters or optimizer state.
+separate ZeRO engine around its small ``TenantPolicy`` (any action-module family: OFT, GR00T, π) so a
+step of one tenant can never touch another tenant's parameters or optimizer state.
 
 Constraints the caller must respect:
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from nexus.features import TenantSchema
-from nexus.model.action_head import TenantPolicy
+from nexus.model.policy import TenantPolicy
 from nexus.spec import TenantSpec
 
 if not torch.cuda.is_available():
@@ -91,12 +91,15 @@ class TenantSlot:
     """A tenant's policy wrapped in its own DeepSpeed ZeRO engine (ZeRO-2 by default)."""
 
     def __init__(self, spec: TenantSpec, schema: TenantSchema, feat_dim: int, zero_stage: int = 2,
-                 grad_clip: float = 1.0, chunk: int = 1) -> None:
+                 grad_clip: float = 1.0, chunk: int | None = None) -> None:
+        """``chunk`` defaults to ``spec.chunk``."""
         if zero_stage not in (0, 1, 2):
             # Stage 3 would partition the head's parameters between forwards, but TenantPolicy reads
-            # log_std outside a submodule forward; heads are small, stages 1-2 already shard optimizer state.
+            # log_std and the flow experts their position tables outside a submodule forward; heads are
+            # small, stages 1-2 already shard optimizer state.
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage}")
         ensure_distributed()
+        chunk = spec.chunk if chunk is None else chunk
         self.spec, self.schema, self.feat_dim, self.chunk = spec, schema, feat_dim, chunk
         policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk)
         config: dict[str, Any] = {
@@ -167,7 +170,7 @@ class TenantSlot:
 
     @staticmethod
     def load_weights_bytes(data: bytes, spec: TenantSpec, schema: TenantSchema, feat_dim: int,
-                           chunk: int = 1) -> TenantPolicy:
+                           chunk: int | None = None) -> TenantPolicy:
         """Rebuild a policy (CPU, eval mode) from ``export_weights`` bytes, e.g. on an inference worker."""
         policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk)
         policy.load_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))

@@ -1,17 +1,22 @@
-"""MLflow tracking: one run per tenant job, owned by an actor on a worker.
+"""MLflow tracking: one experiment per service, one run per tenant job, owned by an actor on a worker.
 
 Never runs in the scheduler process: the Master sends metric events to this actor without
 waiting; the actor's calls run one after another in the worker's actor thread, so a slow tracking
 store slows nobody else. Works the same with the default local sqlite store or a remote server.
+Metric steps are policy versions; evaluations are nested runs under the tenant's training run.
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from nexus.config import ServiceConfig
+
+PLOTTED = ("loss", "heldout_action_mse", "return", "success_rate", "v_loss", "approx_kl")
 
 
 class Tracker:
@@ -26,17 +31,20 @@ class Tracker:
             from mlflow.tracking import MlflowClient
 
             self._client = MlflowClient(tracking_uri=self.config.resolved_tracking_uri())
-            exp = self._client.get_experiment_by_name(self.config.experiment)
-            self._experiment_id = (exp.experiment_id if exp else
-                                   self._client.create_experiment(self.config.experiment))
+            name = self.config.resolved_experiment()
+            exp = self._client.get_experiment_by_name(name)
+            self._experiment_id = exp.experiment_id if exp else self._client.create_experiment(name)
         return self._client
 
-    def start_run(self, job_id: str, tenant: str, kind: str, params: dict[str, Any]) -> str:
+    def start_run(self, job_id: str, tenant: str, kind: str, params: dict[str, Any],
+                  parent_job: str | None = None) -> str:
         from mlflow.entities import Param
 
         client = self._mlflow()
-        run = client.create_run(self._experiment_id, run_name=job_id,
-                                tags={"nexus.tenant": tenant, "nexus.job": job_id, "nexus.kind": kind})
+        tags = {"nexus.tenant": tenant, "nexus.job": job_id, "nexus.kind": kind}
+        if parent_job in self.runs:
+            tags["mlflow.parentRunId"] = self.runs[parent_job]
+        run = client.create_run(self._experiment_id, run_name=job_id, tags=tags)
         flat = {k: v for k, v in _flatten(params).items() if v is not None}
         client.log_batch(run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in flat.items()])
         self.runs[job_id] = run.info.run_id
@@ -51,17 +59,49 @@ class Tracker:
         if ms and job_id in self.runs:
             self._mlflow().log_batch(self.runs[job_id], metrics=ms)
 
-    def end_run(self, job_id: str, status: str, artifacts: list[str], result: dict[str, Any]) -> None:
+    def end_run(self, job_id: str, status: str, artifacts: list[str], result: dict[str, Any],
+                history: list[dict[str, Any]] | None = None, metering: dict[str, float] | None = None) -> None:
         if job_id not in self.runs:
             return
         client, run_id = self._mlflow(), self.runs[job_id]
+        for service, seconds in (metering or {}).items():
+            client.log_metric(run_id, f"metered_{service}_s", float(seconds))
         for path in artifacts:
-            client.log_artifact(run_id, path)
+            if Path(path).exists():
+                client.log_artifact(run_id, path)
         client.log_dict(run_id, result, "result.json")
+        if history:
+            with tempfile.TemporaryDirectory() as tmp:
+                png = plot_history(history, Path(tmp) / f"{job_id}-curves.png", title=job_id)
+                if png is not None:
+                    client.log_artifact(run_id, str(png), "plots")
         client.set_terminated(run_id, "FINISHED" if status == "done" else "FAILED")
 
     def flush(self) -> bool:
         return True
+
+
+def plot_history(history: list[dict[str, Any]], path: Path, title: str = "") -> Path | None:
+    """Learning curves (vs policy version) of the metrics a job logged; None if it logged none."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in PLOTTED if any(k in h for h in history)]
+    if not keys:
+        return None
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3), squeeze=False)
+    for ax, k in zip(axes[0], keys, strict=True):
+        pts = [(h["step"], h[k]) for h in history if k in h]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".")
+        ax.set_xlabel("policy version")
+        ax.set_title(k)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

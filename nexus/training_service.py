@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from typing import Any
+
+from nexus.monitoring import emit
 
 _lock = threading.Lock()
 _service: TrainingModelService | None = None
@@ -34,6 +37,7 @@ class TrainingModelService:
         self.framework = VLAFramework(SharedBackbone(self.backbone_cfg))
         self.slots: dict[str, Any] = {}  # tenant -> TenantSlot
         self.datasets: dict[str, Any] = {}  # name -> OfflineDataset
+        self.action_chunks: dict[str, Any] = {}  # dataset name -> ActionChunks (chunked SFT targets)
 
     @property
     def feat_dim(self) -> int:
@@ -48,15 +52,9 @@ class TrainingModelService:
         return self.datasets[name]
 
     def features(self, tenant: str, observations: list) -> tuple[Any, Any]:
-        """Frozen-backbone features (one grouped forward) and proprio tensors for a batch."""
-        import numpy as np
-        import torch
-
-        pre = self.framework.preprocessors[tenant]
-        feats = pre.batch(observations)
-        rows = self.framework.group_encode([(tenant, f) for f in feats])
-        proprio = torch.as_tensor(np.stack([f.proprio for f in feats]))
-        return torch.stack(rows), proprio
+        """Frozen-backbone features (one grouped forward; pooled + the prefix layers the tenant's action
+        module reads, as ``BackboneFeatures``) and proprio tensors for a batch."""
+        return self.framework.tenant_features(tenant, observations)
 
 
 def service() -> TrainingModelService:
@@ -88,8 +86,12 @@ def _publish_version(svc: TrainingModelService, tenant: str, out, engine, source
 
 def init_tenant(spec: dict, schema: dict, output_dir: str, engine) -> dict[str, Any]:
     """Allocate a tenant's slot; a tenant re-created from its output dir resumes its last checkpoint."""
+    with _metered(spec["name"], "init"):
+        return _init_tenant(spec, schema, output_dir, engine)
+
+
+def _init_tenant(spec: dict, schema: dict, output_dir: str, engine) -> dict[str, Any]:
     from nexus.master import schema_from_dict
-    from nexus.model.action_head import TenantPolicy  # noqa: F401  (slot builds it)
     from nexus.model.preprocessor import TenantPreprocessor
     from nexus.output_dir import TenantOutputDir, atomic_write_bytes
     from nexus.spec import TenantSpec
@@ -125,36 +127,63 @@ def run_item(item: dict, spec: dict, schema: dict, output_dir: str, engine) -> d
     if tenant not in svc.slots:
         raise RuntimeError(f"tenant {tenant!r} has no slot on this actor (was the worker restarted?)")
     out = TenantOutputDir(output_dir)
-    t0 = time.perf_counter()
-    kind = item["kind"]
-    if kind == "rl":
-        metrics = _ppo_update(svc, tenant, item["payload"])
-        version, sync = _publish_version(svc, tenant, out, engine, f"rl:{item['item_id']}")
-    elif kind == "sft":
-        metrics = _sft_update(svc, tenant, item["payload"])
-        version, sync = _publish_version(svc, tenant, out, engine, f"sft:{item['item_id']}")
-    else:
-        return _run_op(svc, tenant, item["payload"], out, engine)
-    return {"version": version, "metrics": {**metrics, **sync, "update_s": time.perf_counter() - t0}}
+    with _metered(tenant, item["kind"], item["payload"].get("job")) as sig:
+        kind = item["kind"]
+        if kind == "rl":
+            metrics = _ppo_update(svc, tenant, item["payload"])
+            version, sync = _publish_version(svc, tenant, out, engine, f"rl:{item['item_id']}")
+        elif kind == "sft":
+            metrics = _sft_update(svc, tenant, item["payload"])
+            version, sync = _publish_version(svc, tenant, out, engine, f"sft:{item['item_id']}")
+        else:
+            res = _run_op(svc, tenant, item["payload"], out, engine)
+            version, metrics, sync = res["version"], res["metrics"], {}
+        sig.update(sync_s=sync.get("weight_sync_s", 0.0), sync_bytes=sync.get("weight_sync_bytes", 0.0))
+    return {"version": version, "metrics": {**metrics, **sync, "update_s": sig["t1"] - sig["t0"]}}
+
+
+@contextmanager
+def _metered(tenant: str, what: str, job: str | None = None):
+    """Charge the actor time of the enclosed work to ``tenant`` (and its job): a monitoring signal."""
+    sig: dict[str, Any] = {"tenant": tenant, "job": job, "what": what, "t0": time.time()}
+    try:
+        yield sig
+    finally:
+        sig["t1"] = time.time()
+        emit("update", **sig)
 
 
 def _sft_update(svc: TrainingModelService, tenant: str, payload: dict) -> dict[str, float]:
+    import numpy as np
     import torch
 
-    from nexus.algorithms.sft import sft_loss
+    from nexus.algorithms.sft import ActionChunks, sft_loss
 
     slot = svc.slots[tenant]
-    ds = svc.dataset(payload["dataset"])
+    name = payload["dataset"]
+    ds = svc.dataset(name)
     batch = ds.sample_batch(payload["batch_size"], payload["step"], slot.spec.seed)
     feats, proprio = svc.features(tenant, ds.observations(batch))
-    actions = torch.as_tensor(batch["action"])
-    stats = slot.train_step(lambda policy: sft_loss(policy, feats, proprio, actions))
+
+    def targets(rows: dict) -> Any:
+        if slot.chunk == 1:
+            return torch.as_tensor(rows["action"])
+        if name not in svc.action_chunks:  # chunked targets need each row's following steps
+            everything = [ds.train(), ds.heldout()]
+            svc.action_chunks[name] = ActionChunks(*(np.concatenate([a[k] for a in everything])
+                                                     for k in ("episode", "step", "action")))
+        return torch.as_tensor(svc.action_chunks[name].targets(rows["episode"], rows["step"], slot.chunk))
+
+    actions = targets(batch)
+    # flow-matching noise and times: a pure function of (tenant seed, step), so a retried item is identical
+    gen = torch.Generator().manual_seed(slot.spec.seed * 1_000_003 + int(payload["step"]))
+    stats = slot.train_step(lambda policy: sft_loss(policy, feats, proprio, actions, gen))
     metrics = {"loss": float(stats["loss"])}
     if payload.get("eval_heldout"):
         held = ds.heldout()
         hf, hp = svc.features(tenant, ds.observations(held))
-        with torch.no_grad():
-            err = (slot.policy.mean_action(hf, hp) - torch.as_tensor(held["action"])).pow(2).mean()
+        with torch.no_grad():  # flow families: the deterministic action (flow from zero noise)
+            err = (slot.policy.mean_action(hf, hp) - targets(held)).pow(2).mean()
         metrics["heldout_action_mse"] = float(err)
     return metrics
 
@@ -181,12 +210,13 @@ def _ppo_update(svc: TrainingModelService, tenant: str, payload: dict) -> dict[s
     adv, ret = compute_gae(arrays["reward"], arrays["value"], dones, 0.0, cfg.gamma, cfg.gae_lambda,
                            bootstrap_values=boot)
     adv, ret = torch.as_tensor(adv, dtype=torch.float32), torch.as_tensor(ret, dtype=torch.float32)
-    actions = torch.as_tensor(arrays["action"])
-    old_logprob = torch.as_tensor(arrays["logprob"])
+    actions = torch.as_tensor(np.array(arrays["action"]))  # a copy: the Arrow buffers are read-only
+    old_logprob = torch.as_tensor(np.array(arrays["logprob"]))
     n = len(actions)
     gen = torch.Generator().manual_seed(slot.spec.seed + slot.version)
     sums: dict[str, float] = {}
     count = 0
+    epochs = 0
     for _ in range(cfg.update_epochs):
         perm = torch.randperm(n, generator=gen)
         for start in range(0, n, cfg.minibatch_size):
@@ -196,7 +226,10 @@ def _ppo_update(svc: TrainingModelService, tenant: str, payload: dict) -> dict[s
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             count += 1
-    return {k: v / max(count, 1) for k, v in sums.items()} | {"batch_steps": float(n)}
+        epochs += 1
+        if cfg.target_kl is not None and stats["approx_kl"] > cfg.target_kl:
+            break  # the policy moved far enough from the one that collected the batch (CleanRL's rule)
+    return {k: v / max(count, 1) for k, v in sums.items()} | {"batch_steps": float(n), "epochs": float(epochs)}
 
 
 def _run_op(svc: TrainingModelService, tenant: str, payload: dict, out, engine) -> dict[str, Any]:
@@ -217,6 +250,15 @@ def _run_op(svc: TrainingModelService, tenant: str, payload: dict, out, engine) 
         actions = torch.as_tensor(data["actions"], dtype=torch.float32)
         if payload["loss"] == "sft":
             stats = slot.forward_backward(lambda p: sft_loss(p, feats, proprio, actions))
+        elif payload["loss"] == "grpo":  # advantages: group-relative (nexus.algorithms.grpo.group_advantages)
+            from nexus.algorithms.grpo import GRPOConfig, grpo_loss
+
+            gcfg = GRPOConfig(**data.get("grpo", {}))
+            t = {k: torch.as_tensor(data[k], dtype=torch.float32) for k in ("logprobs", "advantages")}
+            ref = data.get("ref_logprobs")
+            ref_t = None if ref is None else torch.as_tensor(ref, dtype=torch.float32)
+            stats = slot.forward_backward(lambda p: grpo_loss(p, feats, proprio, actions, t["logprobs"],
+                                                              t["advantages"], gcfg, ref_t))
         else:
             cfg = PPOConfig(**data.get("ppo", {}))
             t = {k: torch.as_tensor(data[k], dtype=torch.float32) for k in ("logprobs", "advantages", "returns")}
@@ -231,6 +273,11 @@ def _run_op(svc: TrainingModelService, tenant: str, payload: dict, out, engine) 
 
 def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> dict[str, Any]:
     """Save a DeepSpeed checkpoint after a training job and append the job to the manifest."""
+    with _metered(tenant, "checkpoint"):
+        return _finish_job(tenant, output_dir, record, checkpoint)
+
+
+def _finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> dict[str, Any]:
     from nexus.output_dir import TenantOutputDir
 
     svc = service()

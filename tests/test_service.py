@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from nexus.api import Nexus
+from nexus.config import ServiceConfig
 from nexus.features import Observation
 from nexus.master import SpecError
 from nexus.spec import TenantSpec
@@ -145,7 +146,7 @@ def test_mlflow_one_run_per_job(nx):
     st = nx.status()
     jobs = [j for j in st["jobs"] if j["state"] in ("done", "failed")]
     client = MlflowClient(tracking_uri=f"sqlite:///{st['config']['root']}/mlflow.db")
-    exp = client.get_experiment_by_name(st["config"]["experiment"])
+    exp = client.get_experiment_by_name(ServiceConfig(**st["config"]).resolved_experiment())
     runs = client.search_runs([exp.experiment_id], max_results=1000)
     by_job = {}
     for r in runs:
@@ -157,6 +158,11 @@ def test_mlflow_one_run_per_job(nx):
         assert run.info.status == ("FINISHED" if j["state"] == "done" else "FAILED")
     sft_runs = [by_job[j["job"]][0] for j in jobs if j["kind"] == "sft"]
     assert any("loss" in r.data.metrics for r in sft_runs)
+    # the evaluation of sft-a is nested under sft-a's training run
+    evals = [by_job[j["job"]][0] for j in jobs if j["kind"] == "eval" and j["tenant"] == "sft-a"]
+    parents = {r.data.tags.get("mlflow.parentRunId") for r in evals}
+    assert parents and parents <= {by_job[j["job"]][0].info.run_id for j in jobs
+                                   if j["tenant"] == "sft-a" and j["kind"] == "sft"}
 
 
 def test_predict_observation_goes_direct_to_engine(nx):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import pickle
+import sys
 import tomllib
 from pathlib import Path
 
@@ -22,6 +22,8 @@ from nexus.trajectory_store import (
     TrajectoryStore,
     columns_to_table,
     image_columns,
+    read_ipc,
+    scan_trajectories,
     schema_from_arrow,
     table_arrays,
     table_to_observations,
@@ -275,15 +277,79 @@ def test_generated_pickcube_dataset_matches_its_manifest():
 
 
 def test_generator_reproduces_the_committed_episodes(tmp_path):
-    spec = importlib.util.spec_from_file_location("gen", REPO / "datasets" / "generate_maniskill_demos.py")
+    spec = importlib.util.spec_from_file_location("generate_demos", REPO / "datasets" / "generate_demos.py")
     gen = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gen  # dataclasses look their module up
     spec.loader.exec_module(gen)
-    assert gen.main(["--episodes", "3", "--seed", "0", "--out", str(tmp_path)]) == 0
-    fresh = OfflineDataset(_entry(tmp_path / "pickcube-scripted", schema=catalog.env(gen.ENV).schema),
+    assert gen.main(["--demo", "pickcube", "--episodes", "3", "--seed", "0", "--out", str(tmp_path)]) == 0
+    env = catalog.env(gen.DEMOS["pickcube"].env)
+    fresh = OfflineDataset(_entry(tmp_path / "pickcube-scripted", schema=env.schema),
                            heldout_fraction=0.0, successful_only=False).train()
     committed = OfflineDataset(catalog.dataset("pickcube-scripted"), heldout_fraction=0.0,
                                successful_only=False).train()
     first = np.isin(committed["episode"], [0, 1, 2])
     for key in ("state", "action", "reward", "success"):
         np.testing.assert_allclose(fresh[key], committed[key][first], atol=1e-5, err_msg=key)
-    assert os.path.exists(tmp_path / "pickcube-scripted.toml")
+    assert (tmp_path / "pickcube-scripted.toml").is_file() and (tmp_path / "pickcube-scripted-lerobot.toml").is_file()
+    lerobot = OfflineDataset(DatasetEntry(name="x", format="lerobot", path=tmp_path / "pickcube-scripted-lerobot",
+                                          env=None, schema=env.schema), heldout_fraction=0.0, successful_only=False)
+    np.testing.assert_array_equal(lerobot.train()["action"], fresh["action"])
+
+
+@pytest.mark.parametrize("name", sorted(catalog.datasets()))
+def test_every_committed_dataset_loads_and_matches_its_manifest(name):
+    entry = catalog.dataset(name)
+    size = sum(f.stat().st_size for f in entry.path.rglob("*") if f.is_file())
+    assert size < 2_000_000  # small enough to live in the repository
+    ds = OfflineDataset(entry)
+    stats = ds.recorded_stats()
+    assert stats["episodes"] == entry.stats["episodes"] and stats["steps"] == entry.stats["steps"]
+    assert stats["success_rate"] == pytest.approx(entry.stats["success_rate"], abs=1e-4)
+    assert stats["success_rate"] >= 0.7  # the experts are good
+    batch = ds.sample_batch(4, step=0, seed=0)
+    obs = ds.observations(batch)
+    assert obs[0].state.shape == (entry.schema.proprio_dim,)
+    assert {k: v.shape for k, v in obs[0].images.items()} == {c.name: (c.height, c.width, 3)
+                                                               for c in entry.schema.cameras}
+
+
+# ---- datasets of stored rollouts: filtered by tenant and policy version ---------------------------
+
+def _rollouts(root: Path) -> None:
+    """Two tenants' stores under one service folder, versions 0..3 each."""
+    for tenant in ("alice", "bob"):
+        store = TrajectoryStore(root / tenant / "trajectories", tenant, SCHEMA)
+        for v in range(4):
+            store.append(make_columns(version=v, seed=v, tenant=tenant, first_episode=10 * v))
+
+
+def test_scan_trajectories_filters_by_tenant_and_version(tmp_path):
+    _rollouts(tmp_path)
+    everything = scan_trajectories(tmp_path, SCHEMA)
+    assert everything.num_rows == 2 * 4 * 8
+    alice = table_arrays(scan_trajectories(tmp_path, SCHEMA, tenants="alice", min_version=2))
+    assert set(alice["tenant"]) == {"alice"} and sorted(set(alice["policy_version"])) == [2, 3]
+    both = table_arrays(scan_trajectories(tmp_path, SCHEMA, tenants=["alice", "bob"], max_version=0))
+    assert sorted(set(both["tenant"])) == ["alice", "bob"] and set(both["policy_version"]) == {0}
+    assert scan_trajectories(tmp_path, SCHEMA, tenants="carol").num_rows == 0
+
+
+def test_arrow_dataset_manifest_filter_by_tenant_and_version(tmp_path):
+    _rollouts(tmp_path)
+    entry = DatasetEntry(name="bob-late", format="arrow", path=tmp_path, env=None, schema=SCHEMA,
+                         filter={"tenant": "bob", "min_version": 1, "max_version": 2})
+    ds = OfflineDataset(entry, heldout_fraction=0.0)
+    rows = ds.train()
+    assert set(rows["tenant"]) == {"bob"} and sorted(set(rows["policy_version"])) == [1, 2]
+    assert sorted(set(rows["episode"])) == [10, 11, 20, 21]
+    empty = DatasetEntry(name="none", format="arrow", path=tmp_path, env=None, schema=SCHEMA,
+                         filter={"tenant": "bob", "min_version": 9})
+    with pytest.raises(DatasetMissingError, match="filter"):
+        OfflineDataset(empty)
+
+
+def test_compressed_ipc_reads_back_identically(tmp_path):
+    table = columns_to_table(make_columns(episodes=3), SCHEMA, "acme")
+    plain = write_ipc(table, tmp_path / "plain.arrow")
+    small = write_ipc(table, tmp_path / "small.arrow", compression="zstd")
+    assert read_ipc(small).equals(read_ipc(plain))

@@ -1,1 +1,1 @@
-"""Learning algorithms on a tenant policy: PPO (online RL) and SFT (behaviour cloning)."""
+"""Learning algorithms on a tenant policy: PPO and GRPO (online RL, Gaussian heads) and SFT (every family)."""

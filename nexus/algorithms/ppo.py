@@ -12,7 +12,8 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from nexus.model.action_head import TenantPolicy
+from nexus.model.backbone_features import BackboneFeatures
+from nexus.model.policy import TenantPolicy
 from nexus.spec import PPOConfig
 
 Array = TypeVar("Array", np.ndarray, torch.Tensor)
@@ -70,7 +71,7 @@ def compute_gae(rewards: Array, values: Array, dones: Array, last_values: Array 
     return adv.astype(np.float32), ret.astype(np.float32)  # type: ignore[return-value]
 
 
-def ppo_loss(policy: TenantPolicy, feats: torch.Tensor, proprio: torch.Tensor, actions: torch.Tensor,
+def ppo_loss(policy: TenantPolicy, feats: BackboneFeatures | torch.Tensor, proprio: torch.Tensor, actions: torch.Tensor,
              old_logprob: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
              cfg: PPOConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped-surrogate PPO loss on one minibatch -> (loss, stats).

@@ -8,21 +8,22 @@ import numpy as np
 from PIL import Image
 
 from nexus.features import Observation, TenantSchema, VLAFeature
-from nexus.model.backbone import BackboneConfig, format_prompt
+from nexus.model.backbone import BackboneConfig
 
 
 class TenantPreprocessor:
     """Validates an observation against the tenant's schema and standardizes it.
 
     Cameras are taken in the schema's order (so the prompt's image placeholders always mean the same
-    cameras) and resized to the backbone's square image size; the proprio vector passes through as
-    float32 for the tenant's own head.
+    cameras) and resized to the backbone's square image size; the prompt follows the backbone
+    family's prefix format; the proprio vector passes through as float32 for the tenant's own head.
     """
 
     def __init__(self, schema: TenantSchema, backbone_cfg: BackboneConfig) -> None:
         self.schema = schema
         self.image_size = backbone_cfg.image_size
         self.compat_key = backbone_cfg.compat_key()
+        self._format_prompt = backbone_cfg.format_prompt
         self._camera_names = [c.name for c in schema.cameras]
 
     def __call__(self, obs: Observation) -> VLAFeature:
@@ -37,7 +38,7 @@ class TenantPreprocessor:
                              f"cameras {sorted(self._camera_names)}")
         images = [self._image(c.name, c.height, c.width, obs.images[c.name]) for c in self.schema.cameras]
         instruction = obs.instruction or self.schema.instruction
-        return VLAFeature(prompt=format_prompt(instruction, len(images)), images=images, proprio=state,
+        return VLAFeature(prompt=self._format_prompt(instruction, len(images)), images=images, proprio=state,
                           compat_key=self.compat_key)
 
     def batch(self, observations: Iterable[Observation]) -> list[VLAFeature]:

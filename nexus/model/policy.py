@@ -1,0 +1,223 @@
+"""A tenant's trainable policy: one action module of a family (+ a value head for RL) on the shared backbone.
+
+Families (``TenantSpec.action_head``):
+
+| family | module | reads from the backbone | SFT loss | RL |
+|---|---|---|---|---|
+| ``oft`` | :class:`OFTActionHead` | pooled feature | MSE of the Gaussian mean | PPO, GRPO |
+| ``groot`` | :class:`GR00TActionHead` | last-layer prefix tokens | flow matching | no |
+| ``pi`` | :class:`PiActionExpert` | last ``depth`` layers of prefix tokens | flow matching | no |
+
+Flow-matching families have no tractable action likelihood, so they serve SFT and evaluation; RL jobs
+for them are refused at spec validation. Their deterministic action integrates the flow from zero
+noise; a stochastic one from Gaussian noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from torch import nn
+
+from nexus.features import TenantSchema
+from nexus.model.backbone_features import BackboneFeatures
+from nexus.model.flow_matching import FlowConfig, integrate
+from nexus.model.groot_head import GR00TActionHead
+from nexus.model.layers import mlp, normalize_proprio
+from nexus.model.oft_head import OFTActionHead
+from nexus.model.pi_head import PiActionExpert
+from nexus.spec import RL_ACTION_HEADS, TenantSpec
+
+FAMILIES = ("oft", "groot", "pi")
+GAUSSIAN_FAMILIES = RL_ACTION_HEADS  # the families that support RL (exact log-probabilities)
+
+
+@dataclass(frozen=True)
+class ActionHeadConfig:
+    """Every hyper-parameter of a tenant's action module, per family defaults from the papers."""
+
+    family: str = "oft"
+    hidden_dim: int = 256  # width of the head / expert
+    chunk: int = 1  # actions predicted per observation
+    init_log_std: float = -0.5  # oft: initial Gaussian std (log)
+    heads: int = 4  # groot / pi: attention heads
+    depth: int | None = None  # groot: DiT blocks (4); pi: expert layers = backbone layers attended (2)
+    flow_steps: int | None = None  # Euler steps at inference: groot 4 (GR00T N1), pi 10 (π0)
+    time_alpha: float = 1.5  # flow times: 1 - tau ~ Beta(1.5, 1) in both papers
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown action head family {self.family!r} (one of {FAMILIES})")
+        if self.chunk < 1:
+            raise ValueError("chunk must be >= 1")
+
+    @classmethod
+    def from_spec(cls, spec: TenantSpec, chunk: int | None = None) -> ActionHeadConfig:
+        return cls(family=spec.action_head, hidden_dim=spec.hidden_dim,
+                   chunk=chunk if chunk is not None else spec.chunk, init_log_std=spec.init_log_std)
+
+    @property
+    def resolved_depth(self) -> int:
+        return self.depth if self.depth is not None else {"groot": 4, "pi": 2}.get(self.family, 0)
+
+    @property
+    def flow(self) -> FlowConfig:
+        steps = self.flow_steps if self.flow_steps is not None else {"groot": 4, "pi": 10}.get(self.family, 10)
+        return FlowConfig(steps=steps, time_alpha=self.time_alpha)
+
+
+def build_action_head(cfg: ActionHeadConfig, feat_dim: int, schema: TenantSchema) -> nn.Module:
+    p, a, w = schema.proprio_dim, schema.action_dim, cfg.hidden_dim
+    if cfg.family == "oft":
+        return OFTActionHead(feat_dim, p, a, w, cfg.chunk, cfg.init_log_std)
+    if cfg.family == "groot":
+        return GR00TActionHead(feat_dim, p, a, w, cfg.chunk, depth=cfg.resolved_depth, heads=cfg.heads)
+    return PiActionExpert(feat_dim, p, a, w, cfg.chunk, depth=cfg.resolved_depth, heads=cfg.heads)
+
+
+class ValueHead(nn.Module):
+    """MLP(pooled feature ⊕ normalized proprio) -> scalar state value."""
+
+    def __init__(self, feat_dim: int, proprio_dim: int, hidden_dim: int = 256) -> None:
+        super().__init__()
+        self.net = mlp(feat_dim + proprio_dim, hidden_dim, 1, out_std=0.01)
+
+    def forward(self, feat: torch.Tensor | BackboneFeatures, proprio: torch.Tensor) -> torch.Tensor:
+        pooled = feat.pooled if isinstance(feat, BackboneFeatures) else feat
+        return self.net(torch.cat([pooled, normalize_proprio(proprio)], dim=-1)).squeeze(-1)
+
+
+class TenantPolicy(nn.Module):
+    """Everything a tenant trains: its action module (``head``) and, for RL families, a critic (``value``).
+
+    ``feat`` arguments accept :class:`BackboneFeatures` (with the prefix layers this policy asks for in
+    :attr:`prefix_layers`) or, for the OFT family, plain pooled rows [N, H].
+    """
+
+    def __init__(self, head: nn.Module, value: ValueHead | None, cfg: ActionHeadConfig) -> None:
+        super().__init__()
+        self.head = head
+        self.value = value
+        self.cfg = cfg
+
+    @classmethod
+    def from_spec(cls, spec: TenantSpec, schema: TenantSchema, feat_dim: int, chunk: int | None = None,
+                  cfg: ActionHeadConfig | None = None) -> TenantPolicy:
+        """Deterministic init from ``spec.seed`` (the caller's global RNG stream is left untouched)."""
+        if spec.action_dim is not None and spec.action_dim != schema.action_dim:
+            raise ValueError(f"tenant {spec.name!r}: spec action_dim={spec.action_dim} but the schema has "
+                             f"action_dim={schema.action_dim}")
+        cfg = cfg or ActionHeadConfig.from_spec(spec, chunk)
+        if chunk is not None and cfg.chunk != chunk:
+            cfg = replace(cfg, chunk=chunk)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed)
+            head = build_action_head(cfg, feat_dim, schema)
+            value = ValueHead(feat_dim, schema.proprio_dim, cfg.hidden_dim) if cfg.family in GAUSSIAN_FAMILIES else None
+        return cls(head, value, cfg)
+
+    # -- what the policy is ------------------------------------------------------------------------
+
+    @property
+    def family(self) -> str:
+        return self.cfg.family
+
+    @property
+    def gaussian(self) -> bool:
+        """Exact log-probabilities (RL-capable) or a flow-matching sampler."""
+        return self.cfg.family in GAUSSIAN_FAMILIES
+
+    @property
+    def prefix_layers(self) -> tuple[int, ...]:
+        """Backbone hidden-state layers this policy reads besides the pooled feature."""
+        return tuple(self.head.prefix_layers)
+
+    @property
+    def chunk(self) -> int:
+        return self.head.chunk
+
+    @property
+    def action_dim(self) -> int:
+        return self.head.action_dim
+
+    @property
+    def action_size(self) -> int:
+        """Flat action size A = chunk * action_dim."""
+        return self.head.chunk * self.head.action_dim
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def _inputs(self, feat: BackboneFeatures | torch.Tensor | np.ndarray,
+                proprio: torch.Tensor | np.ndarray) -> tuple[BackboneFeatures, torch.Tensor]:
+        p = next(self.parameters())
+        feats = BackboneFeatures.of(feat if isinstance(feat, BackboneFeatures) else torch.as_tensor(feat))
+        if self.prefix_layers:  # fails clearly when the prefix tokens this family reads are missing
+            feats = feats.with_layers(self.prefix_layers)
+        return feats.to(p.device, p.dtype), torch.as_tensor(proprio).to(p.device, p.dtype)
+
+    # -- actions -----------------------------------------------------------------------------------
+
+    def mean_action(self, feat: BackboneFeatures | torch.Tensor, proprio: torch.Tensor) -> torch.Tensor:
+        """The deterministic action [N, A]: Gaussian mean, or the flow integrated from zero noise."""
+        feats, proprio = self._inputs(feat, proprio)
+        if self.gaussian:
+            return self.head(feats, proprio)
+        return self._sample_flow(feats, proprio, None, deterministic=True)
+
+    def velocity(self, feat: BackboneFeatures, proprio: torch.Tensor, x: torch.Tensor,
+                 tau: torch.Tensor) -> torch.Tensor:
+        """Flow families: velocity [N, chunk, action_dim] at noisy chunks ``x`` and flow times ``tau``."""
+        if self.gaussian:
+            raise TypeError(f"the {self.family!r} family is a Gaussian policy, not a flow")
+        feats, proprio = self._inputs(feat, proprio)
+        return self.head.velocity(feats, proprio, x, tau)
+
+    def _sample_flow(self, feats: BackboneFeatures, proprio: torch.Tensor, generator: torch.Generator | None,
+                     deterministic: bool) -> torch.Tensor:
+        n = len(feats)
+        shape = (n, self.chunk, self.action_dim)
+        p = next(self.parameters())
+        x0 = torch.zeros(shape) if deterministic else torch.randn(shape, generator=generator)
+        x = integrate(lambda x, tau: self.head.velocity(feats, proprio, x, tau), x0.to(p.device, p.dtype),
+                      self.cfg.flow.steps)
+        return x.flatten(1)
+
+    def _dist(self, feat: BackboneFeatures, proprio: torch.Tensor) -> torch.distributions.Normal:
+        mean = self.head(feat, proprio)
+        return torch.distributions.Normal(mean, self.head.log_std.exp().expand_as(mean))
+
+    @torch.no_grad()
+    def act(self, feat: BackboneFeatures | torch.Tensor, proprio: torch.Tensor, deterministic: bool = False,
+            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample (or take the deterministic action) -> (unclipped action [N, A], logprob [N], value [N]).
+
+        Flow families return logprob and value 0 (they have neither; RL is refused for them).
+        """
+        feats, proprio = self._inputs(feat, proprio)
+        if not self.gaussian:
+            action = self._sample_flow(feats, proprio, generator, deterministic)
+            zeros = action.new_zeros(action.shape[0])
+            return action, zeros, zeros
+        dist = self._dist(feats, proprio)
+        if deterministic:
+            action = dist.mean
+        else:
+            noise = torch.randn(dist.mean.shape, generator=generator, device=dist.mean.device,
+                                dtype=dist.mean.dtype)
+            action = dist.mean + dist.stddev * noise
+        return action, dist.log_prob(action).sum(-1), self.value(feats, proprio)  # type: ignore[misc]
+
+    def evaluate(self, feat: BackboneFeatures | torch.Tensor, proprio: torch.Tensor,
+                 action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """With autograd: (logprob [N], entropy [N], value [N]) of given (unclipped) actions. RL families only."""
+        if not self.gaussian:
+            raise TypeError(f"the {self.family!r} action head is a flow-matching sampler without action "
+                            f"log-probabilities: RL (PPO / GRPO) needs one of {sorted(GAUSSIAN_FAMILIES)}")
+        feats, proprio = self._inputs(feat, proprio)
+        dist = self._dist(feats, proprio)
+        action = torch.as_tensor(action).to(dist.mean.device, dist.mean.dtype)
+        return dist.log_prob(action).sum(-1), dist.entropy().sum(-1), self.value(feats, proprio)  # type: ignore[misc]

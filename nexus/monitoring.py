@@ -1,0 +1,165 @@
+"""Monitoring: the three kinds of signals of the paper, and per-tenant metering.
+
+Workers emit signals asynchronously as Dask events on the topic ``nexus-signal`` (:func:`emit`);
+the scheduler plugin feeds every event to :class:`MonitoringState` (plain data, no I/O), which the
+dashboard page, the JSON route, Prometheus and the CLI read.
+
+* control — queue depth per queue and tenant, in-flight, versions and staleness (sampled by the plugin)
+* learning — losses, returns, success rates (job histories, MLflow)
+* system — worker health, weight-sync time and bytes, busy time per service, inference group sizes/waits
+
+Metering (beyond the paper): every device-second a service spends is charged to a tenant — an
+update on the actor to its tenant, a rollout on a simulator to its tenant, and each grouped inference
+forward split over the tenants by their share of the group's requests — so the charges of a service
+add up to its measured busy time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+TOPIC = "nexus-signal"
+SERVICES = ("actor", "inference", "simulator")
+
+
+def emit(kind: str, **msg: Any) -> None:
+    """Send a signal from a worker task or actor (no-op outside a Dask worker)."""
+    from distributed import get_worker
+
+    try:
+        worker = get_worker()
+    except ValueError:
+        return
+    worker.log_event(TOPIC, {"kind": kind, "worker": worker.name, **msg})
+
+
+@dataclass
+class Span:
+    service: str
+    worker: str
+    tenant: str
+    t0: float
+    t1: float
+    what: str = ""
+
+
+@dataclass
+class MonitoringState:
+    horizon: int = 2000  # spans and samples kept for the page
+    metered: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    metered_jobs: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    busy: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # service -> measured busy s
+    spans: deque = field(default_factory=lambda: deque(maxlen=2000))
+    samples: deque = field(default_factory=lambda: deque(maxlen=2000))  # control signals over time
+    group_sizes: deque = field(default_factory=lambda: deque(maxlen=5000))
+    group_waits: deque = field(default_factory=lambda: deque(maxlen=5000))
+    weight_sync: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    inference_pending: int = 0
+    t_start: float = field(default_factory=time.time)
+
+    def ingest(self, msg: dict[str, Any]) -> None:
+        """One worker signal; unknown kinds are counted and otherwise ignored."""
+        kind = msg.get("kind", "")
+        self.counts[kind] += 1
+        if kind in ("update", "rollout"):
+            service = "actor" if kind == "update" else "simulator"
+            seconds = float(msg["t1"]) - float(msg["t0"])
+            self.metered[msg["tenant"]][service] += seconds
+            if msg.get("job"):
+                self.metered_jobs[msg["job"]][service] += seconds
+            self.busy[service] += seconds
+            self.spans.append(Span(service, str(msg["worker"]), msg["tenant"], msg["t0"], msg["t1"],
+                                   msg.get("what", kind)))
+            if kind == "update" and "sync_bytes" in msg:
+                ws = self.weight_sync[msg["tenant"]]
+                ws["count"] += 1
+                ws["seconds"] += float(msg.get("sync_s", 0.0))
+                ws["bytes"] += float(msg["sync_bytes"])
+        elif kind == "inference":
+            self.busy["inference"] += float(msg["busy_s"])
+            for tenant, s in msg["by_tenant"].items():
+                self.metered[tenant]["inference"] += float(s)
+            for job, s in msg.get("by_job", {}).items():
+                self.metered_jobs[job]["inference"] += float(s)
+            for t0, t1, tenants in msg.get("spans", ()):
+                self.spans.append(Span("inference", str(msg["worker"]), "+".join(sorted(tenants)), t0, t1, "group"))
+            self.group_sizes.extend(msg.get("sizes", ()))
+            self.group_waits.extend(msg.get("waits", ()))
+            self.counts["inference_groups"] += len(msg.get("sizes", ()))
+            self.inference_pending = int(msg.get("pending", 0))
+
+    def sample(self, row: dict[str, Any]) -> None:
+        self.samples.append({"t": time.time(), **row})
+
+    def metering_table(self) -> dict[str, dict[str, float]]:
+        return {t: {s: round(v.get(s, 0.0), 6) for s in SERVICES} for t, v in self.metered.items()}
+
+    def job_metering(self, job: str) -> dict[str, float]:
+        per = self.metered_jobs.get(job, {})
+        return {s: round(per.get(s, 0.0), 6) for s in SERVICES}
+
+    def snapshot(self, since: float = 0.0) -> dict[str, Any]:
+        return {
+            "t_start": self.t_start,
+            "metering": self.metering_table(),
+            "busy": {s: self.busy.get(s, 0.0) for s in SERVICES},
+            "spans": [vars(s) for s in self.spans if s.t1 >= since],
+            "samples": [s for s in self.samples if s["t"] >= since],
+            "group_sizes": list(self.group_sizes),
+            "group_waits": list(self.group_waits),
+            "weight_sync": {t: dict(v) for t, v in self.weight_sync.items()},
+            "signals": dict(self.counts),
+        }
+
+
+class PrometheusCollector:
+    """Control and system signals as Prometheus metrics on the scheduler's ``/metrics``."""
+
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        p = self.plugin
+        st = p.status()
+        g = {name: GaugeMetricFamily(f"nexus_{name}", doc, labels=labels) for name, doc, labels in (
+            ("tenant_version", "Policy version per tenant", ["tenant"]),
+            ("tenant_inflight", "Training items admitted (reserved + queued + running)", ["tenant"]),
+            ("queue_depth", "Items waiting per queue and tenant", ["queue", "tenant"]),
+            ("queue_version_lag", "Largest version lag of a tenant's queued RL batches", ["tenant"]),
+            ("worker_seconds_since_heartbeat", "Seconds since a worker's last heartbeat", ["worker"]),
+        )}
+        c = {name: CounterMetricFamily(f"nexus_{name}", doc, labels=labels) for name, doc, labels in (
+            ("stale_batches_dropped", "RL batches dropped as stale", ["tenant"]),
+            ("metered_device_seconds", "Device-seconds charged to a tenant per service", ["tenant", "service"]),
+            ("service_busy_seconds", "Measured busy time per service", ["service"]),
+            ("weight_sync_bytes", "Bytes of head weights pushed to inference", ["tenant"]),
+            ("weight_sync_seconds", "Time spent pushing head weights to inference", ["tenant"]),
+            ("inference_groups", "Grouped inference forwards", []),
+        )}
+        for t in st["tenants"]:
+            g["tenant_version"].add_metric([t["tenant"]], t["version"])
+            g["tenant_inflight"].add_metric([t["tenant"]], t["inflight"])
+            g["queue_depth"].add_metric(["training", t["tenant"]], t["queued"])
+            c["stale_batches_dropped"].add_metric([t["tenant"]], t["dropped_stale"])
+        for tenant, lag in st["training_queue"]["lag"].items():
+            g["queue_version_lag"].add_metric([tenant], lag)
+        for w in st["workers"]:
+            g["worker_seconds_since_heartbeat"].add_metric([w["name"]], w["since_heartbeat_s"])
+        mon = p.monitoring
+        for tenant, per in mon.metering_table().items():
+            for service, s in per.items():
+                c["metered_device_seconds"].add_metric([tenant, service], s)
+        for service in SERVICES:
+            c["service_busy_seconds"].add_metric([service], mon.busy.get(service, 0.0))
+        for tenant, ws in mon.weight_sync.items():
+            c["weight_sync_bytes"].add_metric([tenant], ws.get("bytes", 0.0))
+            c["weight_sync_seconds"].add_metric([tenant], ws.get("seconds", 0.0))
+        c["inference_groups"].add_metric([], mon.counts.get("inference_groups", 0))
+        yield from g.values()
+        yield from c.values()
