@@ -21,7 +21,6 @@ from pathlib import Path
 
 from nexus.config import ENV_VAR, ServiceConfig
 
-
 _DIST_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
