@@ -183,12 +183,14 @@ class Tenant:
 
         ``batch``: ``observations`` (list of :class:`Observation`), ``actions`` [N, A]; for
         ``loss="ppo"`` also ``logprobs``, ``advantages``, ``returns`` [N] and optional ``ppo``
+        (``loss="grpo"``: see ``nexus.training_service._run_op`` for its fields)
         (a PPOConfig dict). The batch goes to a worker directly; the scheduler sees its name only.
         """
         def run() -> dict[str, Any]:
             client = self.nexus.client
             name = f"nexus-op-{self.name}-{uuid.uuid4().hex[:12]}"
-            fut = client.scatter(batch, direct=False, hash=False)  # a unique key per call
+            # a list, so the whole dict is one datum under a fresh key (a dict would scatter per key)
+            (fut,) = client.scatter([batch], direct=False, hash=False)
             client.publish_dataset(fut, name=name)
             try:
                 return self.nexus.call("nexus_op", tenant=self.name, verb="forward_backward", data=name,

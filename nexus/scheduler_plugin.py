@@ -264,8 +264,8 @@ class NexusPlugin(SchedulerPlugin):
         """
         if verb not in ("forward_backward", "optim_step", "save_weights"):
             raise SpecError(f"unknown op {verb!r}: forward_backward, optim_step or save_weights")
-        if verb == "forward_backward" and loss not in ("sft", "ppo"):
-            raise SpecError(f"unknown loss {loss!r}: 'sft' or 'ppo'")
+        if verb == "forward_backward" and loss not in ("sft", "ppo", "grpo"):
+            raise SpecError(f"unknown loss {loss!r}: 'sft', 'ppo' or 'grpo'")
         t = self._tenant(tenant)
         client = await self._get_client()
         fut = None

@@ -16,6 +16,7 @@ Repetitions alternate grouped and serial (ABBA order) so drift hits both; median
 
     python experiments/group_batching/bench.py                    # CPU, one torch thread (~10 min)
     python experiments/group_batching/bench.py --device cuda      # GPU: bf16, larger backbones, 224 px
+    python experiments/group_batching/bench.py --replot experiments/group_batching/results_cpu.json
 """
 
 from __future__ import annotations
@@ -139,12 +140,22 @@ class FamilyBench:
         calls0 = self.backbone.forward_calls
         self.forward(reqs, True)
         calls_grouped = self.backbone.forward_calls - calls0
+        # token slots the text model runs over (real + padding): one left-padded batch vs one per tenant
+        slots_grouped = self.token_slots([f for _, f in reqs])
+        slots_serial = sum(self.token_slots([f for t, f in reqs if t == name])
+                           for name in dict.fromkeys(t for t, _ in reqs))
         med = {k: statistics.median(v) for k, v in times.items()}
         return {"family": self.family, "tenants": n_tenants, "batch": batch, "samples": n_tenants * batch,
                 "forward_grouped_s": med["fg"], "forward_serial_s": med["fs"],
                 "forward_speedup": med["fs"] / med["fg"],
                 "step_grouped_s": med["sg"], "step_serial_s": med["ss"], "step_speedup": med["ss"] / med["sg"],
-                "backbone_calls_grouped": calls_grouped, "backbone_calls_serial": n_tenants}
+                "backbone_calls_grouped": calls_grouped, "backbone_calls_serial": n_tenants,
+                "token_slots_grouped": slots_grouped, "token_slots_serial": slots_serial,
+                "padding_overhead": slots_grouped / slots_serial - 1.0}
+
+    def token_slots(self, feats: list) -> int:
+        ids = self.backbone.family.prepare(feats)["input_ids"]
+        return int(ids.shape[0] * ids.shape[1])
 
 
 def print_tables(results: list[dict], tenants: list[int], batches: list[int]) -> None:
@@ -175,23 +186,26 @@ def plot(results: list[dict], tenants: list[int], batches: list[int], device: st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
 
     paths = []
     for family in FAMILIES:
         rows = [r for r in results if r["family"] == family]
         if not rows:
             continue
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+        fig, axes = plt.subplots(1, 2, figsize=(9.5, 4.3), layout="constrained")
         for ax, key, title in ((axes[0], "forward_speedup", "shared-backbone forward"),
                                (axes[1], "step_speedup", "whole train step")):
             grid = np.full((len(tenants), len(batches)), np.nan)
             for r in rows:
                 grid[tenants.index(r["tenants"]), batches.index(r["batch"])] = r[key]
-            im = ax.imshow(grid, origin="lower", cmap="viridis", vmin=1.0, vmax=max(2.0, np.nanmax(grid)))
+            # diverging around 1x: blue where grouping pays, red where it costs
+            norm = TwoSlopeNorm(vmin=min(0.5, np.nanmin(grid)), vcenter=1.0, vmax=max(2.0, np.nanmax(grid)))
+            im = ax.imshow(grid, origin="lower", cmap="RdBu", norm=norm)
             for i in range(len(tenants)):
                 for j in range(len(batches)):
                     if np.isfinite(grid[i, j]):
-                        ax.text(j, i, f"{grid[i, j]:.2f}x", ha="center", va="center", color="w", fontsize=9)
+                        ax.text(j, i, f"{grid[i, j]:.2f}x", ha="center", va="center", color="k", fontsize=9)
             ax.set_xticks(range(len(batches)), batches)
             ax.set_yticks(range(len(tenants)), tenants)
             ax.set_xlabel("local batch per tenant")
@@ -200,7 +214,6 @@ def plot(results: list[dict], tenants: list[int], batches: list[int], device: st
             fig.colorbar(im, ax=ax, shrink=0.8)
         fig.suptitle(f"{LABEL[family]}: grouped vs one call per tenant ({device}); paper 8x4: "
                      f"{PAPER_8X4[family]:.2f}x")
-        fig.tight_layout()
         path = out_dir / f"heatmap_{family}_{device}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -214,11 +227,19 @@ def main() -> None:
     ap.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     ap.add_argument("--tenants", nargs="+", type=int, default=[2, 4, 6, 8])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
-    ap.add_argument("--reps", type=int, default=5, help="timed repetitions per mode (medians compared)")
+    ap.add_argument("--reps", type=int, default=7, help="timed repetitions per mode (medians compared)")
     ap.add_argument("--hidden-dim", type=int, default=None, help="action-module width (default: per device)")
     ap.add_argument("--size", default=None, help="backbone size preset (default: small on cpu, medium on cuda)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default: results_<device>.json here)")
+    ap.add_argument("--replot", type=Path, default=None, help="only redraw tables and plots from a results JSON")
     args = ap.parse_args()
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        res = saved["results"]
+        tenants, batches = sorted({r["tenants"] for r in res}), sorted({r["batch"] for r in res})
+        print_tables(res, tenants, batches)
+        print("\n".join(plot(res, tenants, batches, saved["meta"]["device"], HERE)))
+        return
 
     import torch
 
@@ -244,7 +265,7 @@ def main() -> None:
                 print(f"  {n} tenants x batch {b}: forward {r['forward_serial_s'] * 1e3:7.1f} -> "
                       f"{r['forward_grouped_s'] * 1e3:7.1f} ms ({r['forward_speedup']:.2f}x), step "
                       f"{r['step_serial_s'] * 1e3:7.1f} -> {r['step_grouped_s'] * 1e3:7.1f} ms "
-                      f"({r['step_speedup']:.2f}x)", flush=True)
+                      f"({r['step_speedup']:.2f}x), padding +{r['padding_overhead']:.0%}", flush=True)
         print(f"  ({time.time() - t0:.0f} s)")
         del bench
     print_tables(results, args.tenants, args.batches)

@@ -161,17 +161,23 @@ def plot(names, grouped, serial, rel, path: Path) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     steps = range(grouped.shape[1])
+    import numpy as np
+
+    exact = float((rel == 0).mean())
     for i, n in enumerate(names):
-        top.plot(steps, grouped[i], color=colours[i], lw=1.4, label=f"{n} grouped")
-        top.plot(steps, serial[i], color=colours[i], lw=1.4, ls=(0, (3, 3)), alpha=0.9, label=f"{n} serial")
-        bottom.semilogy(steps, rel[i] + 1e-12, color=colours[i], lw=1, label=n)
+        top.plot(steps, grouped[i], color=colours[i], lw=1.2, label=f"{n} grouped (line)")
+        top.plot(steps, serial[i], color=colours[i], ls="none", marker="o", ms=4, mfc="none", markevery=3,
+                 label=f"{n} serial (circles)")
+        nonzero = np.where(rel[i] > 0, rel[i], np.nan)  # exact equality has no place on a log axis
+        bottom.semilogy(steps, nonzero, color=colours[i], ls="none", marker=".", ms=4, label=n)
     top.set_ylabel("flow-matching SFT loss")
     top.set_yscale("log")
     top.set_title("4 π-style tenants (2 LIBERO-like, 2 CALVIN-like): grouped vs serial, same seeds")
     top.legend(ncol=2, fontsize=8)
     bottom.set_ylabel("|grouped − serial| / serial")
     bottom.set_xlabel("SFT step")
-    bottom.set_title(f"max relative difference {rel.max():.1e}", fontsize=10)
+    bottom.set_title(f"max relative difference {rel.max():.1e}; bit-identical at {exact:.0%} of the points "
+                     "(not drawn)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

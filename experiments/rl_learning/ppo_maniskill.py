@@ -6,7 +6,9 @@ shared frozen backbone + the tenant's preprocessor and policy (``VLAFramework.gr
 backbone forward per vector step), the tenant's DeepSpeed slot and the actor's update function
 (``nexus.training_service._ppo_update``: GAE + clipped PPO on a batch read back from the tenant's
 Arrow trajectory store). Each update: ``--episodes`` fresh episodes of the current policy, then PPO.
-Every ``--eval-every`` updates: deterministic episodes on held-out seeds (success rate, return).
+Every ``--eval-every`` updates: deterministic episodes on held-out seeds (success rate = success at any
+step of the episode, return). Episodes run their full length (``--terminate-on-success`` restores the
+catalog's early end).
 
     python experiments/rl_learning/ppo_maniskill.py                       # PushCube, 15 min budget
     python experiments/rl_learning/ppo_maniskill.py --budget-min 30 --env maniskill/pickcube-state
@@ -15,6 +17,7 @@ Every ``--eval-every`` updates: deterministic episodes on held-out seeds (succes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -61,6 +64,10 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--minibatch", type=int, default=200)
     ap.add_argument("--target-kl", type=float, default=0.1, help="PPO early stop per update (CleanRL / ManiSkill)")
+    ap.add_argument("--terminate-on-success", action="store_true",
+                    help="end episodes at success (the catalog default); off: fixed-length episodes, as ManiSkill's "
+                         "PPO baseline trains — with termination and a dense reward, succeeding early forfeits the "
+                         "remaining steps' reward, so PPO learns to hover next to the goal instead")
     args = ap.parse_args()
 
     import torch
@@ -80,7 +87,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="nexus-rl-"))
     os.environ[ENV_VAR] = str(ServiceConfig(root=str(work)).save(work / "service.json"))  # tiny Qwen3-VL, 64 px
     svc = training_service.TrainingModelService()
-    entry = catalog.env(args.env)
+    entry = dataclasses.replace(catalog.env(args.env), terminate_on_success=args.terminate_on_success)
     name = "ppo"
     spec = TenantSpec(name=name, env=args.env, action_head="oft", lr=args.lr, grad_clip=0.5, seed=args.seed)
     slot = svc.slots[name] = TenantSlot(spec, entry.schema, svc.feat_dim, grad_clip=spec.grad_clip)
@@ -165,8 +172,11 @@ def plot(curve: list[dict], evals: list[dict], env: str, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax in (a, b):
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:.0f}k"))
     steps = [c["env_steps"] for c in curve]
     a.plot(steps, [c["train_return"] for c in curve], lw=0.8, alpha=0.5, label="training episodes (sampled)")
     a.plot([e["env_steps"] for e in evals], [e["mean_return"] for e in evals], "o-", label="eval (deterministic)")

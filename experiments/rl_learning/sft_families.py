@@ -10,7 +10,7 @@ deterministic action chunk (Gaussian mean; flow integrated from zero noise) agai
 After training each policy also runs ``--env-episodes`` deterministic episodes in the simulator
 (first action of each chunk), as a sanity check of closed-loop behaviour.
 
-    python experiments/rl_learning/sft_families.py                   # ~5 min on CPU
+    python experiments/rl_learning/sft_families.py                   # ~4 min on CPU
 """
 
 from __future__ import annotations
@@ -127,12 +127,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", default="pickcube-scripted")
     ap.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=4)
     ap.add_argument("--hidden-dim", type=int, default=128)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--env-episodes", type=int, default=20, help="0: skip the closed-loop check")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
