@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ class PolicyOutput:
     version: int = 0
 
 
-class SimEnv:
+class SimEnv(ABC):
     """One simulator instance of a catalog env (one episode at a time); subclasses implement one simulator."""
 
     num_envs = 1
@@ -57,13 +58,15 @@ class SimEnv:
         a = self.entry.schema.action_dim
         return -np.ones(a, np.float32), np.ones(a, np.float32)
 
+    @abstractmethod
     def reset(self, seed: int | None = None) -> Observation:
-        raise NotImplementedError
+        """Start an episode and return its first observation."""
 
+    @abstractmethod
     def step(self, action: np.ndarray) -> StepResult:
-        raise NotImplementedError
+        """Apply one action (already within ``action_bounds``)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook: not every simulator holds resources)
         """Release the simulator; the instance is unusable afterwards."""
 
     def __enter__(self) -> SimEnv:
