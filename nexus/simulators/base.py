@@ -36,13 +36,10 @@ class PolicyOutput:
     version: int = 0
 
 
-class SimEnv(ABC):
-    """One simulator instance of a catalog env (one episode at a time); subclasses implement one simulator."""
+class CatalogEnv:
+    """What every environment of a catalog entry exposes, single or batched."""
 
-    num_envs = 1
-
-    def __init__(self, entry: EnvEntry) -> None:
-        self.entry = entry
+    entry: EnvEntry
 
     @property
     def schema(self) -> TenantSchema:
@@ -51,6 +48,27 @@ class SimEnv(ABC):
     @property
     def max_episode_steps(self) -> int:
         return self.entry.max_episode_steps
+
+
+class BatchedSimEnv(CatalogEnv):
+    """Base of ``num_envs`` sub-environments driven together (``reset_some`` / ``step``)."""
+
+    num_envs: int
+    _low: np.ndarray
+    _high: np.ndarray
+
+    @property
+    def action_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._low, self._high
+
+
+class SimEnv(CatalogEnv, ABC):
+    """One simulator instance of a catalog env (one episode at a time); subclasses implement one simulator."""
+
+    num_envs = 1
+
+    def __init__(self, entry: EnvEntry) -> None:
+        self.entry = entry
 
     @property
     def action_bounds(self) -> tuple[np.ndarray, np.ndarray]:

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from nexus.catalog import CatalogError, EnvEntry
-from nexus.features import Observation, TenantSchema
+from nexus.features import Observation
 from nexus.simulators.base import (
+    BatchedSimEnv,
     EnvSchemaError,
     SimEnv,
     StepResult,
@@ -159,7 +160,7 @@ class ManiSkillEnv(SimEnv):
             env.close()
 
 
-class ManiSkillBatchedEnv:
+class ManiSkillBatchedEnv(BatchedSimEnv):
     """``num_envs`` sub-scenes of one task in one GPU (``physx_cuda``) simulation.
 
     Speaks the batched interface of :mod:`nexus.simulators.vector` (``reset_some``, ``step``), so
@@ -180,18 +181,6 @@ class ManiSkillBatchedEnv:
         self._maps = [_ObservationMapper(entry) for _ in range(num_envs)]
         self._seeds = [0] * num_envs
         self._checked = False
-
-    @property
-    def schema(self) -> TenantSchema:
-        return self.entry.schema
-
-    @property
-    def max_episode_steps(self) -> int:
-        return self.entry.max_episode_steps
-
-    @property
-    def action_bounds(self) -> tuple[np.ndarray, np.ndarray]:
-        return self._low, self._high
 
     def reset_some(self, seeds: dict[int, int | None]) -> dict[int, Observation]:
         idx = sorted(seeds)

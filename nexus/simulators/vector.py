@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from nexus.catalog import EnvEntry
-from nexus.features import Observation, TenantSchema
-from nexus.simulators.base import StepResult
+from nexus.features import Observation
+from nexus.simulators.base import BatchedSimEnv, StepResult
 
 IMAGE_PREFIX = "image."
 
@@ -84,7 +84,7 @@ def _new_gym_env(entry: EnvEntry) -> Any:
     return _gym_env_class()(entry)
 
 
-class VectorSimEnv:
+class VectorSimEnv(BatchedSimEnv):
     """``num_envs`` sub-environments of one catalog env behind a gymnasium vector env (CPU)."""
 
     def __init__(self, entry: EnvEntry, num_envs: int, mode: str = "async", context: str = "forkserver") -> None:
@@ -111,18 +111,6 @@ class VectorSimEnv:
         self._high = np.asarray(space.high, np.float32)
         self._cams = [c.name for c in entry.schema.cameras]
         self._ended = np.zeros(num_envs, bool)  # sub-envs whose episode ended and that were not reset yet
-
-    @property
-    def schema(self) -> TenantSchema:
-        return self.entry.schema
-
-    @property
-    def max_episode_steps(self) -> int:
-        return self.entry.max_episode_steps
-
-    @property
-    def action_bounds(self) -> tuple[np.ndarray, np.ndarray]:
-        return self._low, self._high
 
     def reset_some(self, seeds: dict[int, int | None]) -> dict[int, Observation]:
         """Reset the slots in ``seeds`` (slot -> episode seed); the other slots keep their state."""
