@@ -1,7 +1,9 @@
 """JoyNexus: a multi-tenant post-training service for vision-language-action robot policies.
 
-Importing ``nexus`` is cheap and never imports torch: the scheduler process imports the
-control-plane modules only (spec, catalog, queues, scheduler_plugin).
+Layers: ``nexus.control`` (scheduler side: never imports torch), ``nexus.services`` (worker side),
+``nexus.model`` / ``nexus.algorithms`` (what workers compute), ``nexus.data`` (what they read and write),
+``nexus.client`` (what a tenant runs). ``spec``, ``config``, ``features``, ``catalog`` and ``signals``
+are plain shared types. Importing ``nexus`` is cheap and never imports torch.
 """
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """The embedded default deployment: a local Dask cluster of separate processes.
 
-* scheduler: ``dask scheduler --preload nexus.scheduler_plugin`` (Master + queues, no torch)
+* scheduler: ``dask scheduler --preload nexus.control.plugin`` (Master + queues, no torch)
 * ``sim-i``: simulator workers, resource ``SIM=1`` each (one simulator process per core)
 * ``actor-0``: the training model service, resource ``ACTOR=1``
 * ``infer-0``: the inference model service (and the MLflow tracker), resource ``INFER=1``
@@ -81,7 +81,7 @@ class LocalService:
         self._spawn("scheduler", ["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
                                   "--dashboard-address", self.dashboard_address,
                                   "--scheduler-file", str(self.scheduler_file),
-                                  "--preload", "nexus.scheduler_plugin"])
+                                  "--preload", "nexus.control.plugin"])
         t0 = time.time()
         while not self.scheduler_file.exists():
             if self.procs[0].poll() is not None or time.time() - t0 > timeout:

@@ -15,7 +15,8 @@ import torch
 
 from nexus import catalog
 from nexus.catalog import CatalogError
-from nexus.environment_service import (
+from nexus.features import Observation
+from nexus.services.environment import (
     EnvSchemaError,
     PolicyOutput,
     SimEnv,
@@ -24,7 +25,6 @@ from nexus.environment_service import (
     episode_stats,
     make_env,
 )
-from nexus.features import Observation
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -237,7 +237,7 @@ def test_refused_and_unknown_envs_raise_catalog_error():
 def test_a_task_whose_assets_are_missing_is_refused_at_run_time_without_a_prompt():
     """Even a task that slipped past the catalog never prompts or downloads: it is refused."""
     entry = dataclasses.replace(catalog.env("maniskill/pickcube-state"), env_id="PickSingleYCB-v1")
-    code = ("import dataclasses, sys\nfrom nexus import catalog\nfrom nexus.environment_service import make_env\n"
+    code = ("import dataclasses, sys\nfrom nexus import catalog\nfrom nexus.services.environment import make_env\n"
             "e = dataclasses.replace(catalog.env('maniskill/pickcube-state'), env_id='PickSingleYCB-v1')\n"
             "try:\n    make_env(e, device='cpu')\nexcept catalog.CatalogError as err:\n    print('REFUSED', err)\n")
     # no stdin: a prompt would fail with EOFError instead of being answered
@@ -265,8 +265,8 @@ def test_schema_mismatch_is_reported(name, wrong, match):
 
 
 def test_importing_the_service_does_not_import_the_simulator():
-    code = ("import sys, nexus.environment_service, nexus.trajectory_store, nexus.offline_dataset, "
-            "nexus.lerobot_format; "
+    code = ("import sys, nexus.services.environment, nexus.data.trajectory_store, nexus.data.offline_dataset, "
+            "nexus.data.lerobot_format; "
             "bad = [m for m in ('mani_skill', 'sapien', 'robosuite', 'mujoco', 'torch') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,8 +8,8 @@ import torch
 
 from nexus.algorithms.grpo import GRPOConfig, group_advantages, grpo_loss
 from nexus.algorithms.sft import ActionChunks, sft_loss
+from nexus.control.validation import SpecError, validate_job
 from nexus.features import TenantSchema
-from nexus.master import SpecError, validate_job
 from nexus.model.backbone import BackboneConfig
 from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.flow_matching import FlowConfig, integrate, interpolate, sample_tau
@@ -17,8 +17,8 @@ from nexus.model.framework import VLAFramework
 from nexus.model.policy import TenantPolicy
 from nexus.model.preprocessor import TenantPreprocessor
 from nexus.model.synthetic_tenants import CALVIN_LIKE, LIBERO_LIKE, SyntheticTenant
+from nexus.services.tenant_slot import TenantSlot
 from nexus.spec import TenantSpec
-from nexus.tenant_slot import TenantSlot
 
 torch.set_num_threads(1)
 
@@ -287,7 +287,7 @@ def test_rl_is_refused_for_flow_families_and_chunks():
 
 def test_inference_engine_serves_every_family(tiny_backbone, tiny_paligemma, tmp_path):
     """``InferenceEngine._forward``: mixed families and backbones in one group; chunks -> first action."""
-    from nexus.inference_service import InferenceEngine, _Request
+    from nexus.services.inference import InferenceEngine, _Request
 
     engine = InferenceEngine({"root": str(tmp_path)})
     fw = engine._framework = VLAFramework(tiny_backbone, tiny_paligemma)
@@ -349,8 +349,9 @@ def test_grpo_group_advantages_and_loss(framework):
 
 def test_service_sft_update_trains_a_chunked_flow_tenant(tmp_path, monkeypatch):
     """``training_service._sft_update`` on the recorded PickCube demos: π expert, chunk 4, held-out error."""
-    from nexus import catalog, training_service
+    from nexus import catalog
     from nexus.config import ENV_VAR, ServiceConfig
+    from nexus.services import training as training_service
 
     cfg = ServiceConfig(root=str(tmp_path), backbone={"family": "paligemma", "size": "tiny", "image_size": 64})
     monkeypatch.setenv(ENV_VAR, str(cfg.save(tmp_path / "service.json")))

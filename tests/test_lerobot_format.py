@@ -12,9 +12,9 @@ import pytest
 
 from nexus import catalog
 from nexus.catalog import DatasetEntry
+from nexus.data.lerobot_format import LeRobotDataset, LeRobotFormatError, camera_feature, write_lerobot
+from nexus.data.offline_dataset import OfflineDataset
 from nexus.features import CameraSpec, TenantSchema
-from nexus.lerobot_format import LeRobotDataset, LeRobotFormatError, camera_feature, write_lerobot
-from nexus.offline_dataset import OfflineDataset
 
 SCHEMA = TenantSchema(proprio_dim=5, action_dim=3, cameras=(CameraSpec("front", 32, 48), CameraSpec("wrist", 16, 16)),
                       instruction="put the block in the bowl")

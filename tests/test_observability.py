@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from nexus.api import Nexus
-from nexus.cli import main as cli
+from nexus.client.api import Nexus
+from nexus.client.cli import main as cli
 from nexus.spec import TenantSpec
 
 pytestmark = pytest.mark.cluster

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from nexus.api import Nexus
-from nexus.output_dir import TenantOutputDir
+from nexus.client.api import Nexus
+from nexus.data.output_dir import TenantOutputDir
 from nexus.spec import TenantSpec
 
 pytestmark = pytest.mark.cluster

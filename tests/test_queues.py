@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nexus.queues import AdmissionError, GroupBatcher, TenantLimits, TrainingItem, TrainingQueue
+from nexus.control.queues import AdmissionError, TenantLimits, TrainingItem, TrainingQueue
+from nexus.services.batching import GroupBatcher
 
 
 def _queue(**limits: TenantLimits) -> TrainingQueue:

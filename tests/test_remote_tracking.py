@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from nexus.api import Nexus
+from nexus.client.api import Nexus
 from nexus.spec import TenantSpec
 
 pytestmark = pytest.mark.cluster

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nexus import catalog
-from nexus.environment_service import make_env
+from nexus.services.environment import make_env
 from nexus.simulators.robosuite import quat_to_axisangle
 
 torch.set_num_threads(1)

@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from nexus.api import Nexus
+from nexus.client.api import Nexus
 from nexus.config import ServiceConfig
+from nexus.control.validation import SpecError
 from nexus.features import Observation
-from nexus.master import SpecError
 from nexus.spec import TenantSpec
 
 pytestmark = pytest.mark.cluster
@@ -51,9 +51,9 @@ def test_invalid_spec_rejected_and_no_slot_taken(nx, spec, message):
 
 
 def test_rl_versions_advance_and_trajectories_carry_versions(nx):
-    from nexus.master import schema_from_dict
-    from nexus.output_dir import TenantOutputDir
-    from nexus.trajectory_store import TrajectoryStore
+    from nexus.control.validation import schema_from_dict
+    from nexus.data.output_dir import TenantOutputDir
+    from nexus.data.trajectory_store import TrajectoryStore
 
     t = nx.create_tenant(TenantSpec(name="rl-a", env="maniskill/pushcube-state", action_dim=4, seed=5))
     v0 = t.version
@@ -116,7 +116,7 @@ def test_eval_creates_no_training_queue_entries(nx):
 
 def test_low_level_api_futures(nx):
     from nexus import catalog
-    from nexus.offline_dataset import OfflineDataset
+    from nexus.data.offline_dataset import OfflineDataset
 
     t = nx.create_tenant(TenantSpec(name="tinker", dataset="pickcube-scripted", action_dim=4, seed=9))
     ds = OfflineDataset(catalog.dataset("pickcube-scripted"))
@@ -176,7 +176,7 @@ def test_predict_observation_goes_direct_to_engine(nx):
 def test_state_route_and_cli_status(nx, capsys):
     import urllib.request
 
-    from nexus.cli import main
+    from nexus.client.cli import main
 
     nx.create_tenant(TenantSpec(name="probe", env="maniskill/pushcube-state", seed=12))
     url = nx.dashboard_link.replace("/status", "/nexus/api/state")

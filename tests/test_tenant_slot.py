@@ -11,8 +11,8 @@ from nexus.algorithms.sft import sft_loss
 from nexus.features import CameraSpec, Observation, TenantSchema
 from nexus.model.backbone import BackboneConfig
 from nexus.model.preprocessor import TenantPreprocessor
+from nexus.services.tenant_slot import TenantSlot, ensure_distributed
 from nexus.spec import PPOConfig, TenantSpec
-from nexus.tenant_slot import TenantSlot, ensure_distributed
 
 torch.set_num_threads(1)
 

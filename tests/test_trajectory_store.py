@@ -15,9 +15,8 @@ import torch
 
 from nexus import catalog
 from nexus.catalog import DatasetEntry
-from nexus.features import CameraSpec, TenantSchema
-from nexus.offline_dataset import DatasetMissingError, OfflineDataset
-from nexus.trajectory_store import (
+from nexus.data.offline_dataset import DatasetMissingError, OfflineDataset
+from nexus.data.trajectory_store import (
     BatchRef,
     TrajectoryStore,
     columns_to_table,
@@ -30,6 +29,7 @@ from nexus.trajectory_store import (
     trajectory_schema,
     write_ipc,
 )
+from nexus.features import CameraSpec, TenantSchema
 
 torch.set_num_threads(1)
 
@@ -178,7 +178,7 @@ def test_batch_ref_serializes(tmp_path):
 
 
 def test_collected_rollout_round_trips(tmp_path):
-    from nexus.environment_service import PolicyOutput, collect_episodes, make_env
+    from nexus.services.environment import PolicyOutput, collect_episodes, make_env
 
     entry = catalog.env("maniskill/pushcube-state")
     env = make_env(entry, seed=0)

@@ -7,16 +7,16 @@ import json
 
 import pytest
 
-from nexus.api import Nexus
+from nexus.client.api import Nexus
 from nexus.spec import TenantSpec
 
 pytestmark = pytest.mark.cluster
 
 
 def test_tenants_on_two_simulators_share_one_cluster(tmp_path):
-    from nexus.master import schema_from_dict
-    from nexus.output_dir import TenantOutputDir
-    from nexus.trajectory_store import TrajectoryStore, table_arrays
+    from nexus.control.validation import schema_from_dict
+    from nexus.data.output_dir import TenantOutputDir
+    from nexus.data.trajectory_store import TrajectoryStore, table_arrays
 
     with Nexus.local(tmp_path, n_sim=2, infer_max_wait_s=0.005) as nx:
         # a vector-env catalog task: two sub-envs per rollout task, one batched policy call per step

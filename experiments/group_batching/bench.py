@@ -60,8 +60,8 @@ class FamilyBench:
         from nexus.model.framework import VLAFramework
         from nexus.model.preprocessor import TenantPreprocessor
         from nexus.model.synthetic_tenants import SyntheticTenant, tenant_schemas
+        from nexus.services.tenant_slot import TenantSlot
         from nexus.spec import TenantSpec
-        from nexus.tenant_slot import TenantSlot
 
         self.family, self.device = family, device
         self.cfg = BackboneConfig(family=BACKBONE[family], device=device, **{**PRESETS[device], **(

@@ -37,8 +37,8 @@ def build(args):
     from nexus.model.framework import VLAFramework
     from nexus.model.preprocessor import TenantPreprocessor
     from nexus.model.synthetic_tenants import CALVIN_LIKE, LIBERO_LIKE, SyntheticTenant
+    from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import TenantSpec
-    from nexus.tenant_slot import TenantSlot
 
     cfg = BackboneConfig(family="paligemma", size=args.size, image_size=args.image_size, dtype=args.dtype,
                          device=args.device)

@@ -4,7 +4,7 @@ One process drives the service's own pieces directly (no Dask cluster): the Envi
 (``make_env`` with ``num_envs`` sub-environments in their own processes, ``collect_episodes``), the
 shared frozen backbone + the tenant's preprocessor and policy (``VLAFramework.group_act``: one grouped
 backbone forward per vector step), the tenant's DeepSpeed slot and the actor's update function
-(``nexus.training_service._ppo_update``: GAE + clipped PPO on a batch read back from the tenant's
+(``nexus.services.training._ppo_update``: GAE + clipped PPO on a batch read back from the tenant's
 Arrow trajectory store). Each update: ``--episodes`` fresh episodes of the current policy, then PPO.
 Every ``--eval-every`` updates: deterministic episodes on held-out seeds (success rate = success at any
 step of the episode, return). Episodes run their full length (``--terminate-on-success`` restores the
@@ -39,7 +39,7 @@ class Policy:
         self.framework, self.tenant, self.deterministic, self.version = framework, tenant, deterministic, version
 
     def batch(self, observations: list) -> list:
-        from nexus.environment_service import PolicyOutput
+        from nexus.services.environment import PolicyOutput
 
         outs = self.framework.group_act([(self.tenant, o) for o in observations], self.deterministic)
         return [PolicyOutput(action=o["raw_action"], logprob=o["logprob"], value=o["value"], version=self.version)
@@ -72,13 +72,14 @@ def main() -> None:
 
     import torch
 
-    from nexus import catalog, training_service
+    from nexus import catalog
     from nexus.config import ENV_VAR, ServiceConfig
-    from nexus.environment_service import collect_episodes, episode_stats, make_env
+    from nexus.data.trajectory_store import TrajectoryStore
     from nexus.model.preprocessor import TenantPreprocessor
+    from nexus.services import training as training_service
+    from nexus.services.environment import collect_episodes, episode_stats, make_env
+    from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import PPOConfig, TenantSpec
-    from nexus.tenant_slot import TenantSlot
-    from nexus.trajectory_store import TrajectoryStore
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)

@@ -1,9 +1,9 @@
 """SFT is real for every action-module family: held-out action error on recorded ManiSkill demonstrations.
 
 Each family (OFT, GR00T, π) is trained on ``datasets/pickcube-scripted`` (scripted PickCube expert,
-state observations, 4-dim end-effector actions; ``nexus.offline_dataset.OfflineDataset`` with its
+state observations, 4-dim end-effector actions; ``nexus.data.offline_dataset.OfflineDataset`` with its
 episode-level held-out split) through the actor's own update function, in one process:
-``nexus.training_service._sft_update`` on a ``TrainingModelService`` whose backbone is the family's
+``nexus.services.training._sft_update`` on a ``TrainingModelService`` whose backbone is the family's
 (Qwen3-VL for OFT / GR00T, PaliGemma for π), with the tenant's DeepSpeed slot. Targets are action chunks
 (``--chunk`` steps, padded with the episode's last action). Held-out error is the MSE of the
 deterministic action chunk (Gaussian mean; flow integrated from zero noise) against the demonstrations.
@@ -36,11 +36,11 @@ def train_family(family: str, args) -> dict:
     import numpy as np
     import torch
 
-    from nexus import training_service
     from nexus.config import ENV_VAR, ServiceConfig
     from nexus.model.preprocessor import TenantPreprocessor
+    from nexus.services import training as training_service
+    from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import TenantSpec
-    from nexus.tenant_slot import TenantSlot
 
     work = Path(tempfile.mkdtemp(prefix=f"nexus-sft-{family}-"))
     cfg = ServiceConfig(root=str(work), backbone={"family": BACKBONE[family], "size": "tiny"})
@@ -86,7 +86,7 @@ def train_family(family: str, args) -> dict:
 def rollout(svc, name: str, args) -> dict:
     """Deterministic episodes in the dataset's env: the first action of each predicted chunk is executed."""
     from nexus import catalog
-    from nexus.environment_service import PolicyOutput, collect_episodes, episode_stats, make_env
+    from nexus.services.environment import PolicyOutput, collect_episodes, episode_stats, make_env
 
     entry = catalog.env(catalog.dataset(args.dataset).env)
     env = make_env(entry, seed=0, num_envs=min(4, args.env_episodes))
@@ -112,7 +112,7 @@ def baselines(args) -> dict:
 
     from nexus import catalog
     from nexus.algorithms.sft import ActionChunks
-    from nexus.offline_dataset import OfflineDataset
+    from nexus.data.offline_dataset import OfflineDataset
 
     ds = OfflineDataset(catalog.dataset(args.dataset))
     train, held = ds.train(), ds.heldout()

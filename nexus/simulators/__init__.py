@@ -2,5 +2,5 @@
 
 Every module imports its simulator lazily (inside functions), so importing the package is cheap and
 control-plane processes may reference it. The public entry points are in
-:mod:`nexus.environment_service` (``make_env``, ``collect_episodes``).
+:mod:`nexus.services.environment` (``make_env``, ``collect_episodes``).
 """

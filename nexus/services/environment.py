@@ -5,7 +5,7 @@ raw, model-agnostic types (:class:`~nexus.features.Observation`); back-ends live
 ``nexus.simulators`` (ManiSkill3, robosuite). :func:`make_env` builds the env a catalog entry
 declares — one instance, a gymnasium vector env of ``num_envs`` CPU sub-envs, or a batched GPU
 simulation. :func:`collect_episodes` runs whole episodes with a policy callable on any of them and
-returns trajectory *columns* in the layout of :mod:`nexus.trajectory_store`, so a rollout task can
+returns trajectory *columns* in the layout of :mod:`nexus.data.trajectory_store`, so a rollout task can
 append them without reshaping.
 
 Simulator packages (ManiSkill, sapien, robosuite, torch) are imported lazily inside functions:
@@ -141,7 +141,7 @@ def collect_episodes(env: SimEnv | BatchedEnv, policy: Policy, episodes: int, se
     step for all running slots (one group-batched inference round trip).
 
     Per-step columns (length N, episodes contiguous and in id order) follow
-    :func:`nexus.trajectory_store.trajectory_schema`: tenant, episode, step, state,
+    :func:`nexus.data.trajectory_store.trajectory_schema`: tenant, episode, step, state,
     ``image.<camera>``, action (the policy's sample, whose logprob is recorded; the env receives it
     clipped to the action bounds), reward, terminated, truncated, success, logprob, value,
     policy_version. Per-episode summaries (length E) use the ``ep_`` prefix: ep_episode, ep_return,

@@ -11,14 +11,14 @@ from pathlib import Path
 
 
 def _demo(a: argparse.Namespace) -> int:
-    from nexus.demo import run_demo
+    from nexus.client.demo import run_demo
 
     infos = run_demo(a.root, rl_updates=a.rl_updates, sft_steps=a.sft_steps)
     return 0 if all(i["state"] == "done" for i in infos) else 1
 
 
 def _up(a: argparse.Namespace) -> int:
-    from nexus.api import Nexus
+    from nexus.client.api import Nexus
 
     nx = Nexus.local(a.root, n_sim=a.sim_workers, dashboard_address=a.dashboard)
     print(f"JoyNexus service up\n  scheduler: {nx.service.address}\n  dashboard: {nx.dashboard_link}\n"
@@ -40,7 +40,7 @@ def _up(a: argparse.Namespace) -> int:
 
 
 def _connect(a: argparse.Namespace):
-    from nexus.api import Nexus
+    from nexus.client.api import Nexus
 
     address = a.address or json.loads((Path(a.root) / "scheduler.json").read_text())["address"]
     return Nexus(address)
@@ -98,7 +98,7 @@ def _logs(a: argparse.Namespace) -> int:
 
 
 def _report(a: argparse.Namespace) -> int:
-    from nexus.report import write_report
+    from nexus.client.report import write_report
 
     with _connect(a) as nx:
         log = nx.call("nexus_tenant_log", tenant=a.tenant)

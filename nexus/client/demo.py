@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from nexus.api import Job, Nexus
+from nexus.client.api import Job, Nexus
 from nexus.spec import TenantSpec
 
 TENANTS = [

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from nexus.monitoring import emit
+from nexus.signals import emit
 
 _envs: dict[str, Any] = {}  # env name -> SimEnv, reused across tasks of this worker process
 _envs_lock = threading.Lock()
@@ -20,7 +20,7 @@ _envs_lock = threading.Lock()
 
 def _env(name: str):
     from nexus import catalog
-    from nexus.environment_service import make_env
+    from nexus.services.environment import make_env
 
     with _envs_lock:
         if name not in _envs:
@@ -36,10 +36,10 @@ def collect(tenant: str, env_name: str, output_dir: str, schema: dict, episodes:
     t_start = time.time()  # the whole task is the tenant's simulator time, imports included
     import torch
 
-    from nexus.environment_service import PolicyOutput, collect_episodes, episode_stats
-    from nexus.master import schema_from_dict
-    from nexus.output_dir import TenantOutputDir
-    from nexus.trajectory_store import TrajectoryStore
+    from nexus.control.validation import schema_from_dict
+    from nexus.data.output_dir import TenantOutputDir
+    from nexus.data.trajectory_store import TrajectoryStore
+    from nexus.services.environment import PolicyOutput, collect_episodes, episode_stats
 
     torch.set_num_threads(1)
     env = _env(env_name)
@@ -90,7 +90,7 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write_eval_report(output_dir: str, report: dict[str, Any]) -> str:
-    from nexus.output_dir import TenantOutputDir, atomic_write_bytes
+    from nexus.data.output_dir import TenantOutputDir, atomic_write_bytes
 
     path = TenantOutputDir(output_dir).eval_dir / f"{report['job']}-v{report['version']:06d}.json"
     atomic_write_bytes(path, json.dumps(report, indent=2).encode())

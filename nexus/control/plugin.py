@@ -23,13 +23,15 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
-from nexus import dashboard, rollout, tracking, training_service
 from nexus.config import ServiceConfig
+from nexus.control import dashboard
+from nexus.control.monitoring import SERVICES, TOPIC, MonitoringState, PrometheusCollector
+from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
+from nexus.control.validation import SpecError, schema_to_dict, validate_job, validate_tenant
 from nexus.features import TenantSchema
-from nexus.inference_service import InferenceEngine
-from nexus.master import SpecError, schema_to_dict, validate_job, validate_tenant
-from nexus.monitoring import SERVICES, TOPIC, MonitoringState, PrometheusCollector
-from nexus.queues import TenantLimits, TrainingItem, TrainingQueue
+from nexus.services import rollout, tracking
+from nexus.services import training as training_service
+from nexus.services.inference import InferenceEngine
 from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec
 
 logger = logging.getLogger("nexus.scheduler")
@@ -563,5 +565,5 @@ dashboard.register()  # at import (preload), before the scheduler builds its das
 
 
 def dask_setup(scheduler) -> None:
-    """Entry point of ``dask scheduler --preload nexus.scheduler_plugin``."""
+    """Entry point of ``dask scheduler --preload nexus.control.plugin``."""
     scheduler.add_plugin(NexusPlugin(ServiceConfig.load()))

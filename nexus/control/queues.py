@@ -1,12 +1,12 @@
-"""The two queues of the Master, as plain data structures (no torch, no I/O, no Dask).
+"""The training queue of the Master, as plain data structures (no torch, no I/O, no Dask).
 
 * :class:`TrainingQueue` — large, latency-tolerant work items (RL trajectory batches, SFT batches,
   low-level ops). Highest priority first, FIFO within a priority; a per-tenant admission cap
   (reserved + queued + running <= ``max_inflight``) gives producers back-pressure so one tenant
   cannot flood the queue; RL items whose policy version lags the tenant's current version by more
   than ``max_staleness`` are dropped (and counted) when they reach the head of the queue.
-* :class:`GroupBatcher` — the inference queue's firing rule: collect requests FIFO and fire a
-  group when the oldest request has waited ``max_wait_s`` (T) or the group reached ``max_batch`` (B).
+
+The inference queue's firing rule lives next to the model: :mod:`nexus.services.batching`.
 """
 
 from __future__ import annotations
@@ -159,36 +159,3 @@ class TrainingQueue:
             if it.kind == "rl":
                 out[it.tenant] = max(out.get(it.tenant, 0), versions.get(it.tenant, 0) - it.policy_version)
         return out
-
-
-@dataclass
-class GroupBatcher:
-    """Firing rule of the inference queue: max wait T (seconds) and target batch B."""
-
-    max_wait_s: float = 0.005
-    max_batch: int = 8
-    _pending: list[tuple[float, Any]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.max_wait_s < 0 or self.max_batch < 1:
-            raise ValueError("max_wait_s >= 0 and max_batch >= 1 required")
-
-    def add(self, request: Any, now: float | None = None) -> None:
-        self._pending.append((time.monotonic() if now is None else now, request))
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def due_in(self, now: float | None = None) -> float | None:
-        """Seconds until the group must fire (0 = now); None when nothing is pending."""
-        if not self._pending:
-            return None
-        if len(self._pending) >= self.max_batch:
-            return 0.0
-        now = time.monotonic() if now is None else now
-        return max(0.0, self._pending[0][0] + self.max_wait_s - now)
-
-    def take(self) -> list[Any]:
-        """The next group, oldest first, at most B requests."""
-        group, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
-        return [r for _, r in group]

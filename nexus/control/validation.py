@@ -11,14 +11,13 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from nexus import catalog
+from nexus.errors import SpecError
 from nexus.features import TenantSchema
 from nexus.spec import RL_ACTION_HEADS, JobSpec, TenantSpec
 
 _JOB = TypeAdapter(JobSpec)
 
-
-class SpecError(ValueError):
-    """A tenant or job specification that the service refuses; the message says why."""
+__all__ = ["SpecError", "schema_from_dict", "schema_to_dict", "validate_job", "validate_tenant"]
 
 
 def _pydantic_message(e: ValidationError) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from nexus.tracking import plot_history
+from nexus.services.tracking import plot_history
 
 LANE_ORDER = ("actor", "inference", "simulator")
 

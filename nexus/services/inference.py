@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nexus.config import ServiceConfig
-from nexus.monitoring import emit
-from nexus.queues import GroupBatcher
+from nexus.services.batching import GroupBatcher
+from nexus.signals import emit
 
 
 @dataclass
@@ -88,14 +88,14 @@ class InferenceEngine:
         return self._framework
 
     def _policy_from_bytes(self, tenant: str, weights: bytes):
-        from nexus.tenant_slot import TenantSlot
+        from nexus.services.tenant_slot import TenantSlot
 
         spec, schema = self._specs[tenant]
         return TenantSlot.load_weights_bytes(weights, spec, schema, self._fw().backbone.hidden_size)
 
     # -- weights and pins --------------------------------------------------------------------
     async def register_tenant(self, spec: dict, schema: dict, version: int, weights: bytes) -> int:
-        from nexus.master import schema_from_dict
+        from nexus.control.validation import schema_from_dict
         from nexus.model.preprocessor import TenantPreprocessor
         from nexus.spec import TenantSpec
 
@@ -128,7 +128,7 @@ class InferenceEngine:
             return version
 
         def load():
-            from nexus.output_dir import TenantOutputDir
+            from nexus.data.output_dir import TenantOutputDir
 
             live_version, live = self._live[tenant]
             if live_version == version:

@@ -2,7 +2,7 @@
 
 A dataset is declared by a manifest ``datasets/<name>.toml`` (see ``datasets/README.md``):
 
-* ``format = "arrow"``: folders of Arrow IPC files in :func:`nexus.trajectory_store.trajectory_schema`,
+* ``format = "arrow"``: folders of Arrow IPC files in :func:`nexus.data.trajectory_store.trajectory_schema`,
   so demonstrations recorded through the Environment Service and RL trajectories share one format
   (a manifest may point at a service's tenant folders and filter rows by tenant and policy version).
   Files are memory-mapped.
@@ -24,9 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from nexus.catalog import CatalogError, DatasetEntry
-from nexus.environment_service import episode_stats
-from nexus.features import Observation, TenantSchema
-from nexus.trajectory_store import (
+from nexus.data.trajectory_store import (
     SUFFIX,
     arrays_to_observations,
     read_ipc,
@@ -35,6 +33,8 @@ from nexus.trajectory_store import (
     table_arrays,
     trajectory_schema,
 )
+from nexus.features import Observation, TenantSchema
+from nexus.services.environment import episode_stats
 
 __all__ = ["DatasetMissingError", "OfflineDataset"]
 
@@ -171,7 +171,7 @@ def _load_lerobot(entry: DatasetEntry, cache_mb: int) -> tuple[dict[str, np.ndar
     concatenated; default ``observation.state``), ``action`` (default ``action``) and ``cameras``
     (our camera name -> feature; default ``observation.images.<camera>``).
     """
-    from nexus.lerobot_format import DONE, REWARD, SUCCESS, TRUNCATED, LeRobotDataset, camera_feature
+    from nexus.data.lerobot_format import DONE, REWARD, SUCCESS, TRUNCATED, LeRobotDataset, camera_feature
 
     if not (entry.path / "meta" / "info.json").is_file():
         raise _missing(entry, f"no LeRobot dataset (meta/info.json) in {entry.path}")

@@ -17,7 +17,7 @@ Frame columns: ``observation.state``, ``action``, ``timestamp``, ``frame_index``
 ``next.success``, ``next.truncated``). Camera features have dtype ``video`` (mp4, decoded here with
 PyAV; h264, AV1, HEVC, ...) or ``image`` (encoded PNG/JPEG bytes inside the parquet).
 
-:func:`write_lerobot` writes trajectory columns (the layout of ``nexus.trajectory_store``) in either
+:func:`write_lerobot` writes trajectory columns (the layout of ``nexus.data.trajectory_store``) in either
 layout; :class:`LeRobotDataset` reads any of the three layouts, from our writer or elsewhere.
 """
 
@@ -68,7 +68,7 @@ def write_lerobot(root: str | Path, columns: Mapping[str, np.ndarray], schema: T
                   overwrite: bool = False) -> Path:
     """Write trajectory columns (episodes contiguous) as a LeRobot dataset in ``layout``.
 
-    Columns as :func:`nexus.environment_service.collect_episodes` returns them (``state``,
+    Columns as :func:`nexus.services.environment.collect_episodes` returns them (``state``,
     ``action``, ``image.<camera>``, ``episode``, ``step``, ``reward``, ``terminated``, ``truncated``,
     ``success``). Every episode gets the schema's instruction as its task. Cameras become videos
     (``codec`` h264 / av1 / hevc, yuv420p, a key frame every 2 frames as LeRobot does).

@@ -5,7 +5,7 @@ Layout::
     manifest.json        spec, schema, versions, checkpoints, job history
     weights/vNNNNNN.pt   exported head weights of every policy version (inference pins load these)
     checkpoints/         DeepSpeed checkpoints (engine + optimizer state), one tag per saved version
-    trajectories/        Arrow IPC batches of rollouts (nexus.trajectory_store)
+    trajectories/        Arrow IPC batches of rollouts (nexus.data.trajectory_store)
     eval/                eval reports, one JSON per eval job
 
 Written only by workers (never by the scheduler process); every write is atomic (temp + rename).

@@ -1,6 +1,6 @@
 """Monitoring: the three kinds of signals of the paper, and per-tenant metering.
 
-Workers emit signals asynchronously as Dask events on the topic ``nexus-signal`` (:func:`emit`);
+Workers emit signals asynchronously as Dask events on the topic ``nexus-signal`` (:func:`nexus.signals.emit`);
 the scheduler plugin feeds every event to :class:`MonitoringState` (plain data, no I/O), which the
 dashboard page, the JSON route, Prometheus and the CLI read.
 
@@ -21,19 +21,9 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-TOPIC = "nexus-signal"
-SERVICES = ("actor", "inference", "simulator")
+from nexus.signals import SERVICES, TOPIC
 
-
-def emit(kind: str, **msg: Any) -> None:
-    """Send a signal from a worker task or actor (no-op outside a Dask worker)."""
-    from distributed import get_worker
-
-    try:
-        worker = get_worker()
-    except ValueError:
-        return
-    worker.log_event(TOPIC, {"kind": kind, "worker": worker.name, **msg})
+__all__ = ["SERVICES", "TOPIC", "MonitoringState", "PrometheusCollector", "Span"]
 
 
 @dataclass

@@ -18,12 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from nexus.config import ServiceConfig
+from nexus.errors import JobFailed, NotFound
 from nexus.features import Observation
 from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec
-
-
-class JobFailed(RuntimeError):
-    """A job ended in the ``failed`` state; the message carries the service's reason."""
 
 
 class Nexus:
@@ -82,7 +79,7 @@ class Nexus:
         for t in self.status()["tenants"]:
             if t["tenant"] == name:
                 return Tenant(self, name, t)
-        raise KeyError(f"unknown tenant {name!r}")
+        raise NotFound(f"unknown tenant {name!r}")
 
     def status(self) -> dict[str, Any]:
         return self.call("nexus_status")
@@ -183,7 +180,7 @@ class Tenant:
 
         ``batch``: ``observations`` (list of :class:`Observation`), ``actions`` [N, A]; for
         ``loss="ppo"`` also ``logprobs``, ``advantages``, ``returns`` [N] and optional ``ppo``
-        (``loss="grpo"``: see ``nexus.training_service._run_op`` for its fields)
+        (``loss="grpo"``: see ``nexus.services.training._run_op`` for its fields)
         (a PPOConfig dict). The batch goes to a worker directly; the scheduler sees its name only.
         """
         def run() -> dict[str, Any]:

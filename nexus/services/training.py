@@ -15,7 +15,7 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
-from nexus.monitoring import emit
+from nexus.signals import emit
 
 _lock = threading.Lock()
 _service: TrainingModelService | None = None
@@ -45,7 +45,7 @@ class TrainingModelService:
 
     def dataset(self, name: str):
         from nexus import catalog
-        from nexus.offline_dataset import OfflineDataset
+        from nexus.data.offline_dataset import OfflineDataset
 
         if name not in self.datasets:
             self.datasets[name] = OfflineDataset(catalog.dataset(name))
@@ -73,7 +73,7 @@ def _push_weights(engine, tenant: str, version: int, weights: bytes) -> dict[str
 
 def _publish_version(svc: TrainingModelService, tenant: str, out, engine, source: str) -> tuple[int, dict]:
     """Bump the slot's version, save its head, push it to inference, record it in the manifest."""
-    from nexus.output_dir import atomic_write_bytes
+    from nexus.data.output_dir import atomic_write_bytes
 
     slot = svc.slots[tenant]
     version = slot.bump_version()
@@ -91,11 +91,11 @@ def init_tenant(spec: dict, schema: dict, output_dir: str, engine) -> dict[str, 
 
 
 def _init_tenant(spec: dict, schema: dict, output_dir: str, engine) -> dict[str, Any]:
-    from nexus.master import schema_from_dict
+    from nexus.control.validation import schema_from_dict
+    from nexus.data.output_dir import TenantOutputDir, atomic_write_bytes
     from nexus.model.preprocessor import TenantPreprocessor
-    from nexus.output_dir import TenantOutputDir, atomic_write_bytes
+    from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import TenantSpec
-    from nexus.tenant_slot import TenantSlot
 
     svc = service()
     spec_, schema_ = TenantSpec.model_validate(spec), schema_from_dict(schema)
@@ -120,7 +120,7 @@ def _init_tenant(spec: dict, schema: dict, output_dir: str, engine) -> dict[str,
 
 def run_item(item: dict, spec: dict, schema: dict, output_dir: str, engine) -> dict[str, Any]:
     """Run one training-queue item on its tenant's slot (RL batch, SFT batch or low-level op)."""
-    from nexus.output_dir import TenantOutputDir
+    from nexus.data.output_dir import TenantOutputDir
 
     svc = service()
     tenant = item["tenant"]
@@ -193,8 +193,8 @@ def _ppo_update(svc: TrainingModelService, tenant: str, payload: dict) -> dict[s
     import torch
 
     from nexus.algorithms.ppo import compute_gae, ppo_loss
+    from nexus.data.trajectory_store import BatchRef, read_ipc, table_arrays, table_to_observations
     from nexus.spec import PPOConfig
-    from nexus.trajectory_store import BatchRef, read_ipc, table_arrays, table_to_observations
 
     slot = svc.slots[tenant]
     cfg = PPOConfig(**payload["ppo"])
@@ -278,7 +278,7 @@ def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> 
 
 
 def _finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> dict[str, Any]:
-    from nexus.output_dir import TenantOutputDir
+    from nexus.data.output_dir import TenantOutputDir
 
     svc = service()
     out = TenantOutputDir(output_dir)

@@ -1,0 +1,1 @@
+"""What a tenant runs: the Python API, the CLI, the demo, reports."""

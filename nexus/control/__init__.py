@@ -1,0 +1,1 @@
+"""Control plane: the scheduler side (Master, queues, monitoring). Never imports torch."""

@@ -1,0 +1,1 @@
+"""Data at rest: trajectories (Arrow), offline datasets (ours and LeRobot's), tenant output dirs."""

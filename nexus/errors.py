@@ -1,0 +1,74 @@
+"""The API's one exception family: every refusal a tenant or operator can see is a :class:`NexusError`.
+
+Each class carries the HTTP status the gateway answers with (``http_status``) and a stable machine
+code (``code``). The message always says what was refused and why (the limit and the value, the
+unknown name, the state that forbids the call). Plain Python: raised on both sides of the Dask
+connection (exceptions travel pickled, so the class survives the trip).
+"""
+
+from __future__ import annotations
+
+
+class NexusError(Exception):
+    """Base of every error the service reports to its users."""
+
+    http_status = 400
+    code = "bad_request"
+
+    def __str__(self) -> str:  # KeyError-style subclasses would otherwise quote the message
+        return str(self.args[0]) if self.args else self.__class__.__name__
+
+
+class SpecError(NexusError, ValueError):
+    """A tenant spec, job spec, observation or batch that the service refuses; the message says why."""
+
+    http_status = 422
+    code = "invalid"
+
+
+class LimitExceeded(SpecError):
+    """A request over a quota or limit; the message names the limit and the value."""
+
+    code = "limit_exceeded"
+
+
+class NotFound(NexusError, KeyError):
+    """An unknown tenant, job or version."""
+
+    http_status = 404
+    code = "not_found"
+
+
+class Conflict(NexusError):
+    """A call the object's current state forbids (a second training job, a spec change, a busy scale)."""
+
+    http_status = 409
+    code = "conflict"
+
+
+class Unauthorized(NexusError):
+    """No credentials, or credentials the service does not know."""
+
+    http_status = 401
+    code = "unauthorized"
+
+
+class Forbidden(NexusError):
+    """Valid credentials that do not cover this tenant or this admin call."""
+
+    http_status = 403
+    code = "forbidden"
+
+
+class Unavailable(NexusError):
+    """The service (or the role a call needs) cannot be reached or is restarting; retry later."""
+
+    http_status = 503
+    code = "unavailable"
+
+
+class JobFailed(NexusError, RuntimeError):
+    """A job ended in the ``failed`` (or ``cancelled``) state; the message carries the service's reason."""
+
+    http_status = 409
+    code = "job_failed"

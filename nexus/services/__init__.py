@@ -1,0 +1,1 @@
+"""Worker side: training (actor), inference engine, rollout producers, tracking."""
