@@ -3,7 +3,12 @@
 * scheduler: ``dask scheduler --preload nexus.control.plugin`` (Master + queues, no torch)
 * ``sim-i``: simulator workers, resource ``SIM=1`` each (one simulator process per core)
 * ``actor-0``: the training model service, resource ``ACTOR=1``
-* ``infer-0``: the inference model service (and the MLflow tracker), resource ``INFER=1``
+* ``infer-i``: inference engines (and the MLflow tracker), resource ``INFER=1`` each
+  (``n_infer``, default ``inference_engines``; spare ones let ``scale_inference`` grow the pool)
+
+Every worker preloads ``nexus.services.worker_plugin`` (its per-process state and Nexus handlers)
+and runs under a nanny, which restarts its process if it dies (the control plane then rebuilds the
+roles it hosted).
 
 Every process gets the service config through ``NEXUS_SERVICE_CONFIG`` and one torch thread.
 """
@@ -34,9 +39,10 @@ def _die_with_parent() -> None:
 
 class LocalService:
     def __init__(self, config: ServiceConfig, n_sim: int = 2, dashboard_address: str = "127.0.0.1:0",
-                 memory_limit: str = "6GiB") -> None:
+                 memory_limit: str = "6GiB", n_infer: int | None = None) -> None:
         self.config = config
         self.n_sim = n_sim
+        self.n_infer = max(config.inference_engines, 1) if n_infer is None else n_infer
         self.dashboard_address = dashboard_address
         self.memory_limit = memory_limit
         self.root = Path(config.root).resolve()
@@ -72,7 +78,8 @@ class LocalService:
         env = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"} if resources.startswith("SIM") else None
         self._spawn(name, ["distributed.cli.dask_worker", "--scheduler-file", str(self.scheduler_file),
                            "--name", name, "--nthreads", "1", "--resources", resources, "--no-dashboard",
-                           "--memory-limit", self.memory_limit, "--death-timeout", "60"], env)
+                           "--memory-limit", self.memory_limit, "--death-timeout", "60",
+                           "--preload", "nexus.services.worker_plugin"], env)
 
     def start(self, timeout: float = 120) -> LocalService:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -92,12 +99,13 @@ class LocalService:
         for i in range(self.n_sim):
             self._worker(f"sim-{i}", "SIM=1")
         self._worker("actor-0", "ACTOR=1")
-        self._worker("infer-0", "INFER=1")
+        for i in range(self.n_infer):
+            self._worker(f"infer-{i}", "INFER=1")
         return self
 
     @property
     def n_workers(self) -> int:
-        return self.n_sim + 2
+        return self.n_sim + 1 + self.n_infer
 
     def stop(self) -> None:
         for p in reversed(self.procs):  # workers first, scheduler last

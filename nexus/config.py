@@ -25,6 +25,28 @@ class BackboneSettings(BaseModel):
     device: str = "cpu"
 
 
+class HealthSettings(BaseModel):
+    """Timeouts and restart budgets of the health manager (``nexus.control.health``).
+
+    Every worker sends a heartbeat each ``nexus.messages.HEARTBEAT_S`` (1 s) listing the roles it hosts."""
+
+    model_config = ConfigDict(extra="forbid")
+    suspect_after_s: float = Field(5.0, gt=0, description="no heartbeat this long: the role is suspect")
+    fail_after_s: float = Field(20.0, gt=0, description="no heartbeat this long: failed, its worker is restarted")
+    producer_stall_s: float = Field(300.0, gt=0, description="a rollout/dataset producer without progress: suspect")
+    restart_budget: int = Field(5, ge=0, description="in-place restarts of one role allowed within budget_window_s")
+    budget_window_s: float = Field(600.0, gt=0)
+
+
+class DispatchSettings(BaseModel):
+    """The training-queue dispatcher's policy (``nexus.control.dispatcher.DispatchPolicy``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_concurrent_updates: int = Field(1, ge=1, description="training items running at once on the actor group")
+    item_attempts: int = Field(2, ge=1, description="runs of an update that raises before its job fails")
+    rollout_attempts: int = Field(3, ge=1, description="runs of a failing rollout (same episodes) before its job fails")
+
+
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     root: str = Field(description="service folder: tenants' output dirs, MLflow store, logs")
@@ -33,7 +55,13 @@ class ServiceConfig(BaseModel):
     infer_max_batch: int = Field(8, ge=1, description="inference queue: target group size B")
     tracking_uri: str | None = Field(None, description="MLflow URI; default sqlite in root")
     experiment: str | None = Field(None, description="MLflow experiment; default: one per service root")
-    checkpoint_every: int = Field(0, ge=0, description="DeepSpeed checkpoint every N versions (0: job end)")
+    checkpoint_every: int = Field(1, ge=0, description="DeepSpeed checkpoint every N versions, saved before the "
+                                  "version is published (0: at job end only)")
+    keep_checkpoints: int = Field(2, ge=1, description="DeepSpeed checkpoint tags kept per tenant (older are pruned)")
+    inference_engines: int = Field(1, ge=1, description="inference engines at start (Nexus.scale_inference changes it)")
+    actor_ranks: int = Field(1, ge=1, description="ranks of the actor group (workers with resource ACTOR)")
+    health: HealthSettings = HealthSettings()
+    dispatch: DispatchSettings = DispatchSettings()
 
     @property
     def tenants_dir(self) -> Path:

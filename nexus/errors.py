@@ -72,3 +72,15 @@ class JobFailed(NexusError, RuntimeError):
 
     http_status = 409
     code = "job_failed"
+
+
+class RoleLost(Unavailable):
+    """A role (actor rank, inference engine, tracker) died or is restarting; the work it held is retried."""
+
+    code = "role_lost"
+
+
+class Draining(Unavailable):
+    """An inference engine being removed refuses new requests; the caller asks for the tenant's route again."""
+
+    code = "draining"

@@ -31,23 +31,31 @@ class Nexus:
 
         self.service = service
         self.client = Client(address, timeout=timeout, set_as_default=False)
-        self._engine = None
+        self._predictor = None
 
     @classmethod
     def local(cls, root: str | Path = "runs/local", n_sim: int = 2, dashboard_address: str = "127.0.0.1:0",
-              **config: Any) -> Nexus:
-        """Start the embedded default: a local Dask cluster running the Nexus service."""
+              n_infer: int | None = None, **config: Any) -> Nexus:
+        """Start the embedded default: a local Dask cluster running the Nexus service.
+
+        ``n_infer``: INFER workers (default: ``inference_engines``); spare ones let the pool grow."""
         from nexus.cluster import LocalService
 
         service = LocalService(ServiceConfig(root=str(Path(root).resolve()), **config), n_sim=n_sim,
-                               dashboard_address=dashboard_address).start()
+                               dashboard_address=dashboard_address, n_infer=n_infer).start()
         try:
             nx = cls(service.address, service=service)
             nx.client.wait_for_workers(service.n_workers, timeout=180)
+            nx.wait_ready()
         except BaseException:
             service.stop()
             raise
         return nx
+
+    def wait_ready(self, timeout: float = 300) -> dict[str, Any]:
+        """Wait until the actor group, an inference engine and the tracker serve (and a restarted
+        service has rediscovered its tenants)."""
+        return self.call("nexus_wait_ready", timeout=timeout)
 
     # -- plumbing --------------------------------------------------------------------------
     def call(self, handler: str, **kwargs: Any) -> Any:
@@ -91,15 +99,34 @@ class Nexus:
         """Wait until tracking (MLflow) has written everything sent so far."""
         self.call("nexus_flush")
 
-    def engine(self):
-        """The inference engine actor (for direct, low-latency action requests)."""
-        if self._engine is None:
-            from distributed.actor import Actor
+    def engine(self, index: int = 0):
+        """The ``index``-th serving inference engine (``engine(0).engine_stats().result()``)."""
+        from nexus.messages import EngineEndpoint
+        from nexus.services.engine_client import EngineHandle
 
-            published = self.client.get_dataset("nexus-inference-engine").result()
-            with self.client.as_current():  # the proxy binds to this connection, not a global client
-                self._engine = Actor(published._cls, published._address, published.key)
-        return self._engine
+        engines = self.call("nexus_engines")
+        if index >= len(engines):
+            raise NotFound(f"no inference engine {index}: {len(engines)} serve")
+        return EngineHandle(self.client, EngineEndpoint.from_dict(engines[index]))
+
+    def predictor(self):
+        """Action requests routed to each tenant's engine, re-routed when an engine drains or is lost."""
+        if self._predictor is None:
+            from nexus.services.engine_client import EngineClient
+
+            self._predictor = EngineClient(self.client)
+        return self._predictor
+
+    # -- lifecycle and elasticity --------------------------------------------------------------------
+    def delete_tenant(self, name: str, keep_output: bool = True) -> dict[str, Any]:
+        """Cancel the tenant's jobs, remove its slot, routes and queue entries; keep its output dir unless
+        ``keep_output=False``."""
+        return self.call("nexus_delete_tenant", tenant=name, keep_output=keep_output)
+
+    def scale_inference(self, n: int) -> dict[str, Any]:
+        """Grow or shrink the inference pool to ``n`` engines (synced before joining, drained before
+        leaving; a scale-up that fails part way is rolled back). Returns the pool's view."""
+        return self.call("nexus_scale_inference", n=n)
 
 
 class Job:
@@ -118,9 +145,13 @@ class Job:
             if key != last:
                 last = key
                 yield info
-            if info["state"] in ("done", "failed"):
+            if info["state"] in ("done", "failed", "cancelled"):
                 return
             time.sleep(poll_s)
+
+    def cancel(self) -> dict[str, Any]:
+        """Stop the job and free everything it holds; returns its final info (state ``cancelled``)."""
+        return self.nexus.call("nexus_cancel", job_id=self.id)
 
     def follow(self, console: Any = None, poll_s: float = 0.5) -> dict[str, Any]:
         """Wait for the job with a progress bar (steps, updates or episodes); returns its result."""
@@ -146,8 +177,8 @@ class Job:
             info = self.nexus.call("nexus_wait", job_id=self.id, timeout=min(left or 30.0, 30.0))
             if info["state"] == "done":
                 return info["result"]
-            if info["state"] == "failed":
-                raise JobFailed(f"job {self.id} failed: {info['error']}")
+            if info["state"] in ("failed", "cancelled"):
+                raise JobFailed(f"job {self.id} {info['state']}: {info['error']}")
             if deadline is not None and time.time() >= deadline:
                 raise TimeoutError(f"job {self.id} still {info['state']} after {timeout} s")
 
@@ -205,6 +236,6 @@ class Tenant:
         """Publish the current head as a new policy version; the future gives the version."""
         return self._ops.submit(lambda: self.nexus.call("nexus_op", tenant=self.name, verb="save_weights")["version"])
 
-    def predict_action(self, obs: Observation, version: int | None = None, deterministic: bool = True):
-        """An action from the inference engine (grouped with other tenants' requests)."""
-        return self.nexus.engine().predict(self.name, obs, version, deterministic)
+    def predict_action(self, obs: Observation, version: int | None = None, deterministic: bool = True) -> Future:
+        """An action from the tenant's inference engine (grouped with other tenants' requests)."""
+        return self.nexus.predictor().predict(self.name, obs, version, deterministic)

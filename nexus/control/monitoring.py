@@ -153,3 +153,6 @@ class PrometheusCollector:
         c["inference_groups"].add_metric([], mon.counts.get("inference_groups", 0))
         yield from g.values()
         yield from c.values()
+        from nexus.control.health import prometheus_families
+
+        yield from prometheus_families(st.get("roles", []))

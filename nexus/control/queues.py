@@ -44,6 +44,12 @@ class TrainingItem:
     payload: dict[str, Any] = field(default_factory=dict)
     item_id: str = ""
     enqueued_at: float = 0.0
+    attempts: int = 0  # runs that raised (retried up to the dispatcher's item_attempts)
+    data: Any = field(default=None, repr=False)  # a low-level op's batch (Dask future), its own task argument
+
+    @property
+    def job(self) -> str | None:
+        return self.payload.get("job")
 
     def to_dict(self) -> dict[str, Any]:
         return {"tenant": self.tenant, "kind": self.kind, "policy_version": self.policy_version,
@@ -120,6 +126,26 @@ class TrainingQueue:
         item.item_id = item.item_id or f"{item.tenant}-{item.kind}-{seq}"
         item.enqueued_at = time.time()
         heapq.heappush(self._heap, (-self.limits[item.tenant].priority, seq, item))
+
+    def requeue(self, item: TrainingItem) -> None:
+        """A running item goes back to the head of its priority class (its worker was lost, or it is
+        retried); it keeps its admission slot."""
+        c = self._c(item.tenant)
+        if c.running <= 0:
+            raise AdmissionError(f"tenant {item.tenant!r} has no running item to requeue")
+        c.running -= 1
+        c.queued += 1
+        heapq.heappush(self._heap, (-self.limits[item.tenant].priority, -next(self._seq), item))
+
+    def remove(self, item: TrainingItem) -> bool:
+        """Take a queued item out (its job was cancelled): its admission slot is freed. False if not queued."""
+        kept = [e for e in self._heap if e[2] is not item]
+        if len(kept) == len(self._heap):
+            return False
+        self._heap = kept
+        heapq.heapify(self._heap)
+        self.counters[item.tenant].queued -= 1
+        return True
 
     # -- consumer --------------------------------------------------------------------------
     def pop(self, versions: dict[str, int]) -> tuple[TrainingItem | None, list[TrainingItem]]:

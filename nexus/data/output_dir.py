@@ -2,19 +2,24 @@
 
 Layout::
 
-    manifest.json        spec, schema, versions, checkpoints, job history
-    weights/vNNNNNN.pt   exported head weights of every policy version (inference pins load these)
+    manifest.json        spec, schema, versions (with the sha256 of their weights), checkpoints, job history
+    weights/vNNNNNN.pt   exported head weights of every policy version (inference pins load these);
+                         written once: a published version's file never changes
     checkpoints/         DeepSpeed checkpoints (engine + optimizer state), one tag per saved version
     trajectories/        Arrow IPC batches of rollouts (nexus.data.trajectory_store)
     eval/                eval reports, one JSON per eval job
+    jobs/<job>.json      one record per job: "running" from its start, its final state at its end
 
 Written only by workers (never by the scheduler process); every write is atomic (temp + rename).
+The manifest has one writer, the actor; job records are separate files so other workers may write them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +30,29 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def write_once(path: Path, data: bytes) -> bool:
+    """Create ``path`` with ``data`` atomically, never replacing an existing file.
+
+    Returns False when the file already holds exactly ``data`` (a retried write); raises
+    ``FileExistsError`` when it holds anything else."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    tmp.write_bytes(data)
+    try:
+        os.link(tmp, path)  # fails if the name exists: no reader ever sees a replaced version
+        return True
+    except FileExistsError:
+        if path.read_bytes() == data:
+            return False
+        raise FileExistsError(f"{path} exists with other contents; a published version is never rewritten") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 class TenantOutputDir:
@@ -47,8 +75,29 @@ class TenantOutputDir:
     def eval_dir(self) -> Path:
         return self.path / "eval"
 
+    @property
+    def jobs_dir(self) -> Path:
+        return self.path / "jobs"
+
     def weights_path(self, version: int) -> Path:
         return self.path / "weights" / f"v{version:06d}.pt"
+
+    def write_weights(self, version: int, data: bytes) -> str:
+        """Write a version's weights once; returns their sha256."""
+        write_once(self.weights_path(version), data)
+        return sha256(data)
+
+    def weight_versions(self) -> list[int]:
+        """Versions that have a weights file (published, or written just before a crash)."""
+        d = self.path / "weights"
+        if not d.exists():
+            return []
+        return sorted(int(p.stem[1:]) for p in d.glob("v*.pt") if p.stem[1:].isdigit())
+
+    def highest_version(self) -> int:
+        """The highest version this tenant ever wrote or published: the next one must be above it."""
+        listed = [v["version"] for v in self.read()["versions"]] if self.exists() else []
+        return max([0, *listed, *self.weight_versions()])
 
     # -- manifest --------------------------------------------------------------------------
     def exists(self) -> bool:
@@ -72,25 +121,61 @@ class TenantOutputDir:
         self.write(m)
         return m
 
-    def add_version(self, version: int, source: str) -> None:
+    def add_version(self, version: int, source: str, **extra: Any) -> None:
+        """List a published version (once: listing it again is a no-op)."""
         m = self.read()
-        m["versions"].append({"version": version, "time": time.time(), "source": source,
-                              "weights": str(self.weights_path(version))})
-        m["latest_version"] = version
+        if any(v["version"] == version for v in m["versions"]):
+            return
+        path = self.weights_path(version)
+        digest = extra.pop("sha256", None) or (sha256(path.read_bytes()) if path.exists() else None)
+        m["versions"].append({"version": version, "time": time.time(), "source": source, "weights": str(path),
+                              "sha256": digest, **extra})
+        m["latest_version"] = max(version, m.get("latest_version", 0))
         self.write(m)
 
     def add_checkpoint(self, version: int, tag: str) -> None:
         m = self.read()
+        if any(c["tag"] == tag and not c.get("pruned") for c in m["checkpoints"]):
+            return
         m["checkpoints"].append({"version": version, "tag": tag, "path": str(self.checkpoints), "time": time.time()})
         self.write(m)
 
-    def add_job(self, record: dict[str, Any]) -> None:
+    def prune_checkpoints(self, keep: int) -> list[str]:
+        """Delete all but the newest ``keep`` checkpoint tags (weights of every version stay)."""
         m = self.read()
-        m["jobs"].append(record)
+        live = [c for c in m["checkpoints"] if not c.get("pruned")]
+        gone = []
+        for c in live[: max(0, len(live) - keep)]:
+            shutil.rmtree(Path(c["path"]) / Path(c["tag"]).name, ignore_errors=True)
+            c["pruned"] = True
+            gone.append(c["tag"])
+        if gone:
+            self.write(m)
+        return gone
+
+    def add_job(self, record: dict[str, Any]) -> None:
+        """Append a finished job to the manifest (replacing an earlier record of the same job)."""
+        m = self.read()
+        m["jobs"] = [j for j in m["jobs"] if j.get("job") != record.get("job")] + [record]
         self.write(m)
 
     def latest_checkpoint(self) -> dict[str, Any] | None:
         if not self.exists():
             return None
-        cks = self.read()["checkpoints"]
+        cks = [c for c in self.read()["checkpoints"] if not c.get("pruned")]
         return cks[-1] if cks else None
+
+    # -- job records ----------------------------------------------------------------------------
+    def write_job(self, record: dict[str, Any]) -> None:
+        atomic_write_bytes(self.jobs_dir / f"{record['job']}.json", json.dumps(record, indent=2, default=str).encode())
+
+    def job_records(self) -> list[dict[str, Any]]:
+        if not self.jobs_dir.exists():
+            return []
+        out = []
+        for p in sorted(self.jobs_dir.glob("*.json")):
+            try:
+                out.append(json.loads(p.read_text()))
+            except (OSError, ValueError):
+                continue
+        return out

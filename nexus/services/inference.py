@@ -120,6 +120,17 @@ class InferenceEngine:
         await self._in_model_thread(load)
         return version
 
+    async def unregister_tenant(self, tenant: str) -> None:
+        """Forget a deleted tenant (its live head and pinned versions)."""
+        def drop():
+            self._specs.pop(tenant, None)
+            self._live.pop(tenant, None)
+            for key in [k for k in self._pinned if k[0] == tenant]:
+                del self._pinned[key]
+            self._fw().remove_tenant(tenant)
+
+        await self._in_model_thread(drop)
+
     async def pin(self, tenant: str, version: int, output_dir: str) -> int:
         """Keep ``version`` of a tenant's head for an evaluation, whatever training does meanwhile."""
         key = (tenant, version)

@@ -8,24 +8,17 @@ Module-level imports stay light (the scheduler names these functions).
 from __future__ import annotations
 
 import json
-import threading
 import time
 from typing import Any
 
 from nexus.signals import emit
 
-_envs: dict[str, Any] = {}  # env name -> SimEnv, reused across tasks of this worker process
-_envs_lock = threading.Lock()
-
 
 def _env(name: str):
-    from nexus import catalog
-    from nexus.services.environment import make_env
+    """The simulator of a catalog env, reused across the tasks of this worker process (its plugin holds it)."""
+    from nexus.services.worker_plugin import state
 
-    with _envs_lock:
-        if name not in _envs:
-            _envs[name] = make_env(catalog.env(name))
-        return _envs[name]
+    return state().env(name)
 
 
 def collect(tenant: str, env_name: str, output_dir: str, schema: dict, episodes: int, seed: int,

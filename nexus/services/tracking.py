@@ -40,8 +40,14 @@ class Tracker:
                   parent_job: str | None = None) -> str:
         from mlflow.entities import Param
 
+        if job_id in self.runs:  # a resent call (the tracker was restarted): the run exists
+            return self.runs[job_id]
         client = self._mlflow()
-        tags = {"nexus.tenant": tenant, "nexus.job": job_id, "nexus.kind": kind}
+        existing = self._find_run(job_id)
+        if existing is not None:
+            self.runs[job_id] = existing
+            return existing
+        tags = {"nexus.tenant": tenant, "nexus.job": job_id, "nexus.kind": kind, "nexus.root": self._root()}
         if parent_job in self.runs:
             tags["mlflow.parentRunId"] = self.runs[parent_job]
         run = client.create_run(self._experiment_id, run_name=job_id, tags=tags)
@@ -79,6 +85,37 @@ class Tracker:
 
     def flush(self) -> bool:
         return True
+
+    # -- recovery (a restarted tracker, a restarted service) ----------------------------------------
+    def _root(self) -> str:
+        return str(Path(self.config.root).resolve())
+
+    def _find_run(self, job_id: str) -> str | None:
+        client = self._mlflow()
+        found = client.search_runs([self._experiment_id], filter_string=f"tags.`nexus.job` = '{job_id}'",
+                                   max_results=1)
+        return found[0].info.run_id if found else None
+
+    def reopen(self, runs: dict[str, str]) -> int:
+        """Continue the given runs (job id -> run id) after this tracker replaced a lost one."""
+        self._mlflow()
+        self.runs.update(runs)
+        return len(self.runs)
+
+    def fail_interrupted(self, before_ms: int, root: str, reason: str) -> list[str]:
+        """Mark FAILED every run of this service root still RUNNING from before ``before_ms`` (a crashed
+        service's jobs); returns their job ids."""
+        client = self._mlflow()
+        runs = client.search_runs([self._experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                  max_results=10_000)
+        mine = self._root()  # the root this tracker serves (``root`` is the caller's view of it)
+        failed = []
+        for r in runs:
+            if r.info.start_time < before_ms and r.data.tags.get("nexus.root", mine) in (mine, root):
+                client.set_tag(r.info.run_id, "nexus.error", reason)
+                client.set_terminated(r.info.run_id, "FAILED")
+                failed.append(r.data.tags.get("nexus.job", r.info.run_id))
+        return failed
 
 
 def plot_history(history: list[dict[str, Any]], path: Path, title: str = "") -> Path | None:

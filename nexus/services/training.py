@@ -2,23 +2,20 @@
 
 The frozen backbone is loaded once per actor process; each tenant holds a slot (head + value head
 + its own DeepSpeed ZeRO engine + version). An update activates one slot, trains it, exports the
-new head, bumps the version and pushes the weights to the inference engine directly
-(worker to worker, never through the scheduler).
+new head, bumps the version, makes it durable and pushes the weights to the inference engines
+directly (worker to worker, never through the scheduler). The process's service lives in its Nexus
+worker plugin (``nexus.services.worker_plugin``); slot lifecycle tasks are in ``nexus.services.recovery``.
 
-Module-level imports stay light: the scheduler imports this module to name its task functions.
+Module-level imports stay light (no torch at import).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from contextlib import contextmanager
 from typing import Any
 
 from nexus.signals import emit
-
-_lock = threading.Lock()
-_service: TrainingModelService | None = None
 
 
 class TrainingModelService:
@@ -58,11 +55,10 @@ class TrainingModelService:
 
 
 def service() -> TrainingModelService:
-    global _service
-    with _lock:
-        if _service is None:
-            _service = TrainingModelService()
-        return _service
+    """This process's training model service (held by its worker plugin)."""
+    from nexus.services.worker_plugin import state
+
+    return state().training()
 
 
 def _push_weights(engine, tenant: str, version: int, weights: bytes) -> dict[str, float]:
@@ -72,50 +68,16 @@ def _push_weights(engine, tenant: str, version: int, weights: bytes) -> dict[str
 
 
 def _publish_version(svc: TrainingModelService, tenant: str, out, engine, source: str) -> tuple[int, dict]:
-    """Bump the slot's version, save its head, push it to inference, record it in the manifest."""
-    from nexus.data.output_dir import atomic_write_bytes
+    """Bump the slot's version, make it durable, push it to inference, record it in the manifest."""
+    from nexus.services.recovery import make_durable
 
     slot = svc.slots[tenant]
     version = slot.bump_version()
     weights = slot.export_weights()
-    atomic_write_bytes(out.weights_path(version), weights)
+    make_durable(svc, slot, out, version, weights)  # weights written once (+ checkpoint when due) first
     sync = _push_weights(engine, tenant, version, weights)
     out.add_version(version, source)
     return version, sync
-
-
-def init_tenant(spec: dict, schema: dict, output_dir: str, engine) -> dict[str, Any]:
-    """Allocate a tenant's slot; a tenant re-created from its output dir resumes its last checkpoint."""
-    with _metered(spec["name"], "init"):
-        return _init_tenant(spec, schema, output_dir, engine)
-
-
-def _init_tenant(spec: dict, schema: dict, output_dir: str, engine) -> dict[str, Any]:
-    from nexus.control.validation import schema_from_dict
-    from nexus.data.output_dir import TenantOutputDir, atomic_write_bytes
-    from nexus.model.preprocessor import TenantPreprocessor
-    from nexus.services.tenant_slot import TenantSlot
-    from nexus.spec import TenantSpec
-
-    svc = service()
-    spec_, schema_ = TenantSpec.model_validate(spec), schema_from_dict(schema)
-    out = TenantOutputDir(output_dir)
-    slot = TenantSlot(spec_, schema_, svc.feat_dim, grad_clip=spec_.grad_clip)
-    restored = False
-    ck = out.latest_checkpoint()
-    if ck is not None:
-        slot.load_checkpoint(str(out.checkpoints), ck["tag"])
-        restored = True
-    elif not out.exists():
-        out.create(spec, schema)
-    svc.slots[spec_.name] = slot
-    svc.framework.add_tenant(spec_.name, slot.policy, TenantPreprocessor(schema_, svc.backbone_cfg))
-    weights = slot.export_weights()
-    if not out.weights_path(slot.version).exists():
-        atomic_write_bytes(out.weights_path(slot.version), weights)
-        out.add_version(slot.version, "init")
-    engine.register_tenant(spec, schema, slot.version, weights).result()
-    return {"version": slot.version, "restored": restored}
 
 
 def run_item(item: dict, spec: dict, schema: dict, output_dir: str, engine) -> dict[str, Any]:
@@ -269,26 +231,3 @@ def _run_op(svc: TrainingModelService, tenant: str, payload: dict, out, engine) 
         return {"version": slot.version, "metrics": {k: float(v) for k, v in slot.optim_step().items()}}
     version, sync = _publish_version(svc, tenant, out, engine, "save_weights")
     return {"version": version, "metrics": sync}
-
-
-def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> dict[str, Any]:
-    """Save a DeepSpeed checkpoint after a training job and append the job to the manifest."""
-    with _metered(tenant, "checkpoint"):
-        return _finish_job(tenant, output_dir, record, checkpoint)
-
-
-def _finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> dict[str, Any]:
-    from nexus.data.output_dir import TenantOutputDir
-
-    svc = service()
-    out = TenantOutputDir(output_dir)
-    slot = svc.slots.get(tenant)
-    if checkpoint and slot is not None:
-        tag = slot.save_checkpoint(str(out.checkpoints))
-        out.add_checkpoint(slot.version, tag)
-        record["checkpoint"] = tag
-    out.add_job(record)
-    artifacts = [str(out.manifest_path)]
-    if slot is not None and out.weights_path(slot.version).exists():
-        artifacts.append(str(out.weights_path(slot.version)))
-    return {"artifacts": artifacts}
