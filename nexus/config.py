@@ -31,8 +31,8 @@ class HealthSettings(BaseModel):
     Every worker sends a heartbeat each ``nexus.messages.HEARTBEAT_S`` (1 s) listing the roles it hosts."""
 
     model_config = ConfigDict(extra="forbid")
-    suspect_after_s: float = Field(5.0, gt=0, description="no heartbeat this long: the role is suspect")
-    fail_after_s: float = Field(20.0, gt=0, description="no heartbeat this long: failed, its worker is restarted")
+    suspect_after_s: float = Field(10.0, gt=0, description="no heartbeat this long: the role is suspect")
+    fail_after_s: float = Field(60.0, gt=0, description="no heartbeat this long: failed, its worker is restarted")
     producer_stall_s: float = Field(300.0, gt=0, description="a rollout/dataset producer without progress: suspect")
     restart_budget: int = Field(5, ge=0, description="in-place restarts of one role allowed within budget_window_s")
     budget_window_s: float = Field(600.0, gt=0)

@@ -43,12 +43,12 @@ Execute = Callable[[TrainingItem], Awaitable[dict[str, Any]]]
 
 class Dispatcher:
     def __init__(self, queue: TrainingQueue, execute: Execute, versions: Callable[[], dict[str, int]],
-                 policy: DispatchPolicy | None = None) -> None:
+                 policy: DispatchPolicy | None = None, available: Callable[[], bool] = lambda: True) -> None:
         self.queue = queue
         self.policy = policy or DispatchPolicy()
         self._execute = execute
         self._versions = versions
-        self._available = True
+        self._available = available  # is the actor group up? (call pump() when it comes back)
         self._running: dict[str, tuple[TrainingItem, asyncio.Task]] = {}
         self._waiters: dict[str, asyncio.Future] = {}
         self._freed: dict[str, asyncio.Event] = {}
@@ -83,15 +83,10 @@ class Dispatcher:
         await ev.wait()
 
     # -- the actor group's availability -------------------------------------------------------------
-    def set_available(self, available: bool) -> None:
-        """False while the actor group is lost or rebuilding: nothing new is dispatched."""
-        self._available = available
-        if available:
-            self.pump()
-
     @property
     def available(self) -> bool:
-        return self._available
+        """False while the actor group is lost or rebuilding: nothing new is dispatched."""
+        return self._available()
 
     @property
     def running(self) -> list[TrainingItem]:
@@ -99,7 +94,7 @@ class Dispatcher:
 
     def pump(self) -> None:
         """Dispatch queued items while the policy allows and the actor group is up."""
-        while self._available and len(self._running) < self.policy.max_concurrent:
+        while self._available() and len(self._running) < self.policy.max_concurrent:
             versions = self._versions()
             item, dropped = self.queue.pop(versions)
             for d in dropped:

@@ -75,6 +75,8 @@ class PoolPolicy:
 class EngineOps(Protocol):
     """What the pool asks of the cluster."""
 
+    def can_place(self) -> bool: ...  # is there a worker that may host an engine?
+
     async def start(self, slot: int, epoch: int, prefer_worker: str | None,
                     load: dict[str, int]) -> tuple[EngineEndpoint, str]: ...
 
@@ -105,6 +107,8 @@ class EnginePool:
         self._pin_dirs: dict[tuple[str, int], str] = {}
         self._epochs: Counter[int] = Counter()
         self._last_worker: dict[int, str] = {}
+        self._retry_at: dict[int, float] = {}  # slot -> earliest next start after a failed one
+        self._failures: Counter[int] = Counter()
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self.operations: list[dict[str, Any]] = []  # scale history (status, benchmark)
@@ -233,10 +237,14 @@ class EnginePool:
     async def ensure(self) -> list[str]:
         """Start or replace engines until ``target`` serve (the supervisor's reconcile); returns errors."""
         errors: list[str] = []
+        if not self.ops.can_place():
+            return errors  # no worker to host an engine yet: wait, spending no restart
         async with self._lock:
             for slot in range(self.target):
                 m = self.members.get(slot)
                 if m is not None and m.state != MemberState.FAILED:
+                    continue
+                if time.monotonic() < self._retry_at.get(slot, 0.0):
                     continue
                 role = f"engine/{slot}"
                 h = self.health.register(role, "engine")
@@ -246,8 +254,11 @@ class EnginePool:
                     continue  # restart budget spent: the slot stays failed
                 try:
                     self._serve(await self._start(slot))
+                    self._failures[slot] = 0
                 except Exception as e:
                     self.health.fail(role, f"start failed: {e}")
+                    self._failures[slot] += 1  # back off: 2, 4, ... 30 s between attempts
+                    self._retry_at[slot] = time.monotonic() + min(30.0, 2.0 ** self._failures[slot])
                     errors.append(f"{role}: {e}")
                     logger.warning("could not start %s: %s", role, e)
         return errors

@@ -49,8 +49,8 @@ PRODUCER_KINDS = frozenset({"rollout", "dataset"})
 
 @dataclass(frozen=True)
 class HealthPolicy:
-    suspect_after_s: float = 5.0
-    fail_after_s: float = 20.0
+    suspect_after_s: float = 10.0
+    fail_after_s: float = 60.0
     producer_stall_s: float = 300.0
     restart_budget: int = 5
     budget_window_s: float = 600.0

@@ -56,8 +56,7 @@ class Master:
         self.pool = EnginePool(self.engine_ops, lambda: [t.setup() for t in self.registry if t.phase == "ready"],
                                PoolPolicy(engines=config.inference_engines), self.health)
         self.dispatcher = Dispatcher(self.queue, self._execute, self.registry.versions,
-                                     DispatchPolicy.from_settings(config.dispatch))
-        self.dispatcher.set_available(False)  # until the actor group is built
+                                     DispatchPolicy.from_settings(config.dispatch), lambda: self.actors.ready)
         self.tracker = TrackerLink(self._send_tracker)
         self.tracker.on_error = lambda e: self.health.error("tracker", e)
         ctx = flows.FlowContext(self.dispatcher, self.queue, self.pool, self.health, self.runtime,

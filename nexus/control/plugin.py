@@ -135,6 +135,17 @@ def _register_prometheus(plugin: NexusPlugin) -> None:
 dashboard.register()  # at import (preload), before the scheduler builds its dashboard
 
 
+def log_to_stderr() -> None:
+    """Nexus's loggers write next to Dask's in the process's log (once per process)."""
+    root = logging.getLogger("nexus")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s - %(name)s - %(levelname)s - %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+
+
 def dask_setup(scheduler) -> None:
     """Entry point of ``dask scheduler --preload nexus.control.plugin``."""
+    log_to_stderr()
     scheduler.add_plugin(NexusPlugin(ServiceConfig.load()))

@@ -103,14 +103,14 @@ class DaskRuntime:
         ws = self.scheduler.workers.get(address)
         return None if ws is None else str(ws.name)
 
-    async def call(self, address: str, op: str, timeout: float | None = 60.0, **msg: Any) -> Any:
-        """Call handler ``op`` of the worker at ``address`` (a role hosted by its Nexus plugin)."""
+    async def call(self, address: str, handler: str, timeout: float | None = 60.0, **msg: Any) -> Any:
+        """Call ``handler`` of the worker at ``address`` (a role hosted by its Nexus plugin)."""
         if address not in self.scheduler.workers:
             raise Unavailable(f"worker {address} is not in the cluster")
-        coro = getattr(self.scheduler.rpc(address), op)(**msg)
+        coro = getattr(self.scheduler.rpc(address), handler)(**msg)
         return await (asyncio.wait_for(coro, timeout) if timeout else coro)
 
-    async def io(self, op: str, prefer: tuple[str, ...] = ("INFER", "ACTOR", "SIM"), **msg: Any) -> Any:
+    async def io(self, action: str, prefer: tuple[str, ...] = ("INFER", "ACTOR", "SIM"), **msg: Any) -> Any:
         """Small file I/O (job records) on some live worker, off the scheduler's loop."""
         seen: set[str] = set()
         for resource in (*prefer, None):
@@ -119,10 +119,10 @@ class DaskRuntime:
                     continue
                 seen.add(w.address)
                 try:
-                    return await self.call(w.address, "nexus_io", op=op, **msg)
+                    return await self.call(w.address, "nexus_io", action=action, **msg)
                 except Exception as e:
-                    logger.info("nexus_io %s on %s: %s", op, w.name, e)
-        raise Unavailable(f"no worker could run {op!r}")
+                    logger.info("nexus_io %s on %s: %s", action, w.name, e)
+        raise Unavailable(f"no worker could run {action!r}")
 
     async def restart_worker(self, address: str) -> None:
         """Ask the worker's nanny to restart its process (a role that stopped answering)."""

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("nexus.supervisor")
 
 START_TIMEOUT_S = 180.0
+TRACKER_GRACE_S = 30.0  # how long the tracker waits for an INFER worker at boot
 
 
 class DaskEngineOps:
@@ -54,6 +55,9 @@ class DaskEngineOps:
     def __init__(self, runtime: DaskRuntime, config: dict[str, Any]) -> None:
         self.runtime = runtime
         self.config = config
+
+    def can_place(self) -> bool:
+        return bool(self.runtime.workers("INFER"))
 
     async def start(self, slot: int, epoch: int, prefer_worker: str | None,
                     load: dict[str, int]) -> tuple[EngineEndpoint, str]:
@@ -68,8 +72,9 @@ class DaskEngineOps:
                                       START_TIMEOUT_S)
         return EngineEndpoint(engine_id, info["address"]), info["worker"]
 
-    async def _ctl(self, ep: EngineEndpoint, op: str, timeout: float = 300.0, **msg: Any) -> Any:
-        return await self.runtime.call(ep.address, "nexus_engine_ctl", timeout=timeout, engine=ep.engine, op=op, **msg)
+    async def _ctl(self, ep: EngineEndpoint, action: str, timeout: float = 300.0, **msg: Any) -> Any:
+        return await self.runtime.call(ep.address, "nexus_engine_ctl", timeout=timeout, engine=ep.engine,
+                                       action=action, **msg)
 
     async def sync(self, ep: EngineEndpoint, tenants: list[TenantSetup], pins: list[Pin]) -> None:
         await self._ctl(ep, "sync", tenants=[asdict(t) for t in tenants], pins=[list(p) for p in pins])
@@ -115,6 +120,8 @@ class Supervisor:
         self._task: asyncio.Task | None = None
         self._discovery_task: asyncio.Task | None = None
         self._tracker_starts = 0
+        self._tracker_retry_at = 0.0
+        self._actor_retry_at = 0.0
         self._producer_requests: dict[str, int] = {}
         for role in actors.roles:
             health.register(role, "actor")
@@ -179,8 +186,7 @@ class Supervisor:
             if r.state != RoleState.FAILED:
                 self.health.fail(r.role, reason)
         self.health.worker_lost(address)
-        if self.actors.lost(address):
-            self.dispatcher.set_available(False)
+        self.actors.lost(address)  # the dispatcher holds new items until the group is rebuilt
         self.pool.member_lost(address)
         if self.tracker.address == address:
             self.tracker.lost()
@@ -215,7 +221,7 @@ class Supervisor:
         if a.ready:
             return
         workers = self.runtime.workers("ACTOR")[: a.world_size]
-        if len(workers) < a.world_size:
+        if len(workers) < a.world_size or time.monotonic() < self._actor_retry_at:
             return  # wait for the nanny (or an operator) to bring the worker back
         for role in a.roles:
             h = self.health.register(role, "actor")
@@ -232,6 +238,7 @@ class Supervisor:
         except Exception as e:
             for role in a.roles:
                 self.health.fail(role, f"rebuild failed: {type(e).__name__}: {e}")
+            self._actor_retry_at = time.monotonic() + 5.0
             return
         for info in res["slots"]:
             self._restored(info)
@@ -240,7 +247,7 @@ class Supervisor:
         a.set_ready(addresses, [w.name for w in workers])
         for role, w in zip(a.roles, workers, strict=True):
             self.health.ready(role, w.address, w.name, reason=f"slots rebuilt ({len(res['slots'])} tenants)")
-        self.dispatcher.set_available(True)
+        self.dispatcher.pump()
 
     def _restored(self, info: SlotInfo) -> None:
         t = self.registry.find(info.tenant)
@@ -256,8 +263,10 @@ class Supervisor:
         h = self.health.register("tracker", "tracker")
         if self.tracker.address is not None and h.state != RoleState.FAILED:
             return
-        workers = self.runtime.workers("INFER") or self.runtime.workers()
-        if not workers:
+        # on an INFER worker (as in the paper's layout); on any worker if none came within a grace period
+        workers = self.runtime.workers("INFER") or (
+            self.runtime.workers() if time.time() - self.boot_time > TRACKER_GRACE_S else [])
+        if not workers or time.monotonic() < self._tracker_retry_at:
             return
         if h.state == RoleState.FAILED and not self.health.begin_restart("tracker"):
             return
@@ -271,6 +280,7 @@ class Supervisor:
                 START_TIMEOUT_S)
         except Exception as e:
             self.health.fail("tracker", f"start failed: {type(e).__name__}: {e}")
+            self._tracker_retry_at = time.monotonic() + 5.0
             return
         self.health.ready("tracker", info["address"], info["worker"], reason="runs reopened" if self.tracker.runs
                           else "serving")

@@ -12,10 +12,10 @@ Handlers (plain msgpack from the scheduler; ``nexus_engine`` carries pickled pay
 * ``nexus_engine(engine, method, payload)`` — an engine call from a worker or client (predict,
   load_weights, engine_stats, ...); ``predict`` is refused with ``Draining`` once the engine drains and
   with ``SpecError`` when its observation does not fit the tenant's schema (before it joins a group).
-* ``nexus_engine_ctl(engine, op, ...)`` — the control plane's engine operations: sync, drain, stop,
+* ``nexus_engine_ctl(engine, action, ...)`` — the control plane's engine operations: sync, drain, stop,
   unregister, pin, unpin, stats, flush_signals.
 * ``nexus_tracker(calls)`` — an ordered batch of tracker calls.
-* ``nexus_io(op, ...)`` — small file writes (job records), in a thread.
+* ``nexus_io(action, ...)`` — small file writes (job records), in a thread.
 
 Load it with ``dask worker --preload nexus.services.worker_plugin``; tasks install it on demand
 (:func:`state`) on workers started without it.
@@ -297,7 +297,8 @@ class NexusWorkerPlugin(WorkerPlugin):
         out = await self._engine(engine).call(method, payload.get("args", []), payload.get("kwargs", {}))
         return {"result": to_serialize(out)}
 
-    async def _h_engine_ctl(self, engine: str, op: str, **msg: Any) -> Any:
+    async def _h_engine_ctl(self, engine: str, action: str, **msg: Any) -> Any:
+        op = action
         host = self._engine(engine)
         if op == "sync":
             return await host.sync(msg.get("tenants", []), msg.get("pins", []))
@@ -327,13 +328,13 @@ class NexusWorkerPlugin(WorkerPlugin):
             raise Draining(f"no tracker on worker {self.worker.name}")
         return await self.tracker.run(calls)
 
-    async def _h_io(self, op: str, **msg: Any) -> Any:
+    async def _h_io(self, action: str, **msg: Any) -> Any:
         from nexus.data.output_dir import TenantOutputDir
 
-        if op == "write_job_record":
+        if action == "write_job_record":
             await asyncio.to_thread(TenantOutputDir(msg["output_dir"]).write_job, msg["record"])
             return True
-        raise ValueError(f"unknown io op {op!r}")
+        raise ValueError(f"unknown io action {action!r}")
 
 
 _local = NexusWorkerPlugin()  # outside a Dask worker (scripts, unit tests): one per process
@@ -382,4 +383,10 @@ def start_tracker(config: dict[str, Any]) -> dict[str, Any]:
 
 async def dask_setup(worker) -> None:
     """``dask worker --preload nexus.services.worker_plugin``."""
+    root = logging.getLogger("nexus")
+    if not root.handlers:  # Nexus's loggers write next to Dask's in the worker's log
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s - %(name)s - %(levelname)s - %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
     await worker.plugin_add(NexusWorkerPlugin(), name=PLUGIN_NAME)
