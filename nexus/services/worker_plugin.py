@@ -233,11 +233,27 @@ class NexusWorkerPlugin(WorkerPlugin):
         from tornado.ioloop import PeriodicCallback
 
         self.worker = worker
-        worker.handlers.update({"nexus_engine": self._h_engine, "nexus_engine_ctl": self._h_engine_ctl,
+        worker.handlers.update({"nexus_engine": self._in_worker(self._h_engine),
+                                "nexus_engine_ctl": self._in_worker(self._h_engine_ctl),
                                 "nexus_tracker": self._h_tracker, "nexus_io": self._h_io})
         self._beat = PeriodicCallback(self.beat, HEARTBEAT_S * 1000)
         self._beat.start()
         self.beat()
+
+    def _in_worker(self, fn):
+        """Run a handler as Dask runs actor methods: ``get_worker()`` works in it (and in the tasks and
+        timers it starts), so the engine's monitoring signals reach the scheduler."""
+        from distributed.worker import _worker_cvar  # Dask sets the same variable around tasks and actors
+
+        async def handler(**msg: Any) -> Any:
+            token = _worker_cvar.set(self.worker)
+            try:
+                return await fn(**msg)
+            finally:
+                _worker_cvar.reset(token)
+
+        handler.__name__ = fn.__name__
+        return handler
 
     def teardown(self, worker) -> None:
         if self._beat is not None:
