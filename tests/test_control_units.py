@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from nexus.control.dispatcher import DispatchPolicy, Dispatcher
+from nexus.control.dispatcher import Dispatcher, DispatchPolicy
 from nexus.control.engines import EnginePool, MemberState, PoolPolicy
 from nexus.control.health import HealthManager, HealthPolicy, RoleState
 from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
@@ -59,7 +59,7 @@ def test_health_worker_loss_restart_and_budget():
     h = HealthManager(HealthPolicy(restart_budget=2, budget_window_s=100), clock)
     h.register("actor/0", "actor", "tcp://a", "actor-0")
     h.ready("actor/0", "tcp://a", "actor-0")
-    for i in range(2):
+    for _ in range(2):
         assert [r.role for r in h.worker_lost("tcp://a")] == ["actor/0"]
         assert h.state("actor/0") == RoleState.FAILED
         assert h.begin_restart("actor/0")
@@ -288,14 +288,15 @@ class Engines:
         self.log: list[tuple[str, str]] = []
         self.sync_delay = 0.0
 
-    def can_place(self):
-        return bool(self.workers)
+    def place(self, prefer_worker, load, waited_s):
+        if not self.workers:
+            return None
+        return min(self.workers, key=lambda w: (load.get(w, 0), w))
 
-    async def start(self, slot, epoch, prefer_worker, load):
+    async def start(self, slot, epoch, address):
         if self.fail_start_after is not None and self.started >= self.fail_start_after:
             raise Unavailable("no INFER worker left")
         self.started += 1
-        address = min(self.workers, key=lambda w: (load.get(w, 0), w))
         ep = EngineEndpoint(f"engine-{slot}.{epoch}", address)
         self.held[ep.engine], self.pins[ep.engine], self.state[ep.engine] = {}, [], "syncing"
         self.log.append(("start", ep.engine))

@@ -82,6 +82,9 @@ def _status(a: argparse.Namespace) -> int:
         w.add_row(x["name"], x["status"], ",".join(f"{k}={v:g}" for k, v in x["resources"].items()),
                   str(x["processing"]), f"{x['since_heartbeat_s']:.1f}")
     console.print(w)
+    from nexus.client.cli_control import roles_table
+
+    console.print(roles_table(st))
     return 0
 
 
@@ -105,6 +108,11 @@ def _report(a: argparse.Namespace) -> int:
     for path in write_report(log, Path(a.out)):
         print(path)
     return 0
+
+
+def _common_connection_args(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--root", default="runs/service", help="service root (reads its scheduler.json)")
+    q.add_argument("--address", default=None, help="scheduler address instead of --root")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     lg.set_defaults(fn=_logs)
     r.add_argument("--out", default=".", help="folder for the PNG files")
     r.set_defaults(fn=_report)
+    from nexus.client.cli_control import add_commands
+
+    add_commands(sub, _connect, _common_connection_args)
     a = p.parse_args(argv)
     return a.fn(a)
 

@@ -75,10 +75,12 @@ class PoolPolicy:
 class EngineOps(Protocol):
     """What the pool asks of the cluster."""
 
-    def can_place(self) -> bool: ...  # is there a worker that may host an engine?
+    def place(self, prefer_worker: str | None, load: dict[str, int], waited_s: float) -> str | None:
+        """The worker address for a new engine, or None to wait (no worker yet, or the preferred one is
+        restarting). ``load``: engines per address; ``waited_s``: how long this slot has waited."""
+        ...
 
-    async def start(self, slot: int, epoch: int, prefer_worker: str | None,
-                    load: dict[str, int]) -> tuple[EngineEndpoint, str]: ...
+    async def start(self, slot: int, epoch: int, address: str) -> tuple[EngineEndpoint, str]: ...
 
     async def sync(self, ep: EngineEndpoint, tenants: list[TenantSetup], pins: list[Pin]) -> None: ...
 
@@ -108,6 +110,7 @@ class EnginePool:
         self._epochs: Counter[int] = Counter()
         self._last_worker: dict[int, str] = {}
         self._retry_at: dict[int, float] = {}  # slot -> earliest next start after a failed one
+        self._waiting_since: dict[int, float] = {}  # slot -> when it began waiting for a worker
         self._failures: Counter[int] = Counter()
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
@@ -237,23 +240,28 @@ class EnginePool:
     async def ensure(self) -> list[str]:
         """Start or replace engines until ``target`` serve (the supervisor's reconcile); returns errors."""
         errors: list[str] = []
-        if not self.ops.can_place():
-            return errors  # no worker to host an engine yet: wait, spending no restart
         async with self._lock:
             for slot in range(self.target):
                 m = self.members.get(slot)
                 if m is not None and m.state != MemberState.FAILED:
                     continue
-                if time.monotonic() < self._retry_at.get(slot, 0.0):
+                now = time.monotonic()
+                if now < self._retry_at.get(slot, 0.0):
                     continue
                 role = f"engine/{slot}"
                 h = self.health.register(role, "engine")
                 if m is not None:  # a lost engine: its replacement takes the same slot
                     del self.members[slot]
+                load = Counter(x.endpoint.address for x in self.members.values())
+                waited = now - self._waiting_since.setdefault(slot, now)
+                address = self.ops.place(self._last_worker.get(slot), dict(load), waited)
+                if address is None:
+                    continue  # no worker for it yet: wait, spending no restart
                 if h.state == RoleState.FAILED and not self.health.begin_restart(role):
                     continue  # restart budget spent: the slot stays failed
                 try:
-                    self._serve(await self._start(slot))
+                    self._serve(await self._start(slot, address))
+                    self._waiting_since.pop(slot, None)
                     self._failures[slot] = 0
                 except Exception as e:
                     self.health.fail(role, f"start failed: {e}")
@@ -263,10 +271,14 @@ class EnginePool:
                     logger.warning("could not start %s: %s", role, e)
         return errors
 
-    async def _start(self, slot: int) -> EngineMember:
+    async def _start(self, slot: int, address: str | None = None) -> EngineMember:
+        if address is None:  # a scale-up: place it now (on the least loaded worker) or fail
+            load = Counter(m.endpoint.address for m in self.members.values())
+            address = self.ops.place(None, dict(load), float("inf"))
+            if address is None:
+                raise Unavailable("no worker can host another inference engine")
         self._epochs[slot] += 1
-        load = Counter(m.endpoint.address for m in self.members.values())
-        ep, worker = await self.ops.start(slot, self._epochs[slot], self._last_worker.get(slot), dict(load))
+        ep, worker = await self.ops.start(slot, self._epochs[slot], address)
         m = EngineMember(slot=slot, epoch=self._epochs[slot], endpoint=ep, worker=worker)
         self.members[slot] = m  # receives new versions from now on
         self._last_worker[slot] = worker

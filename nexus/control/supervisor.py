@@ -47,6 +47,7 @@ logger = logging.getLogger("nexus.supervisor")
 
 START_TIMEOUT_S = 180.0
 TRACKER_GRACE_S = 30.0  # how long the tracker waits for an INFER worker at boot
+PLACEMENT_GRACE_S = 30.0  # how long a role waits for its own (restarting) or a free worker
 
 
 class DaskEngineOps:
@@ -56,19 +57,24 @@ class DaskEngineOps:
         self.runtime = runtime
         self.config = config
 
-    def can_place(self) -> bool:
-        return bool(self.runtime.workers("INFER"))
-
-    async def start(self, slot: int, epoch: int, prefer_worker: str | None,
-                    load: dict[str, int]) -> tuple[EngineEndpoint, str]:
+    def place(self, prefer_worker: str | None, load: dict[str, int], waited_s: float) -> str | None:
+        """In place first: a lost engine waits (up to ``PLACEMENT_GRACE_S``) for its restarted worker of
+        the same name; a new one prefers a worker without an engine, and waits as long for one to join."""
         workers = self.runtime.workers("INFER")
         if not workers:
-            raise Unavailable("no worker with resource INFER to host an inference engine")
+            return None
         same = [w for w in workers if w.name == prefer_worker]
-        w = same[0] if same else min(workers, key=lambda w: (load.get(w.address, 0), w.name))
+        if same:
+            return same[0].address
+        best = min(workers, key=lambda w: (load.get(w.address, 0), w.name))
+        if waited_s < PLACEMENT_GRACE_S and (prefer_worker is not None or load.get(best.address, 0) > 0):
+            return None
+        return best.address
+
+    async def start(self, slot: int, epoch: int, address: str) -> tuple[EngineEndpoint, str]:
         engine_id = f"engine-{slot}.{epoch}"
         info = await asyncio.wait_for(self.runtime.run(tasks.START_ENGINE, engine_id, self.config,
-                                                       key=f"nexus-engine-start-{engine_id}", workers=[w.address]),
+                                                       key=f"nexus-engine-start-{engine_id}", workers=[address]),
                                       START_TIMEOUT_S)
         return EngineEndpoint(engine_id, info["address"]), info["worker"]
 
@@ -271,7 +277,8 @@ class Supervisor:
         if h.state == RoleState.FAILED and not self.health.begin_restart("tracker"):
             return
         same = [w for w in workers if w.name == h.worker]
-        w = same[0] if same else workers[0]
+        engines = {m.endpoint.address for m in self.pool.members.values()}
+        w = same[0] if same else min(workers, key=lambda w: (w.address in engines, w.name))
         self._tracker_starts += 1
         try:
             info = await asyncio.wait_for(

@@ -1,0 +1,73 @@
+"""``nexus`` subcommands of the control plane: ``cancel``, ``delete``, ``scale-inference``; and the roles
+table that ``nexus status`` prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+STATE_STYLE = {"healthy": "green", "starting": "cyan", "suspect": "yellow", "restarting": "magenta", "failed": "red"}
+
+
+def roles_table(status: dict[str, Any]):
+    """Every role's health: state, worker, restarts (and budget left), heartbeat age, reason."""
+    from rich.table import Table
+
+    svc = status.get("service", {})
+    t = Table(title=f"roles (service {svc.get('state', '?')})")
+    for col in ("role", "kind", "state", "worker", "restarts", "budget left", "since heartbeat s", "reason"):
+        t.add_column(col)
+    for r in status.get("roles", []):
+        age = r["since_heartbeat_s"]
+        t.add_row(r["role"], r["kind"], f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]", r["worker"] or "-",
+                  str(r["restarts"]), str(r["restart_budget_left"]), "-" if age is None else f"{age:.1f}",
+                  (r["reason"] or "")[:60])
+    return t
+
+
+def _cancel(a: argparse.Namespace, connect: Callable) -> int:
+    with connect(a) as nx:
+        info = nx.job(a.job).cancel()
+    print(json.dumps({k: info[k] for k in ("job", "tenant", "state", "error")}) if a.json else
+          f"{info['job']}: {info['state']}" + (f" ({info['error']})" if info.get("error") else ""))
+    return 0 if info["state"] in ("cancelled", "done", "failed") else 1
+
+
+def _delete(a: argparse.Namespace, connect: Callable) -> int:
+    with connect(a) as nx:
+        out = nx.delete_tenant(a.tenant, keep_output=not a.purge)
+    if a.json:
+        print(json.dumps(out))
+    else:
+        kept = "deleted" if out["purged"] else "kept"
+        print(f"tenant {out['tenant']} deleted; output dir {out['output_dir']} {kept}"
+              + (f"; cancelled {', '.join(out['cancelled_jobs'])}" if out["cancelled_jobs"] else ""))
+    return 0
+
+
+def _scale(a: argparse.Namespace, connect: Callable) -> int:
+    with connect(a) as nx:
+        view = nx.scale_inference(a.n)
+    if a.json:
+        print(json.dumps(view, default=str))
+    else:
+        for e in view["engines"]:
+            print(f"{e['engine']:<14} {e['state']:<9} {e['worker']:<10} tenants: {', '.join(e['tenants']) or '-'}")
+    return 0
+
+
+def add_commands(sub, connect: Callable, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register the subcommands; ``connect(args)`` opens a ``Nexus``, ``common`` adds --root/--address."""
+    c = sub.add_parser("cancel", help="cancel a job (frees its admission slots, queued items and pins)")
+    c.add_argument("job")
+    d = sub.add_parser("delete", help="delete a tenant (cancels its jobs; keeps its output dir unless --purge)")
+    d.add_argument("tenant")
+    d.add_argument("--purge", action="store_true", help="also delete the tenant's output dir")
+    s = sub.add_parser("scale-inference", help="grow or shrink the inference pool to N engines")
+    s.add_argument("n", type=int)
+    for p, fn in ((c, _cancel), (d, _delete), (s, _scale)):
+        common(p)
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(fn=lambda a, fn=fn: fn(a, connect))
