@@ -30,9 +30,10 @@ def _up(a: argparse.Namespace) -> int:
         stop = True
 
     signal.signal(signal.SIGTERM, _stop)
-    try:
-        while not stop:
-            time.sleep(0.5)
+    from nexus.client.cli_control import keep_up
+
+    try:  # a dead scheduler or a spent restart budget: global restart on the same root
+        nx = keep_up(nx, lambda: stop, lambda: Nexus.local(a.root, n_sim=a.sim_workers, dashboard_address=a.dashboard))
     except KeyboardInterrupt:
         pass
     nx.close()

@@ -27,6 +27,39 @@ def roles_table(status: dict[str, Any]):
     return t
 
 
+def keep_up(nx, should_stop: Callable[[], bool], restart: Callable[[], Any], check_s: float = 5.0):
+    """Keep a local service up until ``should_stop()``: when its scheduler process died, or a role's
+    restart budget is spent (status ``needs-global-restart``), stop what is left and start a new
+    service on the same root (it rediscovers the tenants). Returns the service running at the end."""
+    import time
+
+    last = time.time()
+    while not should_stop():
+        time.sleep(0.5)
+        if time.time() - last < check_s:
+            continue
+        last = time.time()
+        reason = None
+        if nx.service is not None and nx.service.procs and nx.service.procs[0].poll() is not None:
+            reason = "the scheduler process died"
+        else:
+            try:
+                state = nx.status()["service"]["state"]
+                if state == "needs-global-restart":
+                    reason = "a role's restart budget is spent"
+            except Exception as e:  # noqa: BLE001 (a busy scheduler: check again later)
+                print(f"status check failed: {e}", flush=True)
+        if reason:
+            print(f"global restart: {reason}", flush=True)
+            try:
+                nx.client.close(timeout=5)
+            finally:
+                nx.service.stop()
+            nx = restart()
+            print(f"JoyNexus service up again\n  scheduler: {nx.service.address}", flush=True)
+    return nx
+
+
 def _cancel(a: argparse.Namespace, connect: Callable) -> int:
     with connect(a) as nx:
         info = nx.job(a.job).cancel()

@@ -47,6 +47,7 @@ def service_view(m: Master) -> dict[str, Any]:
             "needs_global_restart": spent, "discovery": dict(m.supervisor.discovery),
             "restarts": sum(r.restarts for r in h.roles.values()),
             "retried_items": {"role_lost": m.dispatcher.retried_lost, "errors": m.dispatcher.retried_errors},
+            "transitions": list(h.history)[-200:],  # recent role state changes, oldest first
             "health_policy": vars(h.policy)}
 
 

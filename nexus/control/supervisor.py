@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 from nexus.control import tasks
 from nexus.control.health import RoleState
-from nexus.errors import Unavailable
 from nexus.messages import EngineEndpoint, Heartbeat, SlotInfo, TenantSetup
 
 if TYPE_CHECKING:

@@ -57,9 +57,12 @@ async def call_engine(server, ep: EngineEndpoint, method: str, *args: Any, timeo
 
 class EngineClient:
     def __init__(self, server, routes: dict[str, EngineEndpoint] | None = None, request_timeout_s: float = 120.0,
-                 route_timeout_s: float = 600.0, on_answer: Callable[[], None] | None = None) -> None:
+                 route_timeout_s: float = 600.0, on_answer: Callable[[], None] | None = None,
+                 route_ttl_s: float = 2.0) -> None:
         self.server = server
-        self._routes: dict[str, EngineEndpoint] = dict(routes or {})
+        now = time.monotonic()
+        self._routes: dict[str, tuple[EngineEndpoint, float]] = {t: (ep, now) for t, ep in (routes or {}).items()}
+        self.route_ttl_s = route_ttl_s  # routes are asked again this often: a re-routed tenant follows
         self.request_timeout_s = request_timeout_s
         self.route_timeout_s = route_timeout_s
         self.on_answer = on_answer
@@ -80,7 +83,11 @@ class EngineClient:
 
     async def _call(self, method: str, tenant: str, args: tuple, kwargs: dict) -> Any:
         deadline = time.monotonic() + self.route_timeout_s
-        ep = self._routes.get(tenant) or await self._route(tenant, None, None)
+        cached = self._routes.get(tenant)
+        if cached is None or time.monotonic() - cached[1] > self.route_ttl_s:
+            ep = await self._route(tenant, None, None)
+        else:
+            ep = cached[0]
         while True:
             try:
                 out = await call_engine(self.server, ep, method, tenant, *args, timeout=self.request_timeout_s,
@@ -99,7 +106,7 @@ class EngineClient:
         info = await self.server.scheduler.nexus_route(tenant=tenant, stale=stale, error=error,
                                                        timeout=self.route_timeout_s)
         ep = EngineEndpoint.from_dict(info)
-        self._routes[tenant] = ep
+        self._routes[tenant] = (ep, time.monotonic())
         return ep
 
 
@@ -124,7 +131,7 @@ class EngineSet:
         for ep, r in zip(self.endpoints, results, strict=True):
             if isinstance(r, BaseException):
                 self.errors.append(f"{ep.engine}: {type(r).__name__}: {r}")
-            else:
+            elif r is not None:  # None: the engine is still syncing and will be caught up
                 self.pushed_to.append(ep.engine)
         return version
 

@@ -105,9 +105,10 @@ class EngineHost:
         return out
 
     async def load_weights(self, tenant: str, version: int, weights: bytes) -> int:
-        """A new version from the actor; versions older than the one held are ignored (late pushes)."""
+        """A new version from the actor; versions older than the one held are ignored (late pushes).
+        None for a tenant this engine does not hold yet (it is syncing: the pool catches it up)."""
         if tenant not in self.schemas:
-            raise NotFound(f"tenant {tenant!r} is not registered on inference engine {self.id}")
+            return None
         async with self._lock(tenant):
             live = self.engine.versions()["live"].get(tenant)
             if live is not None and live >= version:
