@@ -97,8 +97,8 @@ def _start(root: Path, ck: int) -> Nexus:
 def run_kill(nx: Nexus, kind: str, updates: int) -> dict[str, Any]:
     st = nx.status()
     engine_of_a = st["inference"]["routes"]["ra"]
-    hit_role = {"sim": None, "actor": "actor/0",
-                "infer": next(f"engine/{e['slot']}" for e in st["inference"]["engines"] if e["engine"] == engine_of_a)}[kind]
+    slot_of_a = next(e["slot"] for e in st["inference"]["engines"] if e["engine"] == engine_of_a)
+    hit_role = {"sim": None, "actor": "actor/0", "infer": f"engine/{slot_of_a}"}[kind]
     retried0 = st["service"]["retried_items"]["role_lost"]
     jobs = {t: nx.tenant(t).rl(updates=updates, episodes_per_batch=1, collectors=1) for t in TENANTS}
     with Progress(nx) as prog:

@@ -6,7 +6,6 @@ import argparse
 import json
 import signal
 import sys
-import time
 from pathlib import Path
 
 
