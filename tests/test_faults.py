@@ -130,8 +130,10 @@ def test_scale_1_2_1_answers_every_request_once_and_eval_keeps_its_version(nx):
         up = nx.scale_inference(2)
         assert [e["state"] for e in up["engines"]] == ["serving", "serving"]
         assert len({e["address"] for e in up["engines"]}) == 2
-        n_at_2 = sum(map(len, answers.values()))
-        wait_for(lambda: sum(map(len, answers.values())) >= n_at_2 + 40, 120, what="requests on two engines")
+        n_at_2, t_at_2 = sum(map(len, answers.values())), time.time()
+        # callers re-ask their route every 2 s: give them time to follow the re-routing
+        wait_for(lambda: sum(map(len, answers.values())) >= n_at_2 + 40 and time.time() > t_at_2 + 6, 120,
+                 what="requests on two engines")
         routes = nx.status()["inference"]["routes"]
         assert sorted(routes.values()) == sorted({e["engine"] for e in up["engines"]}), routes
         down = nx.scale_inference(1)

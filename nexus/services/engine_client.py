@@ -45,13 +45,24 @@ def _retryable(e: BaseException) -> bool:
     return isinstance(e, OSError | TimeoutError | Unavailable)
 
 
+CONNECT_TIMEOUT_S = 5.0  # a dead engine's worker refuses at once; Dask would retry connecting for 30 s
+
+
 async def call_engine(server, ep: EngineEndpoint, method: str, *args: Any, timeout: float | None = None,
                       **kwargs: Any) -> Any:
+    from distributed.core import send_recv
     from distributed.protocol import to_serialize
 
-    coro = getattr(server.rpc(ep.address), DATA_OP)(engine=ep.engine, method=method,
-                                                    payload=to_serialize({"args": list(args), "kwargs": kwargs}))
-    reply = await (asyncio.wait_for(coro, timeout) if timeout else coro)
+    pool = server.rpc
+    extra = {k: v for k, v in (("serializers", pool.serializers), ("deserializers", pool.deserializers))
+             if v is not None}
+    comm = await pool.connect(ep.address, timeout=CONNECT_TIMEOUT_S)
+    try:
+        coro = send_recv(comm=comm, op=DATA_OP, engine=ep.engine, method=method,
+                         payload=to_serialize({"args": list(args), "kwargs": kwargs}), **extra)
+        reply = await (asyncio.wait_for(coro, timeout) if timeout else coro)
+    finally:
+        pool.reuse(ep.address, comm)
     return reply["result"]
 
 
