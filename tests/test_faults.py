@@ -232,7 +232,9 @@ def test_cancel_returns_admission_slots_and_the_tenant_trains_again(nx):
     assert records[job.id]["state"] == "cancelled"
 
 
-def test_delete_tenant_keeps_or_purges_its_output(nx):
+def test_delete_tenant_keeps_or_purges_its_output(nx, capsys):
+    from nexus.client.cli import main as cli
+
     out = Path({x["tenant"]: x for x in nx.status()["tenants"]}["fb"]["output_dir"])
     version = nx.tenant("fb").version
     res = nx.delete_tenant("fb")
@@ -243,7 +245,12 @@ def test_delete_tenant_keeps_or_purges_its_output(nx):
         nx.predictor().predict("fb", _obs()).result(timeout=60)
     again = nx.create_tenant(TenantSpec(name="fb", env="maniskill/pushcube-state", seed=32))
     assert again.info["version"] == version and again.info["restored"], "re-created from the kept output dir"
-    assert nx.delete_tenant("fb", keep_output=False)["purged"] is True
+    root = nx.service.config.root
+    capsys.readouterr()
+    assert cli(["delete", "fb", "--purge", "--root", root, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["purged"] is True
     assert not out.exists()
-    time.sleep(0.5)
     assert "fb" not in {x["tenant"] for x in nx.status()["tenants"]}
+    assert cli(["status", "--root", root]) == 0
+    printed = capsys.readouterr().out
+    assert "roles" in printed and "actor/0" in printed and "healthy" in printed
