@@ -27,8 +27,18 @@ from nexus.config import ServiceConfig
 from nexus.control import dashboard
 from nexus.control.monitoring import SERVICES, TOPIC, MonitoringState, PrometheusCollector
 from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
-from nexus.control.validation import SpecError, schema_to_dict, validate_job, validate_tenant
+from nexus.control.validation import (
+    SpecError,
+    check_eval_version,
+    check_new_tenant,
+    check_tenant_limits,
+    schema_to_dict,
+    validate_job,
+    validate_tenant,
+)
+from nexus.errors import Conflict, NotFound
 from nexus.features import TenantSchema
+from nexus.paths import resolve_output_dir
 from nexus.services import rollout, tracking
 from nexus.services import training as training_service
 from nexus.services.inference import InferenceEngine
@@ -135,7 +145,9 @@ class NexusPlugin(SchedulerPlugin):
                 from distributed import Client
 
                 # the default client of this process: Actor proxies bind to it (get_client())
-                self._client = await Client(self.scheduler.address, asynchronous=True,
+                from nexus.tls import security
+
+                self._client = await Client(self.scheduler.address, asynchronous=True, security=security(self.config),
                                             name="nexus-master", set_as_default=True)
             return self._client
 
@@ -163,13 +175,17 @@ class NexusPlugin(SchedulerPlugin):
     async def create_tenant(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Validate a tenant spec and allocate its slot on the actor and the inference engine."""
         spec_, schema = validate_tenant(spec)
+        limits = self.config.limits_for(spec_.name)
+        check_tenant_limits(spec_, limits)
         if spec_.name in self.tenants:
             existing = self.tenants[spec_.name]
             if existing.spec != spec_:
-                raise SpecError(f"tenant {spec_.name!r} exists with another spec")
+                raise Conflict(f"tenant {spec_.name!r} exists with another spec")
             return existing.view()
+        check_new_tenant(len(self.tenants), limits)
+        output_dir = resolve_output_dir(spec_.name, spec_.output_dir, self.config.tenants_dir, self.config.output_base,
+                                        [(n, t.output_dir) for n, t in self.tenants.items()])
         client, engine, _ = await self._services()
-        output_dir = spec_.output_dir or str(self.config.tenants_dir / spec_.name)
         fut = client.submit(training_service.init_tenant, spec_.model_dump(), schema_to_dict(schema),
                             output_dir, engine, resources={"ACTOR": 1}, pure=False,
                             key=f"nexus-init-{spec_.name}-{self._next()}")
@@ -182,11 +198,13 @@ class NexusPlugin(SchedulerPlugin):
 
     async def submit(self, tenant: str, job: dict[str, Any]) -> str:
         t = self._tenant(tenant)
-        job_ = validate_job(t.spec, job)
+        limits = self.config.limits_for(tenant)
+        active_evals = sum(1 for j in t.jobs if self.jobs[j].spec.kind == "eval" and not self.jobs[j].finished.is_set())
+        job_ = validate_job(t.spec, job, limits, active_evals)
         if job_.kind in ("sft", "rl") and t.training_job is not None:
-            raise SpecError(f"tenant {tenant!r} already runs training job {t.training_job!r}")
-        if job_.kind == "eval" and job_.version is not None and job_.version > t.version:
-            raise SpecError(f"tenant {tenant!r} has no version {job_.version} yet (current {t.version})")
+            raise Conflict(f"tenant {tenant!r} already runs training job {t.training_job!r}")
+        if job_.kind == "eval":
+            check_eval_version(tenant, job_.version, t.version, limits)
         js = JobState(job_id=f"{tenant}-{job_.kind}-{self._next()}", tenant=tenant, spec=job_)
         self.jobs[js.job_id] = js
         t.jobs.append(js.job_id)
@@ -300,12 +318,12 @@ class NexusPlugin(SchedulerPlugin):
 
     def _tenant(self, name: str) -> TenantState:
         if name not in self.tenants:
-            raise SpecError(f"unknown tenant {name!r}")
+            raise NotFound(f"unknown tenant {name!r}")
         return self.tenants[name]
 
     def _job(self, job_id: str) -> JobState:
         if job_id not in self.jobs:
-            raise SpecError(f"unknown job {job_id!r}")
+            raise NotFound(f"unknown job {job_id!r}")
         return self.jobs[job_id]
 
     def _event(self, topic: str, msg: dict[str, Any]) -> None:

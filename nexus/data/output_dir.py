@@ -8,23 +8,24 @@ Layout::
     trajectories/        Arrow IPC batches of rollouts (nexus.data.trajectory_store)
     eval/                eval reports, one JSON per eval job
 
-Written only by workers (never by the scheduler process); every write is atomic (temp + rename).
+Written only by workers (never by the scheduler process); every write is atomic (temp + rename), files
+are 0600 and dirs 0700 (``nexus.paths``). Old versions' weights and old checkpoints beyond the tenant's
+quota (``ServiceLimits.max_versions_kept`` / ``max_checkpoints_kept``) are pruned, and the manifest says so.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from nexus.paths import private_write_bytes
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    private_write_bytes(path, data)
 
 
 class TenantOutputDir:
@@ -89,8 +90,29 @@ class TenantOutputDir:
         m["jobs"].append(record)
         self.write(m)
 
+    def prune(self, versions_kept: int, checkpoints_kept: int) -> dict[str, list[int]]:
+        """Delete the weights of all but the newest ``versions_kept`` versions and all but the newest
+        ``checkpoints_kept`` DeepSpeed checkpoints; the manifest keeps their records, marked pruned."""
+        m = self.read()
+        gone: dict[str, list[int]] = {"weights": [], "checkpoints": []}
+        live = [v for v in m["versions"] if not v.get("pruned")]
+        for v in live[:max(0, len(live) - versions_kept)]:
+            Path(v["weights"]).unlink(missing_ok=True)
+            v["pruned"] = True
+            gone["weights"].append(v["version"])
+        cks = [c for c in m["checkpoints"] if not c.get("pruned")]
+        for c in cks[:max(0, len(cks) - checkpoints_kept)]:
+            tag_dir = self.checkpoints / c["tag"].rsplit("/", 1)[-1]
+            if tag_dir.is_dir() and not tag_dir.is_symlink():
+                shutil.rmtree(tag_dir)
+            c["pruned"] = True
+            gone["checkpoints"].append(c["version"])
+        if gone["weights"] or gone["checkpoints"]:
+            self.write(m)
+        return gone
+
     def latest_checkpoint(self) -> dict[str, Any] | None:
         if not self.exists():
             return None
-        cks = self.read()["checkpoints"]
+        cks = [c for c in self.read()["checkpoints"] if not c.get("pruned")]
         return cks[-1] if cks else None
