@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import os
 import stat
 import time
@@ -23,7 +22,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
-import numpy as np
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +35,7 @@ from nexus.errors import Conflict, Forbidden, LimitExceeded, NexusError, NotFoun
 from nexus.features import TenantSchema
 from nexus.gateway.auth import Principal, TokenStore
 from nexus.gateway.backend import Backend
+from nexus.gateway.backend import plain as jsonable
 from nexus.inputs import check_batch, check_observation, decode_array
 from nexus.paths import confine, dir_bytes
 from nexus.spec import RL_ACTION_HEADS, JobSpec, TenantSpec
@@ -44,21 +43,6 @@ from nexus.spec import RL_ACTION_HEADS, JobSpec, TenantSpec
 logger = logging.getLogger("nexus.gateway")
 
 MAX_WAIT_S = 60.0  # one result / stream poll holds a request at most this long
-
-
-def jsonable(x: Any) -> Any:
-    """Plain JSON: numpy to lists / numbers, NaN and inf to null (strict JSON has neither)."""
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple | set):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return jsonable(x.tolist())
-    if isinstance(x, np.generic):
-        return jsonable(x.item())
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
 
 
 class NexusJSON(JSONResponse):
@@ -104,6 +88,23 @@ class ScaleBody(_Body):
 class ExportBody(_Body):
     model_config = ConfigDict(extra="allow")
     version: int | None = Field(None, ge=0, le=2**31 - 1)
+
+
+# module level: with postponed annotations FastAPI resolves these names in the module's globals
+bearer = HTTPBearer(auto_error=False, description="a tenant token (from create_tenant) or the operator token")
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+
+
+async def principal(request: Request, cred: Credentials) -> Principal:
+    return request.app.state.gateway.tokens.identify(cred.credentials if cred else None)
+
+
+async def optional_principal(request: Request, cred: Credentials) -> Principal | None:
+    return request.app.state.gateway.tokens.identify(cred.credentials) if cred else None
+
+
+Who = Annotated[Principal, Depends(principal)]
+MaybeWho = Annotated[Principal | None, Depends(optional_principal)]
 
 
 class Gateway:
@@ -173,7 +174,6 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
     app = FastAPI(title="JoyNexus tenant gateway", version="1", lifespan=lifespan, default_response_class=NexusJSON,
                   description=__doc__)
     app.state.gateway = gw
-    bearer = HTTPBearer(auto_error=False, description="a tenant token (from create_tenant) or the operator token")
 
     # -- errors: every refusal a NexusError with its status ----------------------------------
     @app.exception_handler(NexusError)
@@ -214,15 +214,6 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
             request._body = body  # read once; the route reads it from here
         return await call_next(request)
 
-    async def principal(cred: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
-        return tokens.identify(cred.credentials if cred else None)
-
-    Who = Annotated[Principal, Depends(principal)]
-
-    async def optional_principal(cred: Annotated[HTTPAuthorizationCredentials | None,
-                                                 Depends(bearer)]) -> Principal | None:
-        return tokens.identify(cred.credentials) if cred else None
-
     # -- service ----------------------------------------------------------------------------
     @app.get("/health", tags=["service"])
     async def health() -> dict[str, Any]:
@@ -239,8 +230,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
 
     # -- tenants ------------------------------------------------------------------------------
     @app.post("/v1/tenants", status_code=201, tags=["tenants"])
-    async def create_tenant(spec: TenantSpec,
-                            who: Annotated[Principal | None, Depends(optional_principal)]) -> dict[str, Any]:
+    async def create_tenant(spec: TenantSpec, who: MaybeWho) -> dict[str, Any]:
         """Validate a spec and allocate the tenant's slot; the answer carries its secret ``token`` (shown
         once). Re-creating an existing tenant needs its token (or the operator's) and returns no new one."""
         if not config.open_registration and not (who and who.operator):

@@ -50,7 +50,7 @@ class Backend:
             if handler not in self.handlers:
                 raise NotSupported(f"this service has no {handler.removeprefix('nexus_')!r} operation")
         try:
-            return await getattr(self.client.scheduler, handler)(**kwargs)
+            return plain(await getattr(self.client.scheduler, handler)(**kwargs))
         except NexusError:
             raise
         except (OSError, TimeoutError) as e:
@@ -133,14 +133,18 @@ class Backend:
         if self._engine is None or refresh:
             if ENGINE_DATASET not in await self.client.list_datasets():
                 raise Unavailable("the inference engine is not running yet (it starts with the first tenant)")
-            self._engine = await self.client.get_dataset(ENGINE_DATASET)
+            from distributed.actor import Actor
+
+            published = await (await self.client.get_dataset(ENGINE_DATASET))  # the actor's future -> proxy
+            with self.client.as_current():  # bind the proxy to this client's loop and connections
+                self._engine = Actor(published._cls, published._address, published.key)
         return self._engine
 
     async def predict(self, tenant: str, obs: Any, version: int | None, deterministic: bool) -> dict[str, Any]:
         for attempt in (0, 1):
             engine = await self._engine_proxy(refresh=attempt > 0)
             try:
-                return await engine.predict(tenant, obs, version, deterministic)
+                return plain(await engine.predict(tenant, obs, version, deterministic))
             except NexusError:
                 raise
             except KeyError as e:  # the engine's "not registered" / "neither live nor pinned"
@@ -150,6 +154,25 @@ class Backend:
                     raise Unavailable(f"the inference engine is unavailable ({e})") from None
                 await asyncio.sleep(0.5)
         raise Unavailable("the inference engine is unavailable")
+
+
+def plain(x: Any) -> Any:
+    """JSON-ready values: numpy arrays and scalars to lists and numbers, NaN and inf to None."""
+    import math
+
+    import numpy as np
+
+    if isinstance(x, dict):
+        return {str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple | set):
+        return [plain(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return plain(x.tolist())
+    if isinstance(x, np.generic):
+        return plain(x.item())
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
 
 
 def _handler_names(dask_scheduler) -> list[str]:
