@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nexus.errors import SpecError
+from nexus.errors import LimitExceeded, SpecError
 from nexus.features import Observation, TenantSchema
 
 WIRE_DTYPES = {"float32": np.float32, "float64": np.float64, "uint8": np.uint8, "int64": np.int64,
@@ -166,7 +166,7 @@ def check_observation(obs: Any, schema: TenantSchema, *, field: str = "observati
     if not isinstance(instruction, str):
         raise SpecError(f"{field}.instruction: expected a string, got {_kind(instruction)}")
     if len(instruction) > max_instruction_chars:
-        raise SpecError(f"{field}.instruction: {len(instruction)} characters is over the limit "
+        raise LimitExceeded(f"{field}.instruction: {len(instruction)} characters is over the limit "
                         f"max_instruction_chars={max_instruction_chars}")
     return Observation(state=state, images=images, instruction=instruction)
 
@@ -209,7 +209,7 @@ def check_batch(batch: Any, schema: TenantSchema, loss: str, *, chunk: int = 1, 
     if n == 0:
         raise SpecError("batch.observations: the batch is empty; expected at least one observation")
     if n > max_rows:
-        raise SpecError(f"batch.observations: {n} rows is over the limit max_batch_rows={max_rows}")
+        raise LimitExceeded(f"batch.observations: {n} rows is over the limit max_batch_rows={max_rows}")
     out: dict[str, Any] = {"observations": [
         check_observation(o, schema, field=f"batch.observations[{i}]", max_instruction_chars=max_instruction_chars)
         for i, o in enumerate(obs)]}

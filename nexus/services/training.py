@@ -128,6 +128,13 @@ def _check_output_dir(svc: TrainingModelService, spec, out) -> None:
     private_mkdir(out.path)
 
 
+def slot_states() -> dict[str, dict[str, int]]:
+    """Operator view of this actor's slots: version and pending backward passes per tenant (tests, audits)."""
+    if _service is None:
+        return {}
+    return {t: {"version": s.version, "pending_backward": s._pending_backward} for t, s in _service.slots.items()}
+
+
 def _push_weights(engine, tenant: str, version: int, weights: bytes) -> dict[str, float]:
     t0 = time.perf_counter()
     engine.load_weights(tenant, version, weights).result()
