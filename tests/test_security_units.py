@@ -10,10 +10,25 @@ import stat
 import pytest
 
 from nexus.config import ServiceConfig, ServiceLimits
-from nexus.control.validation import (SIM_SEED_RANGE, check_eval_version, check_job_limits, check_new_tenant,
-                                      validate_job, validate_tenant)
-from nexus.errors import (Conflict, Forbidden, LimitExceeded, NexusError, NotFound, NotSupported, SpecError,
-                          Unauthorized, error_class)
+from nexus.control.validation import (
+    SIM_SEED_RANGE,
+    check_eval_version,
+    check_job_limits,
+    check_new_tenant,
+    validate_job,
+    validate_tenant,
+)
+from nexus.errors import (
+    Conflict,
+    Forbidden,
+    LimitExceeded,
+    NexusError,
+    NotFound,
+    NotSupported,
+    SpecError,
+    Unauthorized,
+    error_class,
+)
 from nexus.gateway.auth import TokenStore, read_operator_token
 from nexus.paths import confine, private_write_bytes, resolve_output_dir
 from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec

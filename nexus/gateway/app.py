@@ -427,7 +427,11 @@ def _list_files(root: str) -> list[dict[str, Any]]:
 def _read_file(root: str, rel: str) -> bytes:
     if rel.startswith("/") or "\x00" in rel:
         raise SpecError(f"path {rel!r}: give a path relative to the tenant's output dir")
+    if ".." in rel.split("/"):
+        raise Forbidden(f"path {rel!r}: '..' is not allowed")
     path = confine(os.path.join(root, rel), root, must_exist=True)
+    if os.path.isdir(path):
+        raise SpecError(f"path {rel!r} is a directory; GET .../files lists them")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except IsADirectoryError:

@@ -172,8 +172,8 @@ def _init_tenant(spec: dict, schema: dict, output_dir: str, engine) -> dict[str,
     svc = service()
     spec_, schema_ = TenantSpec.model_validate(spec), schema_from_dict(schema)
     out = TenantOutputDir(output_dir)
+    _check_actor_budget(svc, spec_, schema_)  # first: a refused tenant leaves nothing behind
     _check_output_dir(svc, spec_, out)
-    _check_actor_budget(svc, spec_, schema_)
     slot = TenantSlot(spec_, schema_, svc.feat_dim, grad_clip=spec_.grad_clip)
     restored = False
     ck = out.latest_checkpoint()
