@@ -383,6 +383,21 @@ def test_every_listening_socket_is_loopback(env):
     assert not outside, outside
 
 
+def test_chunked_bodies_are_limited_too(env):
+    """Without a Content-Length the gateway counts the bytes as they come."""
+    api = env["api"]
+
+    def chunks(body: bytes, size: int = 65536):
+        yield from (body[i:i + size] for i in range(0, len(body), size))
+
+    small = json.dumps({"name": "chunky", "env": PUSH, "hidden_dim": 3}).encode()
+    r = api("POST", T, None, content=chunks(small), headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and "hidden_dim" in _error(r)[1]  # read whole, then validated
+    big = b"[" + b"0," * 700_000 + b"0]"
+    r = api("POST", T, None, content=chunks(big), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "max_request_bytes" in _error(r)[1]
+
+
 def test_openapi_docs_served(env):
     api = env["api"]
     spec = api("GET", "/openapi.json").json()

@@ -36,6 +36,15 @@ from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec
 PUSH = {"name": "a", "env": "maniskill/pushcube-state"}
 
 
+def test_gateway_and_validation_import_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, nexus.gateway.app, nexus.gateway.__main__, nexus.control.plugin, nexus.inputs; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "NEXUS_SERVICE_CONFIG": "/nonexistent"})
+
+
 # -- paths --------------------------------------------------------------------------------------
 def test_output_dir_derived_from_name(tmp_path):
     tenants = tmp_path / "tenants"
