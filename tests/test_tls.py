@@ -60,3 +60,30 @@ def test_dask_without_the_certificate_is_refused(nx):
                 tls.sendall(b"\0" * 8)
                 if tls.recv(1) == b"":  # closed without a word: refused too
                     raise ConnectionError("closed by the scheduler")
+
+
+def test_restart_keeps_certificates_and_tokens_and_the_owner_resumes(nx):
+    """Same root, new processes: the CA and tokens persist; only the tenant's token re-creates it."""
+    from nexus.cluster import LocalService
+    from nexus.errors import Conflict
+
+    cert = (nx.service.config.tls_dir / "service.pem").read_bytes()
+    t = nx.tenant("tls-rl")
+    token, spec = t.token, TenantSpec(name="tls-rl", env="maniskill/pushcube-state", seed=21)
+    old_operator = nx.service.operator_token
+    config = nx.service.config
+    nx.service.stop()
+    svc = LocalService(config, n_sim=1).start()
+    try:
+        assert (config.tls_dir / "service.pem").read_bytes() == cert
+        assert svc.operator_token != old_operator
+        with Nexus(svc.gateway_url, token=svc.operator_token) as op:
+            op._wait_for_workers(svc.n_workers, timeout=180)
+        with Nexus(svc.gateway_url) as stranger, pytest.raises(Conflict, match="needs its token"):
+            stranger.create_tenant(spec)
+        with Nexus(svc.gateway_url, token=token) as owner:
+            again = owner.create_tenant(spec)
+            assert again.info["version"] == 1 and again.info["token"] is None  # resumed, no new token
+            assert again.evaluate(episodes=1).result(timeout=600)["version"] == 1
+    finally:
+        svc.stop()
