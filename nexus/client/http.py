@@ -55,7 +55,9 @@ class HttpTransport:
         self.url = url.rstrip("/")
         self.token = token
         self.tokens: dict[str, str] = {}
-        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10))
+        # a low-level call waits its turn on the shared actor: reads may take long, connecting may not
+        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=min(timeout, 10),
+                                                                          read=max(timeout, 600)))
 
     def close(self) -> None:
         self.http.close()

@@ -36,7 +36,7 @@ from nexus.features import TenantSchema
 from nexus.gateway.auth import Principal, TokenStore
 from nexus.gateway.backend import Backend
 from nexus.gateway.backend import plain as jsonable
-from nexus.inputs import check_batch, check_observation, decode_array
+from nexus.inputs import check_batch, check_observation
 from nexus.paths import confine, dir_bytes
 from nexus.spec import RL_ACTION_HEADS, JobSpec, TenantSpec
 
@@ -444,4 +444,4 @@ def _read_file(root: str, rel: str) -> bytes:
         return f.read()
 
 
-__all__ = ["Gateway", "create_app", "decode_array", "jsonable"]
+__all__ = ["Gateway", "create_app", "jsonable"]
