@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ENV_VAR = "NEXUS_SERVICE_CONFIG"
 
@@ -45,11 +45,54 @@ class DispatchSettings(BaseModel):
     max_concurrent_updates: int = Field(1, ge=1, description="training items running at once on the actor group")
     item_attempts: int = Field(2, ge=1, description="runs of an update that raises before its job fails")
     rollout_attempts: int = Field(3, ge=1, description="runs of a failing rollout (same episodes) before its job fails")
+class ServiceLimits(BaseModel):
+    """Quotas and limits of one tenant (service-wide defaults; ``ServiceConfig.tenant_limits`` overrides).
+
+    A request over one of them is refused with :class:`nexus.errors.LimitExceeded` naming the field and
+    the value; nothing is allocated before the check.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_tenants: int = Field(32, ge=1, description="tenants of the whole service")
+    max_hidden_dim: int = Field(4096, ge=8, description="width of a tenant's action module")
+    max_head_bytes: int = Field(2 * 2**30, ge=1, description="actor memory estimate of one tenant's slot")
+    actor_memory_fraction: float = Field(0.7, gt=0, le=0.95,
+                                         description="share of the actor worker's memory limit slots may use "
+                                                     "(Dask restarts a worker at 0.95)")
+    max_sft_steps: int = Field(100_000, ge=1)
+    max_batch_size: int = Field(1024, ge=1, description="SFT batch size")
+    max_rl_updates: int = Field(10_000, ge=1)
+    max_episodes_per_batch: int = Field(64, ge=1)
+    max_collectors: int = Field(8, ge=1)
+    max_eval_episodes: int = Field(500, ge=1)
+    max_update_epochs: int = Field(32, ge=1, description="PPO epochs over one RL batch")
+    max_concurrent_evals: int = Field(2, ge=1, description="evaluation jobs of one tenant queued or running")
+    max_priority: int = Field(10, ge=0, description="|TenantSpec.priority| (priorities share one actor)")
+    max_seed: int = Field(600, ge=0, description="episode seeds derived from it stay below 2**32 (simulators)")
+    max_inflight: int = Field(8, ge=1, description="cap of TenantSpec.max_inflight")
+    max_queued_ops: int = Field(8, ge=1, description="low-level calls of one tenant waiting at the gateway")
+    max_batch_rows: int = Field(4096, ge=1, description="samples in one forward_backward batch")
+    max_instruction_chars: int = Field(2000, ge=1)
+    max_versions_kept: int = Field(50, ge=1, description="policy versions whose weights stay on disk")
+    max_checkpoints_kept: int = Field(3, ge=1, description="DeepSpeed checkpoints kept per tenant")
+    max_storage_bytes: int = Field(8 * 2**30, ge=1, description="bytes of a tenant's output dir")
+    max_request_bytes: int = Field(64 * 2**20, ge=1024, description="body of one gateway request")
 
 
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     root: str = Field(description="service folder: tenants' output dirs, MLflow store, logs")
+    host: str = Field("127.0.0.1", description="address every service process listens on (Dask, gateway, "
+                                               "torch.distributed); loopback unless the service spans hosts")
+    tls: bool = Field(False, description="Dask comms over mutual TLS, certificates generated under root/tls")
+    gateway_port: int = Field(0, ge=0, le=65535, description="tenant gateway port (0: any free port)")
+    open_registration: bool = Field(True, description="anyone reaching the gateway may create a tenant "
+                                                      "(False: the operator token is needed)")
+    output_base: str | None = Field(None, description="folder inside which a spec's output_dir may point; "
+                                                      "unset: every tenant lives in root/tenants/<name>")
+    limits: ServiceLimits = ServiceLimits()
+    tenant_limits: dict[str, dict[str, int | float]] = Field(default_factory=dict,
+                                                       description="per-tenant overrides of `limits`")
     backbone: BackboneSettings = BackboneSettings()
     infer_max_wait_s: float = Field(0.005, ge=0, description="inference queue: max wait T")
     infer_max_batch: int = Field(8, ge=1, description="inference queue: target group size B")
@@ -57,15 +100,33 @@ class ServiceConfig(BaseModel):
     experiment: str | None = Field(None, description="MLflow experiment; default: one per service root")
     checkpoint_every: int = Field(1, ge=0, description="DeepSpeed checkpoint every N versions, saved before the "
                                   "version is published (0: at job end only)")
-    keep_checkpoints: int = Field(2, ge=1, description="DeepSpeed checkpoint tags kept per tenant (older are pruned)")
     inference_engines: int = Field(1, ge=1, description="inference engines at start (Nexus.scale_inference changes it)")
     actor_ranks: int = Field(1, ge=1, description="ranks of the actor group (workers with resource ACTOR)")
     health: HealthSettings = HealthSettings()
     dispatch: DispatchSettings = DispatchSettings()
 
+    @model_validator(mode="after")
+    def _overrides_name_limits(self) -> ServiceConfig:
+        for over in self.tenant_limits.values():
+            ServiceLimits(**{**self.limits.model_dump(), **over})  # unknown or invalid fields fail here
+        return self
+
+    def limits_for(self, tenant: str) -> ServiceLimits:
+        over = self.tenant_limits.get(tenant)
+        return ServiceLimits(**{**self.limits.model_dump(), **over}) if over else self.limits
+
     @property
     def tenants_dir(self) -> Path:
         return Path(self.root) / "tenants"
+
+    @property
+    def tls_dir(self) -> Path:
+        return Path(self.root) / "tls"
+
+    @property
+    def gateway_dir(self) -> Path:
+        """Gateway-owned state: token hashes, the operator token, the gateway's URL (all 0600)."""
+        return Path(self.root) / "gateway"
 
     def resolved_tracking_uri(self) -> str:
         return self.tracking_uri or f"sqlite:///{Path(self.root).resolve() / 'mlflow.db'}"
@@ -75,8 +136,9 @@ class ServiceConfig(BaseModel):
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.model_dump_json(indent=2))
+        from nexus.paths import private_write_bytes
+
+        private_write_bytes(path, self.model_dump_json(indent=2).encode())
         return path
 
     @classmethod

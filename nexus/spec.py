@@ -15,7 +15,8 @@ RL_ACTION_HEADS = frozenset({"oft"})
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN / inf are refused in every float field (a NaN lr or init_log_std would poison a slot silently)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class PPOConfig(_Spec):
@@ -50,8 +51,9 @@ class TenantSpec(_Spec):
     priority: int = 0
     max_inflight: int = Field(2, ge=1, description="training items admitted at once (queued + running)")
     max_staleness: int = Field(128, ge=0, description="RL batches lagging more versions are dropped")
-    seed: int = 0
-    output_dir: str | None = None
+    seed: int = Field(0, ge=0, description="simulator episode seeds derive from it (ServiceLimits.max_seed)")
+    output_dir: str | None = Field(None, description="default: <root>/tenants/<name>; elsewhere only inside the "
+                                                     "service's output_base")
 
     @model_validator(mode="after")
     def _needs_a_source(self) -> TenantSpec:

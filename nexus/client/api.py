@@ -1,5 +1,10 @@
 """The tenant's Python API.
 
+``Nexus("http://host:port", token=...)`` talks to a service's tenant gateway (HTTP, bearer tokens;
+``nexus.client.http``); ``Nexus.local()`` starts a service and hands back a gateway client holding the
+operator token and, as tenants are created, their tokens. ``Nexus("tcp://…")`` is the service-internal
+Dask connection (code execution on the service: for its own processes and tests, never for tenants).
+
 High level: connect to a service (or start a local one), create a tenant from a spec, submit an
 SFT / RL / Eval job, stream its progress, wait for its result.
 
@@ -18,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nexus.config import ServiceConfig
-from nexus.errors import JobFailed, NotFound
+from nexus.errors import Forbidden, JobFailed, NotFound
 from nexus.features import Observation
 from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec
 
@@ -26,12 +31,21 @@ from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec
 class Nexus:
     """A connection to a JoyNexus service."""
 
-    def __init__(self, address: str, *, service: Any = None, timeout: float = 120) -> None:
-        from distributed import Client
-
+    def __init__(self, address: str, *, token: str | None = None, service: Any = None, timeout: float = 120,
+                 security: Any = None) -> None:
         self.service = service
-        self.client = Client(address, timeout=timeout, set_as_default=False)
+        self.transport = None  # HttpTransport when talking to the gateway
+        self._client = None
         self._predictor = None
+        self._predicts: ThreadPoolExecutor | None = None
+        if address.startswith(("http://", "https://")):
+            from nexus.client.http import HttpTransport
+
+            self.transport = HttpTransport(address, token=token, timeout=timeout)
+        else:
+            from distributed import Client
+
+            self._client = Client(address, timeout=timeout, set_as_default=False, security=security)
 
     @classmethod
     def local(cls, root: str | Path = "runs/local", n_sim: int = 2, dashboard_address: str = "127.0.0.1:0",
@@ -44,8 +58,8 @@ class Nexus:
         service = LocalService(ServiceConfig(root=str(Path(root).resolve()), **config), n_sim=n_sim,
                                dashboard_address=dashboard_address, n_infer=n_infer).start()
         try:
-            nx = cls(service.address, service=service)
-            nx.client.wait_for_workers(service.n_workers, timeout=180)
+            nx = cls(service.gateway_url, token=service.operator_token, service=service)
+            nx._wait_for_workers(service.n_workers, timeout=180)
             nx.wait_ready()
         except BaseException:
             service.stop()
@@ -55,11 +69,46 @@ class Nexus:
     def wait_ready(self, timeout: float = 300) -> dict[str, Any]:
         """Wait until the actor group, an inference engine and the tracker serve (and a restarted
         service has rediscovered its tenants)."""
-        return self.call("nexus_wait_ready", timeout=timeout)
+        if self.transport is not None and self.service is None:
+            return self.transport.call("nexus_wait_ready", timeout=timeout)
+        return self.internal("nexus_wait_ready", timeout=timeout)
+
+    def _wait_for_workers(self, n: int, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while len(self.status().get("workers", [])) < n:
+            if time.time() > deadline:
+                raise TimeoutError(f"fewer than {n} workers joined the service within {timeout} s")
+            time.sleep(0.2)
+
+    @property
+    def client(self):
+        """The Dask client: service-internal access (the process that started the service, tests)."""
+        if self._client is None:
+            if self.service is None:
+                raise Forbidden("no Dask access through the gateway: the gateway is the tenants' only door")
+            from distributed import Client
+
+            from nexus.tls import security
+
+            self._client = Client(self.service.address, timeout=60, set_as_default=False,
+                                  security=security(self.service.config))
+        return self._client
+
+    @property
+    def tokens(self) -> dict[str, str]:
+        """The tenant tokens this client holds (from create_tenant)."""
+        return dict(self.transport.tokens) if self.transport else {}
 
     # -- plumbing --------------------------------------------------------------------------
     def call(self, handler: str, **kwargs: Any) -> Any:
-        """Call a Nexus handler on the scheduler (its errors are raised here)."""
+        """A Nexus operation by its handler name: a gateway route, or the scheduler handler itself."""
+        if self.transport is not None:
+            return self.transport.call(handler, **kwargs)
+        kwargs.pop("owner", None)
+        return self.client.sync(getattr(self.client.scheduler, handler), **kwargs)
+
+    def internal(self, handler: str, **kwargs: Any) -> Any:
+        """A scheduler handler over the service-internal Dask connection (operators, tests)."""
         return self.client.sync(getattr(self.client.scheduler, handler), **kwargs)
 
     @property
@@ -67,7 +116,12 @@ class Nexus:
         return self.client.dashboard_link
 
     def close(self) -> None:
-        self.client.close()
+        if self.transport is not None:
+            self.transport.close()
+        if self._predicts is not None:
+            self._predicts.shutdown(wait=False)
+        if self._client is not None:
+            self._client.close()
         if self.service is not None:
             self.service.stop()
 
@@ -83,7 +137,10 @@ class Nexus:
         info = self.call("nexus_create_tenant", spec=raw)
         return Tenant(self, info["tenant"], info)
 
-    def tenant(self, name: str) -> Tenant:
+    def tenant(self, name: str, token: str | None = None) -> Tenant:
+        """A handle on an existing tenant (``token``: its secret, when this client does not hold it yet)."""
+        if token is not None and self.transport is not None:
+            self.transport.tokens[name] = token
         for t in self.status()["tenants"]:
             if t["tenant"] == name:
                 return Tenant(self, name, t)
@@ -104,7 +161,7 @@ class Nexus:
         from nexus.messages import EngineEndpoint
         from nexus.services.engine_client import EngineHandle
 
-        engines = self.call("nexus_engines")
+        engines = self.internal("nexus_engines")
         if index >= len(engines):
             raise NotFound(f"no inference engine {index}: {len(engines)} serve")
         return EngineHandle(self.client, EngineEndpoint.from_dict(engines[index]))
@@ -130,14 +187,17 @@ class Nexus:
 
 
 class Job:
-    def __init__(self, nexus: Nexus, job_id: str) -> None:
-        self.nexus, self.id = nexus, job_id
+    def __init__(self, nexus: Nexus, job_id: str, tenant: str | None = None) -> None:
+        self.nexus, self.id, self.tenant = nexus, job_id, tenant
 
     def info(self) -> dict[str, Any]:
-        return self.nexus.call("nexus_job", job_id=self.id)
+        return self.nexus.call("nexus_job", job_id=self.id, owner=self.tenant)
 
     def stream(self, poll_s: float = 0.5) -> Iterator[dict[str, Any]]:
         """Yield the job's state each time its progress changes, until it ends."""
+        if self.nexus.transport is not None:
+            yield from self.nexus.transport.stream(self.id, self.tenant, poll_s)
+            return
         last = None
         while True:
             info = self.info()
@@ -151,7 +211,7 @@ class Job:
 
     def cancel(self) -> dict[str, Any]:
         """Stop the job and free everything it holds; returns its final info (state ``cancelled``)."""
-        return self.nexus.call("nexus_cancel", job_id=self.id)
+        return self.nexus.call("nexus_cancel", job_id=self.id, owner=self.tenant)
 
     def follow(self, console: Any = None, poll_s: float = 0.5) -> dict[str, Any]:
         """Wait for the job with a progress bar (steps, updates or episodes); returns its result."""
@@ -174,7 +234,7 @@ class Job:
         deadline = None if timeout is None else time.time() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.time())
-            info = self.nexus.call("nexus_wait", job_id=self.id, timeout=min(left or 30.0, 30.0))
+            info = self.nexus.call("nexus_wait", job_id=self.id, timeout=min(left or 30.0, 30.0), owner=self.tenant)
             if info["state"] == "done":
                 return info["result"]
             if info["state"] in ("failed", "cancelled"):
@@ -192,9 +252,22 @@ class Tenant:
     def version(self) -> int:
         return self.nexus.tenant(self.name).info["version"]
 
+    @property
+    def token(self) -> str | None:
+        """This tenant's secret (gateway transport): keep it to reconnect, ``Nexus(url, token=...)``."""
+        return self.nexus.tokens.get(self.name)
+
+    def files(self) -> list[dict[str, Any]]:
+        """The files of the tenant's output dir (path, bytes), through the gateway."""
+        return self.nexus.transport.files(self.name)
+
+    def read_file(self, path: str) -> bytes:
+        """One file of the tenant's output dir (e.g. ``manifest.json``, ``weights/v000003.pt``)."""
+        return self.nexus.transport.read_file(self.name, path)
+
     def submit(self, job: SFTJob | RLJob | EvalJob | dict[str, Any]) -> Job:
         raw = job.model_dump() if not isinstance(job, dict) else job
-        return Job(self.nexus, self.nexus.call("nexus_submit", tenant=self.name, job=raw))
+        return Job(self.nexus, self.nexus.call("nexus_submit", tenant=self.name, job=raw), self.name)
 
     def sft(self, **kw: Any) -> Job:
         return self.submit(SFTJob(**kw))
@@ -214,6 +287,9 @@ class Tenant:
         (``loss="grpo"``: see ``nexus.services.training._run_op`` for its fields)
         (a PPOConfig dict). The batch goes to a worker directly; the scheduler sees its name only.
         """
+        if self.nexus.transport is not None:  # to the gateway, which sends it to the actor worker directly
+            return self._ops.submit(self.nexus.transport.forward_backward, self.name, batch, loss)
+
         def run() -> dict[str, Any]:
             client = self.nexus.client
             name = f"nexus-op-{self.name}-{uuid.uuid4().hex[:12]}"
@@ -238,4 +314,8 @@ class Tenant:
 
     def predict_action(self, obs: Observation, version: int | None = None, deterministic: bool = True) -> Future:
         """An action from the tenant's inference engine (grouped with other tenants' requests)."""
+        if self.nexus.transport is not None:
+            if self.nexus._predicts is None:
+                self.nexus._predicts = ThreadPoolExecutor(4, thread_name_prefix="nexus-predict")
+            return self.nexus._predicts.submit(self.nexus.transport.predict, self.name, obs, version, deterministic)
         return self.nexus.predictor().predict(self.name, obs, version, deterministic)

@@ -20,8 +20,10 @@ def _up(a: argparse.Namespace) -> int:
     from nexus.client.api import Nexus
 
     nx = Nexus.local(a.root, n_sim=a.sim_workers, dashboard_address=a.dashboard)
-    print(f"JoyNexus service up\n  scheduler: {nx.service.address}\n  dashboard: {nx.dashboard_link}\n"
-          f"  scheduler file: {nx.service.scheduler_file}\nCtrl-C stops it.", flush=True)
+    print(f"JoyNexus service up\n  gateway: {nx.service.gateway_url} (docs: {nx.service.gateway_url}/docs)\n"
+          f"  operator token: {nx.service.config.gateway_dir / 'operator.token'}\n"
+          f"  scheduler (service-internal): {nx.service.address}\n  dashboard: {nx.dashboard_link}\n"
+          "Ctrl-C stops it.", flush=True)
     stop = False
 
     def _stop(*_: object) -> None:
@@ -40,10 +42,17 @@ def _up(a: argparse.Namespace) -> int:
 
 
 def _connect(a: argparse.Namespace):
+    """The service's gateway as its operator: URL and operator token from the root (0600 files), or
+    ``--address http://… --token …``."""
     from nexus.client.api import Nexus
+    from nexus.gateway.auth import read_gateway_url, read_operator_token
 
-    address = a.address or json.loads((Path(a.root) / "scheduler.json").read_text())["address"]
-    return Nexus(address)
+    gateway = Path(a.root) / "gateway"
+    address = a.address or read_gateway_url(gateway)
+    if not address:
+        raise SystemExit(f"no running gateway recorded in {gateway}")
+    token = getattr(a, "token", None) or read_operator_token(gateway)
+    return Nexus(address, token=token)
 
 
 def _console():
@@ -130,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     u.set_defaults(fn=_up)
     s = sub.add_parser("status", help="tenants, queues and versions of a running service")
     s.add_argument("--root", default="runs/service", help="service root (reads its scheduler.json)")
-    s.add_argument("--address", default=None, help="scheduler address instead of --root")
+    s.add_argument("--address", default=None, help="gateway URL instead of --root")
+    s.add_argument("--token", default=None, help="with --address: the operator's (or a tenant's) token")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_status)
     lg = sub.add_parser("logs", help="a tenant's jobs and their metric history")
@@ -138,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     for q in (lg, r):
         q.add_argument("tenant")
         q.add_argument("--root", default="runs/service", help="service root (reads its scheduler.json)")
-        q.add_argument("--address", default=None)
+        q.add_argument("--address", default=None, help="gateway URL instead of --root")
+        q.add_argument("--token", default=None, help="with --address: the operator's or the tenant's token")
     lg.set_defaults(fn=_logs)
     r.add_argument("--out", default=".", help="folder for the PNG files")
     r.set_defaults(fn=_report)

@@ -18,9 +18,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nexus.config import ServiceLimits
 from nexus.control import flows, tasks
-from nexus.control.validation import validate_job
-from nexus.errors import Conflict, NotFound, SpecError
+from nexus.control.validation import check_eval_version, validate_job
+from nexus.errors import Conflict, NotFound
 from nexus.spec import EvalJob, RLJob, SFTJob
 
 if TYPE_CHECKING:
@@ -77,8 +78,10 @@ class JobTable:
 class JobManager:
     def __init__(self, registry: TenantRegistry, ctx: flows.FlowContext, actors: ActorGroup, runtime: DaskRuntime,
                  tracker: TrackerLink, monitoring: MonitoringState, event: Callable[[str, dict], None],
-                 flush_signals: Callable[[], Awaitable[None]]) -> None:
+                 flush_signals: Callable[[], Awaitable[None]],
+                 limits_for: Callable[[str], ServiceLimits] = lambda _t: ServiceLimits()) -> None:
         self.registry = registry
+        self.limits_for = limits_for
         self.ctx = ctx
         self.actors = actors
         self.runtime = runtime
@@ -103,11 +106,14 @@ class JobManager:
         t = self.registry.get(tenant)
         if t.phase != "ready":
             raise Conflict(f"tenant {tenant!r} is {t.phase}; submit again once it is ready")
-        job = validate_job(t.spec, raw)
+        limits = self.limits_for(tenant)
+        active_evals = sum(1 for j in t.jobs if j in self.jobs and self.jobs[j].spec.kind == "eval"
+                           and not self.jobs[j].finished.is_set())
+        job = validate_job(t.spec, raw, limits, active_evals)
         if job.kind in ("sft", "rl") and t.training_job is not None:
             raise Conflict(f"tenant {tenant!r} already runs training job {t.training_job!r}")
-        if job.kind == "eval" and job.version is not None and job.version > t.version:
-            raise SpecError(f"tenant {tenant!r} has no version {job.version} yet (current {t.version})")
+        if job.kind == "eval":
+            check_eval_version(tenant, job.version, t.version, limits)
         js = JobState(job_id=self.ids.next_id(tenant, job.kind), tenant=tenant, spec=job)
         self.jobs[js.job_id] = js
         t.jobs.append(js.job_id)

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 from nexus.control import tasks
 from nexus.control.queues import TenantLimits
 from nexus.control.tenants import TenantState
-from nexus.control.validation import validate_tenant
+from nexus.control.validation import check_new_tenant, check_tenant_limits, validate_tenant
 from nexus.errors import Conflict, NotFound
 from nexus.messages import SlotInfo
+from nexus.paths import resolve_output_dir
 
 if TYPE_CHECKING:
     from nexus.config import ServiceConfig
@@ -42,6 +43,8 @@ class TenantLifecycle:
     async def create(self, raw: dict[str, Any]) -> dict[str, Any]:
         """Validate a tenant spec and build its slot; a tenant whose output dir holds state resumes it."""
         spec, schema = validate_tenant(raw)
+        limits = self.config.limits_for(spec.name)
+        check_tenant_limits(spec, limits)
         existing = self.registry.find(spec.name)
         if existing is not None:
             if existing.phase == "deleting":
@@ -50,7 +53,9 @@ class TenantLifecycle:
                 raise Conflict(f"tenant {spec.name!r} exists with another spec")
             await asyncio.wait_for(existing.ready.wait(), CREATE_TIMEOUT_S)
             return existing.view()
-        output_dir = spec.output_dir or str(self.config.tenants_dir / spec.name)
+        check_new_tenant(len(self.registry), limits)
+        output_dir = resolve_output_dir(spec.name, spec.output_dir, self.config.tenants_dir, self.config.output_base,
+                                        [(o.name, o.output_dir) for o in self.registry])
         t = self.registry.add(TenantState(spec=spec, schema=schema, output_dir=output_dir))
         queue = self.dispatcher.queue
         queue.set_limits(spec.name, TenantLimits(spec.max_inflight, spec.max_staleness, spec.priority))

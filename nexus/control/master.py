@@ -46,7 +46,7 @@ class Master:
     def __init__(self, config: ServiceConfig, scheduler) -> None:
         self.config = config
         self.scheduler = scheduler
-        self.runtime = DaskRuntime(scheduler)
+        self.runtime = DaskRuntime(scheduler, config)
         self.monitoring = MonitoringState()
         self.health = HealthManager(HealthPolicy.from_settings(config.health))
         self.registry = TenantRegistry()
@@ -62,7 +62,7 @@ class Master:
         ctx = flows.FlowContext(self.dispatcher, self.queue, self.pool, self.health, self.runtime,
                                 config.dispatch.rollout_attempts, log=lambda *a: None)
         self.jobs = JobManager(self.registry, ctx, self.actors, self.runtime, self.tracker, self.monitoring,
-                               self._event, self._flush_engine_signals)
+                               self._event, self._flush_engine_signals, config.limits_for)
         self.lifecycle = TenantLifecycle(config, self.registry, self.actors, self.pool, self.dispatcher, self.jobs,
                                          self._event)
         self.supervisor = Supervisor(config, self.runtime, self.health, self.actors, self.pool, self.registry,

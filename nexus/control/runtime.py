@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nexus.control.tasks import TaskRef
 from nexus.errors import Unavailable
+
+if TYPE_CHECKING:
+    from nexus.config import ServiceConfig
 
 logger = logging.getLogger("nexus.runtime")
 
@@ -27,8 +30,9 @@ class WorkerInfo:
 
 
 class DaskRuntime:
-    def __init__(self, scheduler) -> None:
+    def __init__(self, scheduler, config: ServiceConfig | None = None) -> None:
         self.scheduler = scheduler
+        self.config = config
         self._client = None
         self._client_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
@@ -38,8 +42,10 @@ class DaskRuntime:
             if self._client is None:
                 from distributed import Client
 
+                from nexus.tls import security
+
                 self._client = await Client(self.scheduler.address, asynchronous=True, name="nexus-master",
-                                            set_as_default=False)
+                                            set_as_default=False, security=security(self.config))
             return self._client
 
     async def close(self) -> None:

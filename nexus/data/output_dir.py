@@ -10,8 +10,9 @@ Layout::
     eval/                eval reports, one JSON per eval job
     jobs/<job>.json      one record per job: "running" from its start, its final state at its end
 
-Written only by workers (never by the scheduler process); every write is atomic (temp + rename).
-The manifest has one writer, the actor; job records are separate files so other workers may write them.
+Written only by workers (never by the scheduler process); every write is atomic (temp + rename), files
+are 0600 and dirs 0700 (``nexus.paths``). Old versions' weights and old checkpoints beyond the tenant's
+quota (``ServiceLimits.max_versions_kept`` / ``max_checkpoints_kept``) are pruned, and the manifest says so.
 """
 
 from __future__ import annotations
@@ -24,23 +25,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nexus.paths import FILE_MODE, private_mkdir, private_write_bytes
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    private_write_bytes(path, data)
 
 
 def write_once(path: Path, data: bytes) -> bool:
-    """Create ``path`` with ``data`` atomically, never replacing an existing file.
+    """Create ``path`` (0600) with ``data`` atomically, never replacing an existing file.
 
     Returns False when the file already holds exactly ``data`` (a retried write); raises
     ``FileExistsError`` when it holds anything else."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_mkdir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-    tmp.write_bytes(data)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
     try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.link(tmp, path)  # fails if the name exists: no reader ever sees a replaced version
         return True
     except FileExistsError:
@@ -140,24 +142,32 @@ class TenantOutputDir:
         m["checkpoints"].append({"version": version, "tag": tag, "path": str(self.checkpoints), "time": time.time()})
         self.write(m)
 
-    def prune_checkpoints(self, keep: int) -> list[str]:
-        """Delete all but the newest ``keep`` checkpoint tags (weights of every version stay)."""
-        m = self.read()
-        live = [c for c in m["checkpoints"] if not c.get("pruned")]
-        gone = []
-        for c in live[: max(0, len(live) - keep)]:
-            shutil.rmtree(Path(c["path"]) / Path(c["tag"]).name, ignore_errors=True)
-            c["pruned"] = True
-            gone.append(c["tag"])
-        if gone:
-            self.write(m)
-        return gone
-
     def add_job(self, record: dict[str, Any]) -> None:
         """Append a finished job to the manifest (replacing an earlier record of the same job)."""
         m = self.read()
         m["jobs"] = [j for j in m["jobs"] if j.get("job") != record.get("job")] + [record]
         self.write(m)
+
+    def prune(self, versions_kept: int, checkpoints_kept: int) -> dict[str, list[int]]:
+        """Delete the weights of all but the newest ``versions_kept`` versions and all but the newest
+        ``checkpoints_kept`` DeepSpeed checkpoints; the manifest keeps their records, marked pruned."""
+        m = self.read()
+        gone: dict[str, list[int]] = {"weights": [], "checkpoints": []}
+        live = [v for v in m["versions"] if not v.get("pruned")]
+        for v in live[:max(0, len(live) - versions_kept)]:
+            Path(v["weights"]).unlink(missing_ok=True)
+            v["pruned"] = True
+            gone["weights"].append(v["version"])
+        cks = [c for c in m["checkpoints"] if not c.get("pruned")]
+        for c in cks[:max(0, len(cks) - checkpoints_kept)]:
+            tag_dir = self.checkpoints / c["tag"].rsplit("/", 1)[-1]
+            if tag_dir.is_dir() and not tag_dir.is_symlink():
+                shutil.rmtree(tag_dir)
+            c["pruned"] = True
+            gone["checkpoints"].append(c["version"])
+        if gone["weights"] or gone["checkpoints"]:
+            self.write(m)
+        return gone
 
     def latest_checkpoint(self) -> dict[str, Any] | None:
         if not self.exists():

@@ -38,7 +38,6 @@ def make_durable(svc, slot, out, version: int, weights: bytes) -> str:
     if every and version % every == 0:
         tag = slot.save_checkpoint(str(out.checkpoints))
         out.add_checkpoint(version, tag)
-        out.prune_checkpoints(svc.config.keep_checkpoints)
     return digest
 
 
@@ -76,12 +75,16 @@ def _build_slot(setup: TenantSetup) -> SlotInfo:
     from nexus.data.output_dir import TenantOutputDir
     from nexus.model.preprocessor import TenantPreprocessor
     from nexus.services.tenant_slot import TenantSlot
+    from nexus.services.training import check_actor_budget, check_output_dir
     from nexus.spec import TenantSpec
 
     svc = _state().training()
     name = setup.name
     spec, schema = TenantSpec.model_validate(setup.spec), schema_from_dict(setup.schema)
     out = TenantOutputDir(setup.output_dir)
+    if name not in svc.slots:  # first: a refused tenant leaves nothing behind
+        check_actor_budget(svc, spec, schema)
+    check_output_dir(svc, spec, out)
     if not out.exists():
         out.create(setup.spec, setup.schema)
     published = out.highest_version()
@@ -173,7 +176,8 @@ def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> 
             if ck is None or ck["version"] != slot.version:
                 tag = slot.save_checkpoint(str(out.checkpoints))
                 out.add_checkpoint(slot.version, tag)
-                out.prune_checkpoints(_state().training().config.keep_checkpoints)
+                limits = _state().training().config.limits_for(tenant)
+                out.prune(limits.max_versions_kept, limits.max_checkpoints_kept)
             record["checkpoint"] = out.latest_checkpoint()["tag"]
         out.add_job(record)
         out.write_job(record)

@@ -59,32 +59,50 @@ def _quiet_deepspeed() -> None:
                             category=FutureWarning)
 
 
-def ensure_distributed() -> None:
+def _interface_of(host: str) -> str | None:
+    """The network interface holding ``host`` (gloo binds its device to one interface)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == host for a in addrs):
+            return name
+    return None
+
+
+def ensure_distributed(host: str = "127.0.0.1") -> None:
     """Initialize torch.distributed/DeepSpeed once per process (idempotent, thread-safe).
 
-    Without a launcher this is a world of size 1: RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR default to a
-    single local process and MASTER_PORT to a free port (each only if not already set, so torchrun or
-    the deepspeed launcher keep control). Backend: gloo on CPU, nccl on CUDA.
+    Without a launcher this is a world of size 1 whose rendezvous is an in-memory ``HashStore``: no
+    TCP store listens anywhere (an ``env://`` store binds every interface), and gloo's device binds to
+    the interface of ``host`` (127.0.0.1 by default; ``ServiceConfig.host`` on multi-host services).
+    Under torchrun or the deepspeed launcher (``WORLD_SIZE`` > 1) their variables keep control;
+    MASTER_ADDR defaults to ``host``. Backend: gloo on CPU, nccl on CUDA.
     """
     _quiet_deepspeed()
     with _dist_lock:
         if torch.distributed.is_available() and torch.distributed.is_initialized() and \
                 deepspeed.comm.is_initialized():
             return
-        if not torch.distributed.is_initialized():
-            for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                               ("MASTER_ADDR", "127.0.0.1")):
-                os.environ.setdefault(key, value)
-            if "MASTER_PORT" not in os.environ:
-                os.environ["MASTER_PORT"] = str(_free_port())
         accel = get_accelerator()
+        backend = accel.communication_backend_name()
+        if not torch.distributed.is_initialized():
+            iface = _interface_of(host)
+            if iface is not None:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+            for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", host)):
+                os.environ.setdefault(key, value)
+            if os.environ["WORLD_SIZE"] == "1":
+                torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0,
+                                                     world_size=1)
+            elif "MASTER_PORT" not in os.environ:
+                os.environ["MASTER_PORT"] = str(_free_port())
         if accel.device_name() == "cpu":
             # The shm comm op would be JIT-compiled (minutes of g++); it only serves
             # inference_all_reduce, ZeRO's collectives go through gloo anyway.
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         else:
             accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+        deepspeed.init_distributed(dist_backend=backend)
 
 
 class TenantSlot:

@@ -27,9 +27,11 @@ class TrainingModelService:
         from nexus.config import ServiceConfig
         from nexus.model.backbone import BackboneConfig, SharedBackbone
         from nexus.model.framework import VLAFramework
+        from nexus.services.tenant_slot import ensure_distributed
 
         torch.set_num_threads(1)
         self.config = ServiceConfig.load()
+        ensure_distributed(self.config.host)  # before any slot: the rendezvous stays on the service's host
         self.backbone_cfg = BackboneConfig(**self.config.backbone.model_dump())
         self.framework = VLAFramework(SharedBackbone(self.backbone_cfg))
         self.slots: dict[str, Any] = {}  # tenant -> TenantSlot
@@ -61,6 +63,76 @@ def service() -> TrainingModelService:
     return state().training()
 
 
+# Actor bytes per trainable parameter of a slot: fp32 weights, gradients, Adam's two moments, ZeRO's
+# flat fp32 partition and gradient buffers, and the transient copies of a weight export (state_dict
+# clone + torch.save bytes): 8 x 4 bytes.
+ACTOR_BYTES_PER_PARAM = 32
+
+
+def slot_bytes(spec, schema, feat_dim: int) -> int:
+    """Actor memory a tenant's slot would take, counted on torch's meta device (nothing is allocated)."""
+    import torch
+
+    from nexus.model.policy import TenantPolicy
+
+    with torch.device("meta"):
+        policy = TenantPolicy.from_spec(spec, schema, feat_dim)
+    return ACTOR_BYTES_PER_PARAM * sum(p.numel() for p in policy.parameters())
+
+
+def check_actor_budget(svc: TrainingModelService, spec, schema) -> None:
+    """Refuse a slot that would not fit, before building it: the actor must never hit its memory limit
+    (Dask would restart it and every tenant would lose its slot)."""
+    from nexus.errors import LimitExceeded
+
+    limits = svc.config.limits_for(spec.name)
+    need = slot_bytes(spec, schema, svc.feat_dim)
+    if need > limits.max_head_bytes:
+        raise LimitExceeded(f"hidden_dim={spec.hidden_dim} ({spec.action_head}): the slot needs "
+                            f"~{need / 2**20:.0f} MiB of actor memory, over the limit "
+                            f"max_head_bytes={limits.max_head_bytes / 2**20:.0f} MiB")
+    try:
+        from distributed import get_worker
+
+        memory_limit = get_worker().memory_manager.memory_limit
+    except (ValueError, AttributeError):  # not on a Dask worker (unit tests)
+        return
+    if not memory_limit:
+        return
+    import psutil
+
+    free = limits.actor_memory_fraction * memory_limit - psutil.Process().memory_info().rss
+    if need > free:
+        raise LimitExceeded(f"hidden_dim={spec.hidden_dim} ({spec.action_head}): the slot needs "
+                            f"~{need / 2**20:.0f} MiB of actor memory but the actor has "
+                            f"{max(free, 0) / 2**20:.0f} MiB left of its budget "
+                            f"(actor_memory_fraction={limits.actor_memory_fraction} of {memory_limit / 2**30:.1f} GiB)")
+
+
+def check_output_dir(svc: TrainingModelService, spec, out) -> None:
+    """The dir lies inside the service's base with no symlink on the way, and is not another tenant's."""
+    from nexus.errors import Forbidden
+    from nexus.paths import confine, private_mkdir
+
+    base = svc.config.output_base or str(svc.config.tenants_dir)
+    private_mkdir(base)
+    confine(out.path, base)
+    if out.exists():
+        owner = out.read().get("tenant")
+        if owner != spec.name:
+            raise Forbidden(f"output dir of tenant {spec.name!r} refused: it holds tenant {owner!r}'s manifest")
+    private_mkdir(out.path)
+
+
+def slot_states() -> dict[str, dict[str, int]]:
+    """Operator view of this actor's slots: version and pending backward passes per tenant (tests, audits)."""
+    from nexus.services.worker_plugin import state
+
+    svc = state()._training
+    slots = svc.slots if svc is not None else {}
+    return {t: {"version": s.version, "pending_backward": s._pending_backward} for t, s in slots.items()}
+
+
 def _push_weights(engine, tenant: str, version: int, weights: bytes) -> dict[str, float]:
     t0 = time.perf_counter()
     engine.load_weights(tenant, version, weights).result()
@@ -77,6 +149,8 @@ def _publish_version(svc: TrainingModelService, tenant: str, out, engine, source
     make_durable(svc, slot, out, version, weights)  # weights written once (+ checkpoint when due) first
     sync = _push_weights(engine, tenant, version, weights)
     out.add_version(version, source)
+    limits = svc.config.limits_for(tenant)
+    out.prune(limits.max_versions_kept, limits.max_checkpoints_kept)
     return version, sync
 
 
@@ -195,39 +269,59 @@ def _ppo_update(svc: TrainingModelService, tenant: str, payload: dict) -> dict[s
 
 
 def _run_op(svc: TrainingModelService, tenant: str, payload: dict, out, engine) -> dict[str, Any]:
-    """Tinker-style verbs: each datum is self-contained (observations + actions [+ PPO fields])."""
+    """Tinker-style verbs: each datum is self-contained (observations + actions [+ PPO fields]).
+
+    The batch is checked (``nexus.inputs.check_batch``) before it touches the slot: a bad batch is a
+    SpecError and the slot's gradients and version stay as they were."""
     import torch
 
     from nexus.algorithms.ppo import ppo_loss
     from nexus.algorithms.sft import sft_loss
-    from nexus.features import Observation
+    from nexus.errors import Conflict
+    from nexus.inputs import check_batch
     from nexus.spec import PPOConfig
 
     slot = svc.slots[tenant]
     op = payload["op"]
+
+    def finite(loss_fn):  # refuse before backward: gradients of a NaN loss would poison the slot
+        def run(policy):
+            loss, stats = loss_fn(policy)
+            if not bool(torch.isfinite(loss)):
+                from nexus.errors import SpecError
+
+                raise SpecError(f"batch: the {payload['loss']} loss is {float(loss)} on this batch; nothing was "
+                                "accumulated")
+            return loss, stats
+        return run
+
     if op == "forward_backward":
-        data = payload["data"]
-        obs = [o if isinstance(o, Observation) else Observation(**o) for o in data["observations"]]
-        feats, proprio = svc.features(tenant, obs)
-        actions = torch.as_tensor(data["actions"], dtype=torch.float32)
+        limits = svc.config.limits_for(tenant)
+        data = check_batch(payload["data"], slot.schema, payload["loss"], chunk=slot.chunk,
+                           gaussian=slot.policy.gaussian, max_rows=limits.max_batch_rows,
+                           max_instruction_chars=limits.max_instruction_chars)
+        feats, proprio = svc.features(tenant, data["observations"])
+        actions = torch.as_tensor(data["actions"])
         if payload["loss"] == "sft":
-            stats = slot.forward_backward(lambda p: sft_loss(p, feats, proprio, actions))
+            stats = slot.forward_backward(finite(lambda p: sft_loss(p, feats, proprio, actions)))
         elif payload["loss"] == "grpo":  # advantages: group-relative (nexus.algorithms.grpo.group_advantages)
             from nexus.algorithms.grpo import GRPOConfig, grpo_loss
 
             gcfg = GRPOConfig(**data.get("grpo", {}))
-            t = {k: torch.as_tensor(data[k], dtype=torch.float32) for k in ("logprobs", "advantages")}
+            t = {k: torch.as_tensor(data[k]) for k in ("logprobs", "advantages")}
             ref = data.get("ref_logprobs")
-            ref_t = None if ref is None else torch.as_tensor(ref, dtype=torch.float32)
-            stats = slot.forward_backward(lambda p: grpo_loss(p, feats, proprio, actions, t["logprobs"],
-                                                              t["advantages"], gcfg, ref_t))
+            ref_t = None if ref is None else torch.as_tensor(ref)
+            stats = slot.forward_backward(finite(lambda p: grpo_loss(p, feats, proprio, actions, t["logprobs"],
+                                                                     t["advantages"], gcfg, ref_t)))
         else:
             cfg = PPOConfig(**data.get("ppo", {}))
-            t = {k: torch.as_tensor(data[k], dtype=torch.float32) for k in ("logprobs", "advantages", "returns")}
-            stats = slot.forward_backward(lambda p: ppo_loss(p, feats, proprio, actions, t["logprobs"],
-                                                             t["advantages"], t["returns"], cfg))
+            t = {k: torch.as_tensor(data[k]) for k in ("logprobs", "advantages", "returns")}
+            stats = slot.forward_backward(finite(lambda p: ppo_loss(p, feats, proprio, actions, t["logprobs"],
+                                                                    t["advantages"], t["returns"], cfg)))
         return {"version": slot.version, "metrics": {k: float(v) for k, v in stats.items()}}
     if op == "optim_step":
+        if slot._pending_backward == 0:
+            raise Conflict(f"tenant {tenant!r}: optim_step without a forward_backward since the last step")
         return {"version": slot.version, "metrics": {k: float(v) for k, v in slot.optim_step().items()}}
     version, sync = _publish_version(svc, tenant, out, engine, "save_weights")
     return {"version": version, "metrics": sync}
