@@ -294,6 +294,16 @@ class NexusPlugin(SchedulerPlugin):
         return True
 
     # ------------------------------------------------------------------------- helpers
+    # datapath: the knobs the worker-side data path reads, passed explicitly with each task
+    def _producer_settings(self) -> dict[str, Any]:
+        return self.config.datapath.model_dump()
+
+    def _sync_rule(self, live_consumers: bool) -> dict[str, Any]:
+        """Lazy weight sync (decided on the actor by ``training.should_push``): a tenant's RL job
+        reads its live head (rollouts); SFT and pinned evaluations do not."""
+        dp = self.config.datapath
+        return {"policy": dp.sync_policy, "every": dp.sync_every, "live_consumers": live_consumers}
+
     def _next(self) -> int:
         self._seq += 1
         return self._seq
@@ -406,9 +416,11 @@ class NexusPlugin(SchedulerPlugin):
         record = {k: v for k, v in js.view().items() if k != "spec"} | {"spec": js.spec.model_dump()}
         artifacts: list[str] = []
         try:
+            # datapath: a training job's last version goes to inference (lazy sync held it back)
             fut = client.submit(training_service.finish_job, js.tenant, t.output_dir, record,
-                                js.spec.kind in ("sft", "rl"), resources={"ACTOR": 1}, pure=False,
-                                key=f"nexus-finish-{js.job_id}")
+                                js.spec.kind in ("sft", "rl"),
+                                self._engine[1] if js.spec.kind in ("sft", "rl") and self._engine else None,
+                                resources={"ACTOR": 1}, pure=False, key=f"nexus-finish-{js.job_id}")
             artifacts = (await fut)["artifacts"]
         except Exception as e:
             logger.error("could not record job %s: %s", js.job_id, e)
@@ -439,7 +451,8 @@ class NexusPlugin(SchedulerPlugin):
             item = TrainingItem(tenant=t.spec.name, kind="sft", policy_version=t.version,
                                 payload={"job": js.job_id, "dataset": t.spec.dataset, "step": k,
                                          "batch_size": spec.batch_size,
-                                         "eval_heldout": k == spec.steps - 1 or k % 10 == 0})
+                                         "eval_heldout": k == spec.steps - 1 or k % 10 == 0,
+                                         "sync": self._sync_rule(live_consumers=False)})
             pending.add(asyncio.ensure_future(self._enqueue(item)))
             finished = {f for f in pending if f.done()}
             for f in finished:
@@ -460,11 +473,14 @@ class NexusPlugin(SchedulerPlugin):
         rollouts: set[asyncio.Future] = set()
         items: set[asyncio.Future] = set()
         js.progress.update(updates=0, version=t.version, dropped_stale=0, episodes=0)
+        producer_totals = dict.fromkeys(("sim_s", "action_wait_s", "requests", "rows", "rtt_s", "engine_wait_s",
+                                         "compute_s", "messaging_s"), 0.0)
 
         async def collect(offset: int) -> dict[str, Any]:
             fut = client.submit(rollout.collect, name, t.spec.env, t.output_dir, schema_to_dict(t.schema),
                                 spec.episodes_per_batch, t.spec.seed * 1_000_003, offset, False, None, engine,
-                                js.job_id, resources={"SIM": 1}, pure=False, key=f"nexus-rollout-{js.job_id}-{offset}")
+                                js.job_id, self._producer_settings(),  # datapath: K envs, waves, feature cache
+                                resources={"SIM": 1}, pure=False, key=f"nexus-rollout-{js.job_id}-{offset}")
             return await fut
 
         try:
@@ -483,12 +499,15 @@ class NexusPlugin(SchedulerPlugin):
                         out = f.result()
                         episodes += out["stats"]["episodes"]
                         env_steps += out["stats"]["steps"]
+                        for k_ in producer_totals:  # datapath: simulator vs action-wait time, round trips
+                            producer_totals[k_] += float(out["stats"].get(k_, 0.0))
                         self._log(js, {"return": out["stats"]["mean_return"],
                                        "success_rate": out["stats"]["success_rate"], "episodes": episodes,
-                                       "env_steps": env_steps}, t.version)
+                                       "env_steps": env_steps, **producer_totals}, t.version)
                         item = TrainingItem(tenant=name, kind="rl", policy_version=out["batch"]["policy_version"],
                                             payload={"job": js.job_id, "batch": out["batch"],
-                                                     "ppo": spec.ppo.model_dump()})
+                                                     "ppo": spec.ppo.model_dump(),
+                                                     "sync": self._sync_rule(live_consumers=True)})
                         items.add(asyncio.ensure_future(self._enqueue(item)))
                     else:
                         items.discard(f)
@@ -505,7 +524,8 @@ class NexusPlugin(SchedulerPlugin):
             for _ in rollouts:
                 self.queue.cancel_reservation(name)
         return {"version": t.version, "updates": updates, "dropped_stale": dropped, "episodes": episodes,
-                "env_steps": env_steps, **{k: js.progress[k] for k in ("return", "success_rate") if k in js.progress}}
+                "env_steps": env_steps, **producer_totals,
+                **{k: js.progress[k] for k in ("return", "success_rate") if k in js.progress}}
 
     # Eval: pins a version, runs the inference engine + simulators only; no training-queue entries.
     async def _run_eval(self, js: JobState, t: TenantState) -> dict[str, Any]:
@@ -520,6 +540,7 @@ class NexusPlugin(SchedulerPlugin):
             futs = [client.submit(rollout.collect, t.spec.name, t.spec.env, t.output_dir,
                                   schema_to_dict(t.schema), n, 7_000_003 * (1 + t.spec.seed),
                                   sum(shares[:i]), spec.deterministic, version, engine, js.job_id,
+                                  self._producer_settings(),  # datapath
                                   resources={"SIM": 1}, pure=False, key=f"nexus-eval-{js.job_id}-{i}")
                     for i, n in enumerate(shares)]
             outs = await client.gather(futs)
