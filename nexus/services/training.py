@@ -111,12 +111,13 @@ def _publish_version(svc: TrainingModelService, tenant: str, out, engine, source
 def sync_weights(tenant: str, engine) -> dict[str, Any]:
     """Push the tenant's current head to inference unless it is there already (lazy sync's catch-up,
     e.g. at the end of an SFT job)."""
-    with _metered(tenant, "sync"):
+    with _metered(tenant, "sync") as sig:
         svc = service()
         slot = svc.slots.get(tenant)
         if slot is None or _synced.get(tenant) == slot.version:
             return {"version": None if slot is None else slot.version, "pushed": False}
         sync = _push_weights(engine, tenant, slot.version, slot.export_weights())
+        sig.update(sync_s=sync["weight_sync_s"], sync_bytes=sync["weight_sync_bytes"], synced=True)
         return {"version": slot.version, "pushed": True, **sync}
 
 
