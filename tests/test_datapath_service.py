@@ -70,7 +70,7 @@ def test_two_tenants_k_envs_groups_and_rows_reach_their_own_envs(nx, tiny_backbo
         obs = table_to_observations(table, schema)
         pre = TenantPreprocessor(schema, tiny_backbone.cfg)
         feats = tiny_backbone.encode(pre.batch(obs))
-        proprio = torch.from_numpy(arrays["state"])
+        proprio = torch.from_numpy(np.array(arrays["state"]))
         for v in np.unique(arrays["policy_version"]):
             rows = np.flatnonzero(arrays["policy_version"] == v)
             head = _head(out, spec, schema, int(v), tiny_backbone.hidden_size)
