@@ -46,6 +46,8 @@ class DataPathSettings(BaseModel):
                                         "for actions (no wait T when nobody else could join)")
     producer_lease_s: float = Field(5.0, gt=0, description="a producer silent this long no longer holds "
                                     "groups back")
+    expect_arrivals: bool = Field(True, description="with fire_when_all_waiting: a producer not expected back "
+                                  "within T (its usual answer -> next request gap) does not hold a group back")
     cache_features: bool = Field(True, description="store the rollout's pooled backbone features with the "
                                  "trajectory; the PPO update reads them instead of re-running the backbone")
     feature_cache_max_dim: int = Field(16384, ge=0, description="pooled features wider than this are "

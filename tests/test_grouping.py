@@ -95,6 +95,34 @@ def test_closed_or_silent_producers_stop_holding_groups_back():
     assert b.producers(now=2.1) == ["p1"] and b.reason(now=2.1) == "all_waiting"  # p3 went silent: gone
 
 
+def test_a_producer_not_due_within_t_does_not_hold_a_group_back():
+    b = GroupBatcher(max_wait_s=0.005, max_batch=64, fire_when_all_waiting=True, expect_arrivals=True)
+    b.open_producer("fast", now=0.0)
+    b.open_producer("slow", now=0.0)
+    # learn the gaps: "slow" steps its envs for 0.2 s between an answer and its next request
+    t = 0.0
+    for _ in range(3):
+        b.add("f", producer="fast", now=t)
+        b.add("s", producer="slow", now=t)
+        assert b.reason(now=t) == "all_waiting"
+        b.take()
+        b.answered(["fast", "slow"], now=t + 0.01)
+        t += 0.21
+    b.answered([], now=t)
+    b.add("f", producer="fast", now=t - 0.19)  # fast is back 0.01 s after its answer
+    b.add("f2", producer="fast", now=t - 0.189)
+    assert b.reason(now=t - 0.189) == "none_expected"  # slow is due in ~0.19 s >> T: no point waiting
+    b.take()
+    plain = GroupBatcher(max_wait_s=0.005, max_batch=64, fire_when_all_waiting=True)
+    plain.open_producer("slow", now=0.0)
+    plain.add("f", producer="fast", now=0.0)
+    assert plain.reason(now=0.001) is None  # without the knob, only "all waiting" or T
+    fresh = GroupBatcher(max_wait_s=0.005, max_batch=64, fire_when_all_waiting=True, expect_arrivals=True)
+    fresh.open_producer("new", now=0.0)  # no estimate yet: it might come, so the group waits (up to T)
+    fresh.add("x", producer="other", now=0.0)
+    assert fresh.reason(now=0.001) is None and fresh.reason(now=0.006) == "timeout"
+
+
 def test_bad_settings_rejected():
     with pytest.raises(ValueError):
         GroupBatcher(max_wait_s=-1)

@@ -94,6 +94,7 @@ class PlainLoop:
         pending = list(range(episodes))[::-1]
         slot_ep, obs, eps = {}, {}, {}
         forward_s, forwards = 0.0, 0
+        t_collect = time.perf_counter()
 
         def start(slots):
             seeds = {}
@@ -134,6 +135,7 @@ class PlainLoop:
                     del slot_ep[s]
             start(done)
         batch = {k: np.asarray([v for i in range(episodes) for v in eps[i][k]]) for k in eps[0]}
+        self.sim_s += time.perf_counter() - t_collect - forward_s
         return batch, forward_s, forwards
 
     def update(self, policy, opt, batch: dict, version: int) -> None:
@@ -172,6 +174,7 @@ class PlainLoop:
 
     def run(self, updates: int, episodes: int, seed: int) -> dict:
         policy, opt = self.new_learner()
+        self.sim_s = 0.0
         t0 = time.perf_counter()
         steps, forward_s, forwards = 0, 0.0, 0
         for u in range(updates):
@@ -181,7 +184,7 @@ class PlainLoop:
             forward_s, forwards = forward_s + f_s, forwards + f_n
         wall = time.perf_counter() - t0
         return {"env_steps": steps, "wall_s": wall, "steps_per_s": steps / wall,
-                "action_ms": 1e3 * forward_s / max(forwards, 1), "forwards": forwards}
+                "action_ms": 1e3 * forward_s / max(forwards, 1), "forwards": forwards, "sim_s": self.sim_s}
 
     def close(self) -> None:
         self.env.close()
@@ -244,7 +247,6 @@ def main() -> None:
     rows = []
     with Nexus.local(work / "service", n_sim=args.n_sim, backbone=backbone, infer_max_wait_s=args.max_wait_ms / 1e3,
                      infer_max_batch=args.max_batch, datapath=datapath) as nx:
-        engine = nx.engine()
         t0 = time.time()
         from nexus.services import rollout
 
@@ -253,6 +255,7 @@ def main() -> None:
                                            datapath["producer_vector_mode"], workers=[w], resources={"SIM": 1},
                                            pure=False) for w in sims])
         run_service_job(nx, "warm", spec_kw, args, ppo)  # every path warm
+        engine = nx.engine()  # exists once a tenant does
         plain.run(1, args.episodes, 10_000)
         print(f"warm-up {time.time() - t0:.0f} s", flush=True)
         engine.reset_stats().result()
@@ -290,6 +293,7 @@ def main() -> None:
     print(f"{'  batching wait':28s}{0.0:>14.1f}{med['service']['batching_wait_ms']:>14.1f}")
     print(f"{'  messaging':28s}{0.0:>14.1f}{med['service']['messaging_ms']:>14.1f}")
     per_request = med["service"]["rows"] / max(med["service"]["requests"], 1)
+    print(f"{'simulator s per run':28s}{med['plain']['sim_s']:>14.1f}{med['service']['sim_s']:>14.1f}")
     print(f"{'rows per request':28s}{args.envs:>14d}{per_request:>14.2f}")
     print(f"group sizes (rows -> groups): {dict(sorted(sizes.items()))}, mean {mean_size:.2f}; "
           f"fired: {stats['reasons']}")

@@ -5,7 +5,11 @@ all its envs at once). A group fires when
 
 * ``full``: the pending rows reached the target batch ``max_batch`` (B),
 * ``all_waiting``: every live producer already has a request pending or being answered, so nobody
-  could join the group (a lone tenant never pays the wait T), or
+  could join the group (a lone tenant never pays the wait T),
+* ``none_expected`` (with ``expect_arrivals``): every live producer is waiting or is not expected back
+  before the group's deadline (oldest arrival + T) — each producer's usual gap between an answer and
+  its next request (a running mean: the time it steps its envs) tells when it will be back; waiting
+  for a producer that is still stepping for the next 200 ms only costs T, it never joins, or
 * ``timeout``: the oldest request waited ``max_wait_s`` (T).
 
 Producers announce themselves (:meth:`GroupBatcher.open_producer`) and leave
@@ -22,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-FIRE_REASONS = ("full", "all_waiting", "timeout")
+FIRE_REASONS = ("full", "all_waiting", "none_expected", "timeout")
+GAP_WEIGHT = 0.3  # weight of the newest gap in a producer's running mean
 
 
 @dataclass
@@ -39,6 +44,14 @@ class _Producer:
     last_seen: float
     pending: int = 0  # requests of this producer in the queue
     in_flight: int = 0  # requests taken into a group, not answered yet
+    answered_at: float | None = None  # when its last request was answered
+    gap_s: float | None = None  # running mean of answer -> next request
+
+    def expected_at(self) -> float | None:
+        """When its next request should arrive (None: no estimate yet, or it is waiting)."""
+        if self.waiting or self.answered_at is None or self.gap_s is None:
+            return None
+        return self.answered_at + self.gap_s
 
     @property
     def waiting(self) -> bool:
@@ -54,6 +67,7 @@ class GroupBatcher:
     max_batch: int = 8
     fire_when_all_waiting: bool = False  # the service turns it on (DataPathSettings)
     producer_lease_s: float = 5.0
+    expect_arrivals: bool = False  # "none_expected" rule (the service turns it on)
     _pending: list[_Pending] = field(default_factory=list)
     _producers: dict[str, _Producer] = field(default_factory=dict)
 
@@ -89,7 +103,11 @@ class GroupBatcher:
         now = self._now(now)
         if producer is not None:
             self.open_producer(producer, now=now)  # a request renews (or re-opens) its producer's lease
-            self._producers[producer].pending += 1
+            prod = self._producers[producer]
+            if prod.answered_at is not None and not prod.waiting:
+                gap = now - prod.answered_at
+                prod.gap_s = gap if prod.gap_s is None else (1 - GAP_WEIGHT) * prod.gap_s + GAP_WEIGHT * gap
+            prod.pending += 1
         self._pending.append(_Pending(now, rows, producer, request))
 
     def __len__(self) -> int:
@@ -106,6 +124,20 @@ class GroupBatcher:
         self._expire(self._now(now))
         return all(p.waiting for p in self._producers.values())
 
+    def none_expected(self, now: float | None = None) -> bool:
+        """Every live producer is waiting or not expected back before the oldest request's deadline."""
+        if not self._pending:
+            return False
+        self._expire(self._now(now))
+        deadline = self._pending[0].t_arrival + self.max_wait_s
+        for p in self._producers.values():
+            if p.waiting:
+                continue
+            due = p.expected_at()
+            if due is None or due <= deadline:
+                return False
+        return True
+
     def _expire(self, now: float) -> None:
         gone = [k for k, p in self._producers.items()
                 if not p.waiting and now - p.last_seen > self.producer_lease_s]
@@ -121,6 +153,8 @@ class GroupBatcher:
             return "full"
         if self.fire_when_all_waiting and self.all_waiting(now):
             return "all_waiting"
+        if self.fire_when_all_waiting and self.expect_arrivals and self.none_expected(now):
+            return "none_expected"
         if now - self._pending[0].t_arrival >= self.max_wait_s:
             return "timeout"
         return None
@@ -158,4 +192,4 @@ class GroupBatcher:
             prod = self._producers.get(k) if k is not None else None
             if prod is not None:
                 prod.in_flight = max(0, prod.in_flight - 1)
-                prod.last_seen = now
+                prod.last_seen = prod.answered_at = now

@@ -91,7 +91,7 @@ class InferenceEngine:
         dp = self.config.datapath
         self._batcher = GroupBatcher(self.config.infer_max_wait_s, self.config.infer_max_batch,
                                      fire_when_all_waiting=dp.fire_when_all_waiting,
-                                     producer_lease_s=dp.producer_lease_s)
+                                     producer_lease_s=dp.producer_lease_s, expect_arrivals=dp.expect_arrivals)
         self._feature_keys: dict[str, str] = {}  # tenant -> compat key of the forward its rows run in
         self._framework = None
         self._specs: dict[str, tuple[Any, Any]] = {}  # tenant -> (TenantSpec, TenantSchema)
