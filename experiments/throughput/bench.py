@@ -198,7 +198,7 @@ def run_service_job(nx, name: str, spec_kw: dict, args, ppo) -> dict:
     res = t.rl(updates=args.updates, episodes_per_batch=args.episodes, collectors=args.collectors,
                ppo=ppo.model_dump()).result(timeout=3600)
     wall = time.perf_counter() - t0
-    n = max(res["requests"], 1)
+    n = max(res["timed"], 1)  # round trips the producers waited out (all of them with one wave)
     return {"env_steps": res["env_steps"], "wall_s": wall, "steps_per_s": res["env_steps"] / wall,
             "dropped_stale": res["dropped_stale"], "requests": res["requests"], "rows": res["rows"],
             "rtt_ms": 1e3 * res["rtt_s"] / n, "compute_ms": 1e3 * res["compute_s"] / n,
@@ -220,6 +220,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8, help="service: target group size B (rows)")
     ap.add_argument("--image-size", type=int, default=128)
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--multi", type=int, default=2,
+                    help="then N tenants' RL jobs at once (same settings), for the cross-tenant group sizes (0: skip)")
     ap.add_argument("--out", default=None, help="JSON path (default: results_<device>.json here)")
     args = ap.parse_args()
 
@@ -273,6 +275,17 @@ def main() -> None:
             print(f"round {r}: plain {got['plain']['steps_per_s']:.2f}  service "
                   f"{got['service']['steps_per_s']:.2f} env-steps/s  ratio {ratio:.3f}", flush=True)
         stats = engine.engine_stats().result()
+        multi = None
+        if args.multi > 0:
+            from concurrent.futures import ThreadPoolExecutor
+
+            engine.reset_stats().result()
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(args.multi) as pool:
+                outs = list(pool.map(lambda i: run_service_job(nx, f"multi-{i}", {**spec_kw, "seed": args.seed + i},
+                                                               args, ppo), range(args.multi)))
+            multi = {"tenants": args.multi, "wall_s": time.perf_counter() - t0, "jobs": outs,
+                     "engine_stats": engine.engine_stats().result()}
     plain.close()
 
     ratios = [r["ratio"] for r in rows]
@@ -297,6 +310,14 @@ def main() -> None:
     print(f"{'rows per request':28s}{args.envs:>14d}{per_request:>14.2f}")
     print(f"group sizes (rows -> groups): {dict(sorted(sizes.items()))}, mean {mean_size:.2f}; "
           f"fired: {stats['reasons']}")
+    if multi is not None:
+        ms = multi["engine_stats"]
+        msizes = {int(k): v for k, v in ms["size_hist"].items()}
+        multi["mean_group_rows"] = sum(k * v for k, v in msizes.items()) / max(sum(msizes.values()), 1)
+        mixed = sum(v for k, v in ms["tenants_hist"].items() if int(k) > 1) / max(ms["groups"], 1)
+        multi["cross_tenant_share"] = mixed
+        print(f"{args.multi} tenants at once: group sizes {dict(sorted(msizes.items()))}, mean "
+              f"{multi['mean_group_rows']:.2f} rows; {100 * mixed:.0f} % of groups mix tenants; fired: {ms['reasons']}")
 
     out = Path(args.out) if args.out else HERE / f"results_{args.device}.json"
     out.write_text(json.dumps({
@@ -304,7 +325,7 @@ def main() -> None:
                  "datapath": datapath, "cpu_count": os.cpu_count(), "python": platform.python_version(),
                  "torch": torch.__version__, "load_avg_end": os.getloadavg(),
                  "command": "python experiments/throughput/bench.py " + " ".join(sys.argv[1:])},
-        "summary": summary, "rounds": rows, "engine_stats": stats}, indent=1, default=float))
+        "summary": summary, "rounds": rows, "engine_stats": stats, "multi": multi}, indent=1, default=float))
     print(f"wrote {out}")
 
 

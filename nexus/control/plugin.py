@@ -473,8 +473,8 @@ class NexusPlugin(SchedulerPlugin):
         rollouts: set[asyncio.Future] = set()
         items: set[asyncio.Future] = set()
         js.progress.update(updates=0, version=t.version, dropped_stale=0, episodes=0)
-        producer_totals = dict.fromkeys(("sim_s", "action_wait_s", "requests", "rows", "rtt_s", "engine_wait_s",
-                                         "compute_s", "messaging_s"), 0.0)
+        producer_totals = dict.fromkeys(("sim_s", "action_wait_s", "requests", "rows", "timed", "rtt_s",
+                                         "engine_wait_s", "compute_s", "messaging_s"), 0.0)
 
         async def collect(offset: int) -> dict[str, Any]:
             fut = client.submit(rollout.collect, name, t.spec.env, t.output_dir, schema_to_dict(t.schema),

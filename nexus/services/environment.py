@@ -165,13 +165,16 @@ class ActionClient(Protocol):
 @dataclass
 class ProducerStats:
     """What a producer's time went to: stepping (and resetting and recording) its simulators, and
-    blocking for actions; per request the round trip and, from the engine, its batching wait and
-    group compute (messaging = round trip - wait - compute)."""
+    blocking for actions; and the action round trip, split into the engine's batching wait and group
+    compute and the rest (messaging = round trip - wait - compute), over the ``timed`` requests: those
+    the producer still had to wait for (a reply that arrived while another wave was stepping has an
+    unknown arrival time, so it is counted in ``requests`` only)."""
 
     sim_s: float = 0.0
     action_wait_s: float = 0.0
     requests: int = 0
     rows: int = 0
+    timed: int = 0
     rtt_s: float = 0.0
     engine_wait_s: float = 0.0
     compute_s: float = 0.0
@@ -308,15 +311,18 @@ def collect_waves(waves: list[SimEnv | BatchedEnv], client: ActionClient, episod
             if w not in inflight:
                 continue
             handle, running, t_submit = inflight.pop(w)
+            ready = hasattr(handle, "done") and handle.done()
             t_wait = time.perf_counter()
             reply = handle.result()
             t_sim = time.perf_counter()
             stats.action_wait_s += t_sim - t_wait
             stats.requests += 1
             stats.rows += len(running)
-            stats.rtt_s += t_sim - t_submit
-            stats.engine_wait_s += reply.engine_wait_s
-            stats.compute_s += reply.compute_s
+            if not ready:  # it arrived just now: a true round trip
+                stats.timed += 1
+                stats.rtt_s += t_sim - t_submit
+                stats.engine_wait_s += reply.engine_wait_s
+                stats.compute_s += reply.compute_s
             outs = reply.outputs
             if len(outs) != len(running):
                 raise RuntimeError(f"{len(outs)} actions for {len(running)} observations")

@@ -91,6 +91,9 @@ class _EngineReply:
     def __init__(self, future) -> None:
         self.future = future
 
+    def done(self) -> bool:
+        return self.future.done()
+
     def result(self):
         from nexus.services.environment import ActionReply, PolicyOutput
 
