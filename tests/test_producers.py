@@ -200,3 +200,25 @@ def test_features_of_another_backbone_are_recomputed(stack):
     assert not cached and not np.allclose(feats.pooled.numpy(), 1.0)
     with pytest.raises(ValueError, match="feature_key"):
         store.append(cols)  # features without the backbone that made them are refused
+
+
+def test_feature_column_round_trips_and_plain_readers_drop_it(tmp_path):
+    """The cached-feature column is optional: stored and read exactly, ignored by scans and datasets."""
+    from nexus.data.offline_dataset import _load_arrow
+    from nexus.data.trajectory_store import TrajectoryStore, trajectory_schema
+    from tests.test_trajectory_store import SCHEMA, make_columns
+
+    store = TrajectoryStore(tmp_path, "acme", SCHEMA)
+    plain = make_columns(seed=1)
+    with_f = make_columns(seed=2, first_episode=5) | {"feature": np.arange(8 * 3, dtype=np.float32).reshape(8, 3)}
+    store.append(plain)
+    ref = store.append(with_f, feature_key="qwen3vl:tiny:float32@64px")
+    table = store.read(ref)
+    assert table_arrays(table)["feature"].tolist() == with_f["feature"].tolist()
+    assert batch_metadata(table)["feature_key"] == "qwen3vl:tiny:float32@64px"
+    scanned = store.scan()
+    assert scanned.num_rows == 16 and scanned.schema.equals(trajectory_schema(SCHEMA), check_metadata=False)
+    entry = dataclasses.replace(next(iter(catalog.datasets().values())), path=tmp_path, schema=SCHEMA, filter={})
+    assert len(_load_arrow(entry)["step"]) == 16  # an arrow dataset over RL batches reads them as plain rows
+    with pytest.raises(ValueError, match="feature"):
+        store.append(make_columns() | {"feature": np.zeros(8, np.float32)}, feature_key="k")  # not [N, H]
