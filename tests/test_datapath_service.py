@@ -48,6 +48,7 @@ def test_two_tenants_k_envs_groups_and_rows_reach_their_own_envs(nx, tiny_backbo
     st = engine.engine_stats().result()
 
     sizes = {int(n): c for n, c in st["size_hist"].items()}
+    print(f"\ngroups (rows -> count) {sizes}, tenants per group {st['tenants_hist']}, fired {st['reasons']}")
     assert max(sizes) > 2, sizes  # a producer's K actions travel as one request: groups of >= K rows
     assert st["tenants_hist"].get("2", 0) >= 1, st  # both tenants' rows shared backbone forwards
     for r in results:
