@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,6 +46,8 @@ class DispatchSettings(BaseModel):
     max_concurrent_updates: int = Field(1, ge=1, description="training items running at once on the actor group")
     item_attempts: int = Field(2, ge=1, description="runs of an update that raises before its job fails")
     rollout_attempts: int = Field(3, ge=1, description="runs of a failing rollout (same episodes) before its job fails")
+
+
 class ServiceLimits(BaseModel):
     """Quotas and limits of one tenant (service-wide defaults; ``ServiceConfig.tenant_limits`` overrides).
 
@@ -79,6 +82,38 @@ class ServiceLimits(BaseModel):
     max_request_bytes: int = Field(64 * 2**20, ge=1024, description="body of one gateway request")
 
 
+class DataPathSettings(BaseModel):
+    """Knobs of the data path (producers, inference grouping, feature cache, weight sync).
+
+    Every knob is passed explicitly to the worker-side code that uses it (rollout producers, the
+    inference engine, the update), so a scheduling policy can set any of them.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    envs_per_producer: int = Field(4, ge=1, description="K: envs one rollout task steps together (at most "
+                                   "its episodes; a catalog env's num_envs is a minimum)")
+    producer_waves: int = Field(1, ge=1, description="requests a producer keeps in flight: its K envs in this "
+                                "many lockstep waves, one stepping while another waits for actions (1: all "
+                                "K actions in one request)")
+    producer_vector_mode: Literal["lockstep", "async"] = Field(
+        "lockstep", description="lockstep: K envs in the task's process; async: a gymnasium AsyncVectorEnv per "
+        "wave (a process per env)")
+    fire_when_all_waiting: bool = Field(True, description="fire a group once every live producer is waiting "
+                                        "for actions (no wait T when nobody else could join)")
+    producer_lease_s: float = Field(5.0, gt=0, description="a producer silent this long no longer holds "
+                                    "groups back")
+    expect_arrivals: bool = Field(True, description="with fire_when_all_waiting: a producer not expected back "
+                                  "within T (its usual answer -> next request gap) does not hold a group back")
+    cache_features: bool = Field(True, description="store the rollout's pooled backbone features with the "
+                                 "trajectory; the PPO update reads them instead of re-running the backbone")
+    feature_cache_max_dim: int = Field(16384, ge=0, description="pooled features wider than this are "
+                                       "recomputed, not stored (bounds the store's size per step)")
+    sync_policy: Literal["lazy", "eager"] = Field(
+        "lazy", description="lazy: a new head goes to inference only when something will use it (an RL "
+        "job's rollouts, every sync_every versions, the job's end); eager: every version")
+    sync_every: int = Field(0, ge=0, description="lazy sync: also push every N versions (0: never)")
+
+
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     root: str = Field(description="service folder: tenants' output dirs, MLflow store, logs")
@@ -104,6 +139,7 @@ class ServiceConfig(BaseModel):
     actor_ranks: int = Field(1, ge=1, description="ranks of the actor group (workers with resource ACTOR)")
     health: HealthSettings = HealthSettings()
     dispatch: DispatchSettings = DispatchSettings()
+    datapath: DataPathSettings = DataPathSettings()
 
     @model_validator(mode="after")
     def _overrides_name_limits(self) -> ServiceConfig:

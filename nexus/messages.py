@@ -93,6 +93,7 @@ class RolloutRequest:
     version: int | None = None
     job: str | None = None
     route: EngineEndpoint | None = None
+    datapath: dict[str, Any] | None = None  # nexus.config.DataPathSettings fields (K envs, waves, feature cache)
 
 
 @dataclass(frozen=True)

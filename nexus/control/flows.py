@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nexus.config import DataPathSettings
 from nexus.control import tasks
 from nexus.control.queues import TrainingItem
 from nexus.errors import JobFailed
@@ -38,6 +39,13 @@ class FlowContext:
     runtime: DaskRuntime
     rollout_attempts: int
     log: Callable[[JobState, dict[str, Any], int], None]
+    datapath: DataPathSettings = field(default_factory=DataPathSettings)
+
+    def sync_rule(self, live_consumers: bool) -> dict[str, Any]:
+        """Lazy weight sync (decided on the actor by ``training.should_push``): a tenant's RL job reads
+        its live head (rollouts); SFT and pinned evaluations do not."""
+        dp = self.datapath
+        return {"policy": dp.sync_policy, "every": dp.sync_every, "live_consumers": live_consumers}
 
     def log_update(self, js: JobState, res: dict[str, Any], **counters: int) -> None:
         self.log(js, {**res["metrics"], **counters, "version": res["version"]}, res["version"])
@@ -48,7 +56,8 @@ def producer_role(job_id: str) -> str:
 
 
 async def _rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **req: Any) -> dict[str, Any]:
-    r = RolloutRequest(tenant=t.setup(), env=t.spec.env or "", job=js.job_id, route=ctx.pool.route(t.name), **req)
+    r = RolloutRequest(tenant=t.setup(), env=t.spec.env or "", job=js.job_id, route=ctx.pool.route(t.name),
+                       datapath=ctx.datapath.model_dump(), **req)
     return await ctx.runtime.run(tasks.RUN_ROLLOUT, r, key=key, resources={"SIM": 1})
 
 
@@ -84,7 +93,8 @@ async def run_sft(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, A
             item = TrainingItem(tenant=t.name, kind="sft", policy_version=t.version,
                                 payload={"job": js.job_id, "dataset": t.spec.dataset, "step": k,
                                          "batch_size": spec.batch_size,
-                                         "eval_heldout": k == spec.steps - 1 or k % 10 == 0})
+                                         "eval_heldout": k == spec.steps - 1 or k % 10 == 0,
+                                         "sync": ctx.sync_rule(live_consumers=False)})
             pending.add(_spawn(ctx.dispatcher.submit(item)))
             ctx.health.progress(role, batches=k + 1)
             finished = {f for f in pending if f.done()}
@@ -109,6 +119,9 @@ async def run_rl(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, An
     rollouts: dict[asyncio.Task, tuple[int, int]] = {}  # task -> (episode offset, attempt)
     items: set[asyncio.Task] = set()
     js.progress.update(updates=0, version=t.version, dropped_stale=0, episodes=0)
+    # simulator vs action-wait time and round trips of this job's producers (nexus.services.environment)
+    producer_totals = dict.fromkeys(("sim_s", "action_wait_s", "requests", "rows", "timed", "rtt_s",
+                                     "engine_wait_s", "compute_s", "messaging_s"), 0.0)
 
     def collect(offset: int, attempt: int) -> None:
         key = f"nexus-rollout-{js.job_id}-{offset}" + (f"-r{attempt}" if attempt else "")
@@ -143,10 +156,13 @@ async def run_rl(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, An
                     ctx.health.progress(role, episodes=episodes + out["stats"]["episodes"])
                     episodes += out["stats"]["episodes"]
                     env_steps += out["stats"]["steps"]
+                    for k in producer_totals:
+                        producer_totals[k] += float(out["stats"].get(k, 0.0))
                     ctx.log(js, {"return": out["stats"]["mean_return"], "success_rate": out["stats"]["success_rate"],
-                                 "episodes": episodes, "env_steps": env_steps}, t.version)
+                                 "episodes": episodes, "env_steps": env_steps, **producer_totals}, t.version)
                     item = TrainingItem(tenant=name, kind="rl", policy_version=out["batch"]["policy_version"],
-                                        payload={"job": js.job_id, "batch": out["batch"], "ppo": spec.ppo.model_dump()})
+                                        payload={"job": js.job_id, "batch": out["batch"], "ppo": spec.ppo.model_dump(),
+                                                 "sync": ctx.sync_rule(live_consumers=True)})
                     items.add(_spawn(ctx.dispatcher.submit(item)))
                 else:
                     items.discard(f)
@@ -166,7 +182,8 @@ async def run_rl(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, An
             ctx.dispatcher.notify_freed(name)
         ctx.health.remove(role)
     return {"version": t.version, "updates": updates, "dropped_stale": dropped, "episodes": episodes,
-            "env_steps": env_steps, **{k: js.progress[k] for k in ("return", "success_rate") if k in js.progress}}
+            "env_steps": env_steps, **producer_totals,
+            **{k: js.progress[k] for k in ("return", "success_rate") if k in js.progress}}
 
 
 def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:

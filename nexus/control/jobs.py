@@ -199,7 +199,9 @@ class JobManager:
             record = js.record()
             train = js.spec.kind in ("sft", "rl")
             try:
-                out = await self.actors.run(tasks.FINISH_JOB, lambda r: (js.tenant, t.output_dir, record, train),
+                engines = tuple(self.ctx.pool.push_targets()) if train else ()  # lazy sync's last version
+                out = await self.actors.run(tasks.FINISH_JOB, lambda r: (js.tenant, t.output_dir, record, train,
+                                                                         engines),
                                             key=f"nexus-finish-{js.job_id}", retry_lost=True, timeout=600)
                 artifacts = list(out["artifacts"])
             except Exception as e:

@@ -60,7 +60,7 @@ class Master:
         self.tracker = TrackerLink(self._send_tracker)
         self.tracker.on_error = lambda e: self.health.error("tracker", e)
         ctx = flows.FlowContext(self.dispatcher, self.queue, self.pool, self.health, self.runtime,
-                                config.dispatch.rollout_attempts, log=lambda *a: None)
+                                config.dispatch.rollout_attempts, log=lambda *a: None, datapath=config.datapath)
         self.jobs = JobManager(self.registry, ctx, self.actors, self.runtime, self.tracker, self.monitoring,
                                self._event, self._flush_engine_signals, config.limits_for)
         self.lifecycle = TenantLifecycle(config, self.registry, self.actors, self.pool, self.dispatcher, self.jobs,

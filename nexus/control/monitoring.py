@@ -47,6 +47,9 @@ class MonitoringState:
     group_sizes: deque = field(default_factory=lambda: deque(maxlen=5000))
     group_waits: deque = field(default_factory=lambda: deque(maxlen=5000))
     weight_sync: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    # tenant -> simulator time split: sim_s (stepping) and action_wait_s (waiting for actions)
+    simulator_split: dict[str, dict[str, float]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     inference_pending: int = 0
     t_start: float = field(default_factory=time.time)
@@ -64,7 +67,11 @@ class MonitoringState:
             self.busy[service] += seconds
             self.spans.append(Span(service, str(msg["worker"]), msg["tenant"], msg["t0"], msg["t1"],
                                    msg.get("what", kind)))
-            if kind == "update" and "sync_bytes" in msg:
+            if kind == "rollout" and "sim_s" in msg:  # datapath: stepping vs waiting for actions
+                split = self.simulator_split[msg["tenant"]]
+                split["sim_s"] += float(msg["sim_s"])
+                split["action_wait_s"] += float(msg.get("action_wait_s", 0.0))
+            if kind == "update" and msg.get("sync_bytes"):  # datapath: only versions actually pushed
                 ws = self.weight_sync[msg["tenant"]]
                 ws["count"] += 1
                 ws["seconds"] += float(msg.get("sync_s", 0.0))
@@ -102,6 +109,7 @@ class MonitoringState:
             "group_sizes": list(self.group_sizes),
             "group_waits": list(self.group_waits),
             "weight_sync": {t: dict(v) for t, v in self.weight_sync.items()},
+            "simulator_split": {t: dict(v) for t, v in self.simulator_split.items()},
             "signals": dict(self.counts),
         }
 

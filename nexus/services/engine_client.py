@@ -92,12 +92,20 @@ class EngineClient:
         """Call ``method(tenant, *args, **kwargs)`` on the tenant's engine."""
         return _on_loop(self.server, self._call(method, tenant, args, kwargs))
 
+    def predict_batch(self, tenant: str, observations: list, *args: Any, **kwargs: Any) -> Future:
+        """Several observations of one tenant as one request (a rollout producer's envs)."""
+        return self.call("predict_batch", tenant, observations, *args, request_id=uuid.uuid4().hex, **kwargs)
+
+    def call_for(self, tenant: str, method: str, *args: Any, **kwargs: Any) -> Future:
+        """Call ``method(*args, **kwargs)`` (no tenant argument) on the engine that serves ``tenant``."""
+        return _on_loop(self.server, self._call(method, tenant, args, kwargs, pass_tenant=False))
+
     def __getattr__(self, method: str) -> Callable[..., Future]:
         if method.startswith("_"):
             raise AttributeError(method)
         return lambda tenant, *args, **kwargs: self.call(method, tenant, *args, **kwargs)
 
-    async def _call(self, method: str, tenant: str, args: tuple, kwargs: dict) -> Any:
+    async def _call(self, method: str, tenant: str, args: tuple, kwargs: dict, pass_tenant: bool = True) -> Any:
         deadline = time.monotonic() + self.route_timeout_s
         cached = self._routes.get(tenant)
         if cached is None or time.monotonic() - cached[1] > self.route_ttl_s:
@@ -106,7 +114,8 @@ class EngineClient:
             ep = cached[0]
         while True:
             try:
-                out = await call_engine(self.server, ep, method, tenant, *args, timeout=self.request_timeout_s,
+                lead = (tenant,) if pass_tenant else ()
+                out = await call_engine(self.server, ep, method, *lead, *args, timeout=self.request_timeout_s,
                                         **kwargs)
                 if self.on_answer is not None:
                     self.on_answer()

@@ -109,6 +109,7 @@ def _build_slot(setup: TenantSetup) -> SlotInfo:
         m.setdefault("restores", []).append({"time": time.time(), "checkpoint_version": ck_version,
                                              "published_version": published, "lost_updates": lost})
         out.write(m)
+    svc.synced[name] = slot.version  # the engine pool registers the tenant at this version
     _link_outside_root(svc.config, name, out.path)
     return SlotInfo(name, slot.version, ck is not None, ck_version, published, _job_seq(out))
 
@@ -162,8 +163,10 @@ def run_update(req: UpdateRequest, data: Any = None) -> UpdateResult:
                         pushed_to=tuple(engines.pushed_to), push_errors=tuple(engines.errors))
 
 
-def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> dict[str, Any]:
-    """At a job's end: checkpoint (training jobs, unless this version has one), record the job."""
+def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool,
+               engines: tuple = ()) -> dict[str, Any]:
+    """At a job's end: checkpoint (training jobs, unless this version has one), record the job, and push
+    the last version to ``engines`` if lazy sync held it back."""
     from nexus.services.training import _metered
 
     with _metered(tenant, "checkpoint"):
@@ -184,7 +187,15 @@ def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> 
         artifacts = [str(out.manifest_path)]
         if slot is not None and out.weights_path(slot.version).exists():
             artifacts.append(str(out.weights_path(slot.version)))
-        return {"artifacts": artifacts}
+    res: dict[str, Any] = {"artifacts": artifacts}
+    if engines:
+        from distributed import get_worker
+
+        from nexus.services.engine_client import EngineSet
+        from nexus.services.training import sync_weights
+
+        res["sync"] = sync_weights(tenant, EngineSet(get_worker(), engines))
+    return res
 
 
 # -- a restarted service ----------------------------------------------------------------------------------
@@ -246,4 +257,4 @@ def run_rollout(req: RolloutRequest) -> dict[str, Any]:
         routes = {req.tenant.name: req.route} if req.route is not None else None
         engine = EngineClient(get_worker(), routes=routes, on_answer=progress.tick)
         return rollout.collect(req.tenant.name, req.env, req.tenant.output_dir, req.tenant.schema, req.episodes,
-                               req.seed, req.offset, req.deterministic, req.version, engine, req.job)
+                               req.seed, req.offset, req.deterministic, req.version, engine, req.job, req.datapath)

@@ -3,8 +3,11 @@
 The frozen backbone is loaded once per actor process; each tenant holds a slot (head + value head
 + its own DeepSpeed ZeRO engine + version). An update activates one slot, trains it, exports the
 new head, bumps the version, makes it durable and pushes the weights to the inference engines
-directly (worker to worker, never through the scheduler). The process's service lives in its Nexus
-worker plugin (``nexus.services.worker_plugin``); slot lifecycle tasks are in ``nexus.services.recovery``.
+directly (worker to worker, never through the scheduler) when something will use them
+(:func:`should_push`: lazy sync). A PPO update reads the backbone features its rollout stored with
+the batch instead of running the frozen backbone again (when they come from the same backbone).
+The process's service lives in its Nexus worker plugin (``nexus.services.worker_plugin``); slot
+lifecycle tasks are in ``nexus.services.recovery``.
 
 Module-level imports stay light (no torch at import).
 """
@@ -21,7 +24,8 @@ from nexus.signals import emit
 class TrainingModelService:
     """Process-wide state of one actor worker: the backbone and the tenant slots."""
 
-    def __init__(self) -> None:
+    def __init__(self, config=None) -> None:
+        """``config``: a ``ServiceConfig`` (default: the service's, from ``ServiceConfig.load()``)."""
         import torch
 
         from nexus.config import ServiceConfig
@@ -30,11 +34,12 @@ class TrainingModelService:
         from nexus.services.tenant_slot import ensure_distributed
 
         torch.set_num_threads(1)
-        self.config = ServiceConfig.load()
+        self.config = config if config is not None else ServiceConfig.load()
         ensure_distributed(self.config.host)  # before any slot: the rendezvous stays on the service's host
         self.backbone_cfg = BackboneConfig(**self.config.backbone.model_dump())
         self.framework = VLAFramework(SharedBackbone(self.backbone_cfg))
         self.slots: dict[str, Any] = {}  # tenant -> TenantSlot
+        self.synced: dict[str, int] = {}  # tenant -> the version this actor last pushed to inference (lazy sync)
         self.datasets: dict[str, Any] = {}  # name -> OfflineDataset
         self.action_chunks: dict[str, Any] = {}  # dataset name -> ActionChunks (chunked SFT targets)
 
@@ -139,19 +144,51 @@ def _push_weights(engine, tenant: str, version: int, weights: bytes) -> dict[str
     return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": float(len(weights))}
 
 
-def _publish_version(svc: TrainingModelService, tenant: str, out, engine, source: str) -> tuple[int, dict]:
-    """Bump the slot's version, make it durable, push it to inference, record it in the manifest."""
+def should_push(version: int, sync: dict | None) -> bool:
+    """The lazy weight-sync rule: push a new version to inference when something will use it.
+
+    ``sync`` (from the control plane; None = eager): ``policy`` "eager" (every version) or "lazy";
+    ``live_consumers`` — something reads the tenant's live head now (an RL job's rollouts);
+    ``every`` — also every N versions (0: never). Pinned evaluations load their version from the
+    tenant's output dir, so they never need a push; the job's end pushes the last version."""
+    if sync is None or sync.get("policy", "eager") == "eager":
+        return True
+    every = int(sync.get("every", 0))
+    return bool(sync.get("live_consumers")) or (every > 0 and version % every == 0)
+
+
+def _publish_version(svc: TrainingModelService, tenant: str, out, engine, source: str,
+                     sync: dict | None = None) -> tuple[int, dict]:
+    """Bump the slot's version, make it durable, record it in the manifest; push it to inference if
+    :func:`should_push` says so (versions count every optimizer step either way)."""
     from nexus.services.recovery import make_durable
 
     slot = svc.slots[tenant]
     version = slot.bump_version()
     weights = slot.export_weights()
     make_durable(svc, slot, out, version, weights)  # weights written once (+ checkpoint when due) first
-    sync = _push_weights(engine, tenant, version, weights)
+    pushed = {"weight_sync_s": 0.0, "weight_sync_bytes": 0.0}
+    if should_push(version, sync):
+        pushed = _push_weights(engine, tenant, version, weights)
+        svc.synced[tenant] = version
     out.add_version(version, source)
     limits = svc.config.limits_for(tenant)
     out.prune(limits.max_versions_kept, limits.max_checkpoints_kept)
-    return version, sync
+    return version, pushed
+
+
+def sync_weights(tenant: str, engine) -> dict[str, Any]:
+    """Push the tenant's current head to inference unless it is there already (lazy sync's catch-up,
+    e.g. at the end of an SFT job)."""
+    with _metered(tenant, "sync") as sig:
+        svc = service()
+        slot = svc.slots.get(tenant)
+        if slot is None or svc.synced.get(tenant) == slot.version:
+            return {"version": None if slot is None else slot.version, "pushed": False}
+        sync = _push_weights(engine, tenant, slot.version, slot.export_weights())
+        svc.synced[tenant] = slot.version
+        sig.update(sync_s=sync["weight_sync_s"], sync_bytes=sync["weight_sync_bytes"], synced=True)
+        return {"version": slot.version, "pushed": True, **sync}
 
 
 def run_item(item: dict, spec: dict, schema: dict, output_dir: str, engine) -> dict[str, Any]:
@@ -165,16 +202,18 @@ def run_item(item: dict, spec: dict, schema: dict, output_dir: str, engine) -> d
     out = TenantOutputDir(output_dir)
     with _metered(tenant, item["kind"], item["payload"].get("job")) as sig:
         kind = item["kind"]
+        sync_rule = item["payload"].get("sync")  # datapath: lazy weight sync, rule from the control plane
         if kind == "rl":
             metrics = _ppo_update(svc, tenant, item["payload"])
-            version, sync = _publish_version(svc, tenant, out, engine, f"rl:{item['item_id']}")
+            version, sync = _publish_version(svc, tenant, out, engine, f"rl:{item['item_id']}", sync_rule)
         elif kind == "sft":
             metrics = _sft_update(svc, tenant, item["payload"])
-            version, sync = _publish_version(svc, tenant, out, engine, f"sft:{item['item_id']}")
+            version, sync = _publish_version(svc, tenant, out, engine, f"sft:{item['item_id']}", sync_rule)
         else:
             res = _run_op(svc, tenant, item["payload"], out, engine)
             version, metrics, sync = res["version"], res["metrics"], {}
-        sig.update(sync_s=sync.get("weight_sync_s", 0.0), sync_bytes=sync.get("weight_sync_bytes", 0.0))
+        sig.update(sync_s=sync.get("weight_sync_s", 0.0), sync_bytes=sync.get("weight_sync_bytes", 0.0),
+                   synced=bool(sync.get("weight_sync_bytes")))
     return {"version": version, "metrics": {**metrics, **sync, "update_s": sig["t1"] - sig["t0"]}}
 
 
@@ -229,7 +268,7 @@ def _ppo_update(svc: TrainingModelService, tenant: str, payload: dict) -> dict[s
     import torch
 
     from nexus.algorithms.ppo import compute_gae, ppo_loss
-    from nexus.data.trajectory_store import BatchRef, read_ipc, table_arrays, table_to_observations
+    from nexus.data.trajectory_store import BatchRef, read_ipc, table_arrays
     from nexus.spec import PPOConfig
 
     slot = svc.slots[tenant]
@@ -237,7 +276,7 @@ def _ppo_update(svc: TrainingModelService, tenant: str, payload: dict) -> dict[s
     ref = BatchRef.from_dict(payload["batch"])
     table = read_ipc(ref.path)
     arrays = table_arrays(table)
-    feats, proprio = svc.features(tenant, table_to_observations(table, slot.schema))
+    feats, proprio, cached = batch_features(svc, tenant, table, arrays, payload.get("use_cached_features", True))
     dones = np.logical_or(arrays["terminated"], arrays["truncated"]).astype(np.float32)
     # batches hold whole episodes; a time-limit end bootstraps from the last stored value, since the
     # observation after the last step is not recorded
@@ -265,7 +304,31 @@ def _ppo_update(svc: TrainingModelService, tenant: str, payload: dict) -> dict[s
         epochs += 1
         if cfg.target_kl is not None and stats["approx_kl"] > cfg.target_kl:
             break  # the policy moved far enough from the one that collected the batch (CleanRL's rule)
-    return {k: v / max(count, 1) for k, v in sums.items()} | {"batch_steps": float(n), "epochs": float(epochs)}
+    return {k: v / max(count, 1) for k, v in sums.items()} | {"batch_steps": float(n), "epochs": float(epochs),
+                                                               "cached_features": float(cached)}
+
+
+def batch_features(svc: TrainingModelService, tenant: str, table, arrays: dict, use_cache: bool = True):
+    """Backbone features + proprio of a stored RL batch -> (BackboneFeatures, proprio, from_cache).
+
+    The rollout's own features when the batch carries them, they came from this actor's backbone
+    (same compat key) and the tenant's head reads pooled features only; otherwise one grouped
+    forward of the frozen backbone over the batch (what a recompute costs)."""
+    import numpy as np
+    import torch
+
+    from nexus.data.trajectory_store import FEATURE_COLUMN, batch_metadata, table_to_observations
+    from nexus.model.backbone_features import BackboneFeatures
+
+    slot = svc.slots[tenant]
+    key = batch_metadata(table).get("feature_key")
+    pre = svc.framework.preprocessors.get(tenant)
+    if (use_cache and FEATURE_COLUMN in arrays and pre is not None and key == pre.compat_key
+            and not slot.policy.prefix_layers):
+        pooled = torch.from_numpy(np.array(arrays[FEATURE_COLUMN], np.float32))  # a copy: Arrow buffers are read-only
+        return BackboneFeatures(pooled), torch.from_numpy(np.array(arrays["state"], np.float32)), True
+    feats, proprio = svc.features(tenant, table_to_observations(table, slot.schema))
+    return feats, proprio, False
 
 
 def _run_op(svc: TrainingModelService, tenant: str, payload: dict, out, engine) -> dict[str, Any]:
@@ -323,5 +386,5 @@ def _run_op(svc: TrainingModelService, tenant: str, payload: dict, out, engine) 
         if slot._pending_backward == 0:
             raise Conflict(f"tenant {tenant!r}: optim_step without a forward_backward since the last step")
         return {"version": slot.version, "metrics": {k: float(v) for k, v in slot.optim_step().items()}}
-    version, sync = _publish_version(svc, tenant, out, engine, "save_weights")
+    version, sync = _publish_version(svc, tenant, out, engine, "save_weights")  # explicit: always pushed
     return {"version": version, "metrics": sync}

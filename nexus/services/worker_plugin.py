@@ -36,7 +36,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from nexus.errors import Draining, NotFound
+from nexus.errors import Draining, NotFound, SpecError
 from nexus.messages import HEALTH_TOPIC, HEARTBEAT_S, EngineReport, Heartbeat, ProducerReport, TenantSetup
 
 logger = logging.getLogger("nexus.worker")
@@ -81,18 +81,37 @@ class EngineHost:
     # -- data path ---------------------------------------------------------------------------------
     async def predict(self, tenant: str, obs: Any, version: int | None = None, deterministic: bool = False,
                       job: str | None = None, request_id: str | None = None) -> dict[str, Any]:
+        work = self.engine.predict(tenant, obs, version, deterministic, job)
+        return await self._serve(tenant, [obs], request_id, work)
+
+    async def predict_batch(self, tenant: str, observations: list, *args: Any, request_id: str | None = None,
+                            **kwargs: Any) -> dict[str, Any]:
+        """A producer's K observations as one request (``InferenceEngine.predict_batch``)."""
+        return await self._serve(tenant, observations, request_id,
+                                 self.engine.predict_batch(tenant, observations, *args, **kwargs))
+
+    async def _serve(self, tenant: str, observations: list, request_id: str | None, work) -> dict[str, Any]:
+        """The gate of every action request: refused while draining or for an unknown tenant, and each
+        observation checked against the tenant's schema before it may join a group."""
         from nexus.services.request_check import check_request
 
-        if self.draining:
-            raise Draining(f"inference engine {self.id} is draining")
-        schema = self.schemas.get(tenant)
-        if schema is None:
-            raise NotFound(f"tenant {tenant!r} is not registered on inference engine {self.id}")
-        check_request(obs, schema, tenant)  # a bad request fails alone, before it joins a group
+        try:
+            if self.draining:
+                raise Draining(f"inference engine {self.id} is draining")
+            schema = self.schemas.get(tenant)
+            if schema is None:
+                raise NotFound(f"tenant {tenant!r} is not registered on inference engine {self.id}")
+            if not isinstance(observations, list) or not observations:
+                raise SpecError(f"tenant {tenant!r}: an action request needs at least one observation")
+            for obs in observations:
+                check_request(obs, schema, tenant)  # a bad request fails alone, before it joins a group
+        except BaseException:
+            work.close()  # never started
+            raise
         self.inflight += 1
         self._idle.clear()
         try:
-            out = await self.engine.predict(tenant, obs, version, deterministic, job)
+            out = await work
         except OSError as e:  # e.g. a missing weights file: not a comm failure, do not re-route
             raise RuntimeError(f"{type(e).__name__}: {e}") from None
         finally:
@@ -118,6 +137,8 @@ class EngineHost:
     async def call(self, method: str, args: list, kwargs: dict) -> Any:
         if method == "predict":
             return await self.predict(*args, **kwargs)
+        if method == "predict_batch":
+            return await self.predict_batch(*args, **kwargs)
         if method == "load_weights":
             return await self.load_weights(*args, **kwargs)
         if method.startswith("_"):
@@ -222,7 +243,7 @@ class NexusWorkerPlugin(WorkerPlugin):
         self.worker = None
         self._lock = threading.Lock()
         self._training = None
-        self._envs: dict[str, Any] = {}
+        self._envs = None  # EnvPool, on the first rollout
         self.engines: dict[str, EngineHost] = {}
         self.tracker: TrackerHost | None = None
         self.producers: dict[str, ProducerProgress] = {}
@@ -282,15 +303,14 @@ class NexusWorkerPlugin(WorkerPlugin):
                 self._training = TrainingModelService()
             return self._training
 
-    def env(self, name: str):
-        """A simulator of a catalog env, reused across the rollout tasks of this process."""
+    def env_pool(self):
+        """Idle simulators of this process, reused across its rollout tasks (``nexus.services.rollout.EnvPool``)."""
         with self._lock:
-            if name not in self._envs:
-                from nexus import catalog
-                from nexus.services.environment import make_env
+            if self._envs is None:
+                from nexus.services.rollout import EnvPool
 
-                self._envs[name] = make_env(catalog.env(name))
-            return self._envs[name]
+                self._envs = EnvPool()
+            return self._envs
 
     @contextmanager
     def producer(self, key: str, job: str, tenant: str, kind: str) -> Iterator[ProducerProgress]:
