@@ -25,8 +25,9 @@ def test_recreated_tenant_resumes_from_output_dir(tmp_path):
         first_loss = res["loss"]
     manifest = json.loads(TenantOutputDir(out).manifest_path.read_text())
     assert manifest["latest_version"] == 4
-    # checkpoint_every=1: every version is durable before it is published; the newest two are kept
-    assert [c["version"] for c in manifest["checkpoints"] if not c.get("pruned")] == [3, 4]
+    # checkpoint_every=1: every version is durable before it is published; the newest
+    # limits.max_checkpoints_kept (3) are kept
+    assert [c["version"] for c in manifest["checkpoints"] if not c.get("pruned")] == [2, 3, 4]
     assert [j["state"] for j in manifest["jobs"]] == ["done"]
 
     with Nexus.local(tmp_path / "second", n_sim=1, output_base=str(tmp_path)) as nx:
@@ -36,6 +37,6 @@ def test_recreated_tenant_resumes_from_output_dir(tmp_path):
         assert res["version"] == 6
         assert res["loss"] < first_loss * 1.5  # trained weights, not a fresh initialisation
     manifest = json.loads(TenantOutputDir(out).manifest_path.read_text())
-    assert [c["version"] for c in manifest["checkpoints"] if not c.get("pruned")] == [5, 6]
+    assert [c["version"] for c in manifest["checkpoints"] if not c.get("pruned")] == [4, 5, 6]
     assert [v["version"] for v in manifest["versions"]] == list(range(7)), "each version listed once"
     assert len(manifest["jobs"]) == 2

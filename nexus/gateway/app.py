@@ -261,7 +261,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         res = await backend.delete_tenant(tenant, keep_output=not purge)
         tokens.revoke(tenant)
         gw._schemas.pop(tenant, None)
-        return {"tenant": tenant, "deleted": True, "result": res}
+        return {**(res if isinstance(res, dict) else {}), "tenant": tenant, "deleted": True}
 
     @app.get("/v1/tenants/{tenant}/logs", tags=["tenants"])
     async def logs(tenant: str, who: Who) -> dict[str, Any]:
