@@ -205,6 +205,13 @@ class Tenant:
         """Publish the current head as a new policy version; the future gives the version."""
         return self._ops.submit(lambda: self.nexus.call("nexus_op", tenant=self.name, verb="save_weights")["version"])
 
+    def export(self, version: int | None, path: str | Path) -> dict[str, Any]:
+        """Write policy version ``version`` (None: the current one) as a self-contained directory at ``path``
+        (on the service's file system): head and adapter weights in safetensors, the backbone reference,
+        preprocessor config, normalization stats and a JSON manifest. ``nexus.policy.load(path)`` runs it
+        without a service. Returns the export's summary (path, version, files)."""
+        return self.nexus.call("nexus_export", tenant=self.name, path=str(Path(path).resolve()), version=version)
+
     def predict_action(self, obs: Observation, version: int | None = None, deterministic: bool = True):
         """An action from the inference engine (grouped with other tenants' requests)."""
         return self.nexus.engine().predict(self.name, obs, version, deterministic)

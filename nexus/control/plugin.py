@@ -28,7 +28,9 @@ from nexus.control import dashboard
 from nexus.control.monitoring import SERVICES, TOPIC, MonitoringState, PrometheusCollector
 from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
 from nexus.control.validation import SpecError, schema_to_dict, validate_job, validate_tenant
+from nexus.errors import NotFound
 from nexus.features import TenantSchema
+from nexus.services import export as export_service
 from nexus.services import rollout, tracking
 from nexus.services import training as training_service
 from nexus.services.inference import InferenceEngine
@@ -111,6 +113,7 @@ class NexusPlugin(SchedulerPlugin):
             "nexus_flush": self.flush,
             "nexus_monitoring": self.monitoring_view,
             "nexus_tenant_log": self.tenant_log,
+            "nexus_export": self.export,
         })
         scheduler.get_task_stream(count=0)  # record task start/stops from the start (dashboard, metering checks)
         self._sampler = asyncio.get_running_loop().create_task(self._sample_forever())
@@ -283,6 +286,20 @@ class NexusPlugin(SchedulerPlugin):
         if data is not None:
             await client.unpublish_dataset(data)
         return res
+
+    async def export(self, tenant: str, path: str, version: int | None = None) -> dict[str, Any]:
+        """Write a tenant's policy version (default: current) as a self-contained directory at ``path``.
+
+        Runs on the ACTOR worker (the backbone it ran on is resident there) and reads that version's
+        durable weights from the tenant output dir, so training may go on meanwhile."""
+        t = self._tenant(tenant)
+        version = t.version if version is None else int(version)
+        if not 0 <= version <= t.version:
+            raise NotFound(f"tenant {tenant!r} has no version {version} (current {t.version})")
+        client = await self._get_client()
+        return await client.submit(export_service.export_version, t.spec.model_dump(), schema_to_dict(t.schema),
+                                   t.output_dir, version, path, resources={"ACTOR": 1}, pure=False,
+                                   key=f"nexus-export-{tenant}-{self._next()}")
 
     async def flush(self) -> bool:
         """Wait until pending metering signals arrived and the tracker wrote everything sent so far."""

@@ -91,8 +91,13 @@ class TenantSlot:
     """A tenant's policy wrapped in its own DeepSpeed ZeRO engine (ZeRO-2 by default)."""
 
     def __init__(self, spec: TenantSpec, schema: TenantSchema, feat_dim: int, zero_stage: int = 2,
-                 grad_clip: float = 1.0, chunk: int | None = None) -> None:
-        """``chunk`` defaults to ``spec.chunk``."""
+                 grad_clip: float = 1.0, chunk: int | None = None,
+                 lora_shapes: dict[str, tuple[int, int]] | None = None,
+                 init_state: dict[str, torch.Tensor] | None = None) -> None:
+        """``chunk`` defaults to ``spec.chunk``. A LoRA tenant needs ``lora_shapes`` (the backbone's
+        ``lora_shapes(spec.lora)``): its adapter is part of the policy, so the engine owns the adapter's
+        parameters and optimizer state too. ``init_state`` (a policy state_dict, e.g. from an exported
+        policy) is loaded before the engine is built, so the optimizer's master copy starts from it."""
         if zero_stage not in (0, 1, 2):
             # Stage 3 would partition the head's parameters between forwards, but TenantPolicy reads
             # log_std and the flow experts their position tables outside a submodule forward; heads are
@@ -101,7 +106,9 @@ class TenantSlot:
         ensure_distributed()
         chunk = spec.chunk if chunk is None else chunk
         self.spec, self.schema, self.feat_dim, self.chunk = spec, schema, feat_dim, chunk
-        policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk)
+        policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk, lora_shapes=lora_shapes)
+        if init_state is not None:
+            policy.load_state_dict(init_state)
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,  # nominal: we call backward/step ourselves
             "gradient_accumulation_steps": 1,
@@ -170,9 +177,10 @@ class TenantSlot:
 
     @staticmethod
     def load_weights_bytes(data: bytes, spec: TenantSpec, schema: TenantSchema, feat_dim: int,
-                           chunk: int | None = None) -> TenantPolicy:
+                           chunk: int | None = None,
+                           lora_shapes: dict[str, tuple[int, int]] | None = None) -> TenantPolicy:
         """Rebuild a policy (CPU, eval mode) from ``export_weights`` bytes, e.g. on an inference worker."""
-        policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk)
+        policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk, lora_shapes=lora_shapes)
         policy.load_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
         return policy.eval()
 

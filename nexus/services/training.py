@@ -10,6 +10,7 @@ Module-level imports stay light: the scheduler imports this module to name its t
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextlib import contextmanager
@@ -94,15 +95,20 @@ def _init_tenant(spec: dict, schema: dict, output_dir: str, engine) -> dict[str,
     from nexus.control.validation import schema_from_dict
     from nexus.data.output_dir import TenantOutputDir, atomic_write_bytes
     from nexus.model.preprocessor import TenantPreprocessor
+    from nexus.policy import initial_state
     from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import TenantSpec
 
     svc = service()
     spec_, schema_ = TenantSpec.model_validate(spec), schema_from_dict(schema)
     out = TenantOutputDir(output_dir)
-    slot = TenantSlot(spec_, schema_, svc.feat_dim, grad_clip=spec_.grad_clip)
-    restored = False
     ck = out.latest_checkpoint()
+    bb = svc.framework.backbone
+    # a new tenant may start from an exported policy (checked against this backbone before anything is written)
+    init = initial_state(spec_.init_from, spec_, schema_, bb) if ck is None and spec_.init_from else None
+    slot = TenantSlot(spec_, schema_, svc.feat_dim, grad_clip=spec_.grad_clip, lora_shapes=bb.lora_shapes(spec_.lora),
+                      init_state=init)
+    restored = False
     if ck is not None:
         slot.load_checkpoint(str(out.checkpoints), ck["tag"])
         restored = True
@@ -278,7 +284,10 @@ def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> 
 
 
 def _finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> dict[str, Any]:
+    from dataclasses import asdict
+
     from nexus.data.output_dir import TenantOutputDir
+    from nexus.services.export import export_for_tracking
 
     svc = service()
     out = TenantOutputDir(output_dir)
@@ -291,4 +300,10 @@ def _finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) ->
     artifacts = [str(out.manifest_path)]
     if slot is not None and out.weights_path(slot.version).exists():
         artifacts.append(str(out.weights_path(slot.version)))
+        if checkpoint and record.get("state") == "done":  # the job's model (MLflow): the final version, exported
+            try:
+                artifacts += filter(None, [export_for_tracking(slot.spec.model_dump(), asdict(slot.schema),
+                                                               output_dir, slot.version)])
+            except Exception:  # the job stays recorded; only its MLflow model is missing
+                logging.getLogger("nexus.actor").exception("could not export %s v%d", tenant, slot.version)
     return {"artifacts": artifacts}
