@@ -22,15 +22,20 @@ import os
 import socket
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from nexus.features import TenantSchema
+from nexus.features import Observation, TenantSchema
+from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.policy import TenantPolicy
 from nexus.spec import TenantSpec
+
+if TYPE_CHECKING:
+    from nexus.model.framework import VLAFramework
 
 if not torch.cuda.is_available():
     # Skip DeepSpeed's accelerator probing (and its "unable to detect a GPU" warning) on CPU machines.
@@ -40,6 +45,8 @@ import deepspeed  # noqa: E402  (must see DS_ACCELERATOR)
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 LossFn = Callable[[TenantPolicy], tuple[torch.Tensor, dict[str, Any]]]
+# a tenant's loss on its rows of a grouped forward: (policy, its features, its proprio) -> (loss, stats)
+GroupLossFn = Callable[[TenantPolicy, BackboneFeatures, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
 _dist_lock = threading.Lock()
 
@@ -139,14 +146,21 @@ class TenantSlot:
     # -- training -------------------------------------------------------------------------------------
 
     def forward_backward(self, loss_fn: LossFn) -> dict[str, float]:
-        """Run ``loss_fn(policy)`` and backpropagate its loss; gradients add up until ``optim_step``."""
+        """Run ``loss_fn(policy)`` and backpropagate its loss; gradients add up until ``optim_step``.
+
+        A LoRA tenant's features (``DeferredFeatures``) are computed inside, through its adapter, so the
+        backward reaches the adapter through the frozen backbone."""
         self.policy.train()
         loss, stats = loss_fn(self.policy)
-        self.engine.backward(loss)
-        self._pending_backward += 1
+        self.backward(loss)
         out = {k: float(v) for k, v in stats.items()}
         out["loss"] = float(loss.detach())
         return out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` through this tenant's engine (gradients add up until ``optim_step``)."""
+        self.engine.backward(loss)
+        self._pending_backward += 1
 
     def optim_step(self) -> dict[str, float]:
         """Apply the accumulated gradients (clipped to ``grad_clip``) and clear them."""
@@ -200,3 +214,63 @@ class TenantSlot:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory!r} (tag={tag!r})")
         self.version = int((client_state or {}).get("version", 0))
         self._pending_backward = 0
+
+
+def _leaf(feats: BackboneFeatures) -> BackboneFeatures:
+    """The same values cut from the backbone's graph, as leaves that collect the head's gradients."""
+    pooled = feats.pooled.detach().requires_grad_(feats.pooled.requires_grad)
+    if feats.tokens is None:
+        return BackboneFeatures(pooled)
+    tokens = feats.tokens.detach().requires_grad_(feats.tokens.requires_grad)
+    return BackboneFeatures(pooled, tokens, feats.mask, feats.layers)
+
+
+def grouped_forward_backward(framework: VLAFramework, work: Sequence[tuple[TenantSlot, list[Observation], GroupLossFn]]
+                             ) -> list[dict[str, float]]:
+    """Several tenants' batches through ONE grouped backbone forward (each row under its tenant's LoRA
+    adapter, or none) and ONE backbone backward; each tenant's gradients land in its own engine.
+
+    Per tenant, its loss is backpropagated through its engine as far as its features (head gradients);
+    the features' gradients of all LoRA tenants then go back through the shared backbone in one
+    ``autograd.grad`` call, which yields each adapter's gradient (a row's gradient reaches only its own
+    adapter), handed to that tenant's engine as a second backward of a linear surrogate (its gradient
+    is exactly the adapter's). Gradients add up until each slot's ``optim_step``; slots must be
+    registered in ``framework`` under their tenant names.
+    """
+    names = [slot.name for slot, _, _ in work]
+    if len(set(names)) != len(names):
+        raise ValueError(f"one batch per tenant in a grouped step, got {names}")
+    requests, row_policies = [], []
+    for slot, observations, _ in work:
+        slot.policy.train()
+        for f in framework.preprocessors[slot.name].batch(observations):
+            requests.append((slot.name, f))
+            row_policies.append(slot.policy)
+    adapted = any(slot.policy.lora is not None for slot, _, _ in work)
+    per_tenant = framework.group_features(requests, row_policies=row_policies, grad=adapted)
+    results, outputs, out_grads, params = [], [], [], []
+    for slot, _, loss_fn in work:
+        idx, feats = per_tenant[slot.name]
+        proprio = torch.from_numpy(np.stack([requests[i][1].proprio for i in idx]))
+        leaf = _leaf(feats)
+        loss, stats = loss_fn(slot.policy, leaf, proprio)
+        slot.backward(loss)
+        results.append({**{k: float(v) for k, v in stats.items()}, "loss": float(loss.detach())})
+        if slot.policy.lora is not None:
+            for full, cut in ((feats.pooled, leaf.pooled), (feats.tokens, leaf.tokens)):
+                if cut is not None and cut.grad is not None:
+                    outputs.append(full)
+                    out_grads.append(cut.grad)
+            params.append(list(slot.policy.lora.parameters()))
+    if outputs:
+        flat = [p for ps in params for p in ps]
+        grads = torch.autograd.grad(outputs, flat, out_grads, allow_unused=True)
+        k = 0
+        lora_slots = [slot for slot, _, _ in work if slot.policy.lora is not None]
+        for slot, ps in zip(lora_slots, params, strict=True):
+            gs = grads[k:k + len(ps)]
+            k += len(ps)
+            surrogate = sum((p * g.detach()).sum() for p, g in zip(ps, gs, strict=True) if g is not None)
+            if isinstance(surrogate, torch.Tensor):
+                slot.backward(surrogate)
+    return results
