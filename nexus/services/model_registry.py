@@ -32,12 +32,13 @@ REQUIREMENTS = ["torch==2.13.0", "transformers==5.24.0", "peft==0.21.2", "safete
 class PolicyModel(mlflow.pyfunc.PythonModel):
     """``mlflow.pyfunc`` face of a ``nexus.policy`` directory."""
 
-    def load_context(self, context: Any) -> None:
+    # no type hints on the pyfunc methods: MLflow would turn them into a (wrong) input schema
+    def load_context(self, context):  # noqa: ANN001
         from nexus.policy import load
 
         self.policy = load(context.artifacts[ARTIFACT])
 
-    def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> np.ndarray:
+    def predict(self, context, model_input, params=None):  # noqa: ANN001
         params = params or {}
         obs = observations_from_input(model_input, [c.name for c in self.policy.schema.cameras])
         outs = self.policy.predict_actions(obs, deterministic=bool(params.get("deterministic", True)))
