@@ -33,12 +33,12 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
     """``mlflow.pyfunc`` face of a ``nexus.policy`` directory."""
 
     # no type hints on the pyfunc methods: MLflow would turn them into a (wrong) input schema
-    def load_context(self, context):  # noqa: ANN001
+    def load_context(self, context):
         from nexus.policy import load
 
         self.policy = load(context.artifacts[ARTIFACT])
 
-    def predict(self, context, model_input, params=None):  # noqa: ANN001
+    def predict(self, context, model_input, params=None):
         params = params or {}
         obs = observations_from_input(model_input, [c.name for c in self.policy.schema.cameras])
         outs = self.policy.predict_actions(obs, deterministic=bool(params.get("deterministic", True)))
