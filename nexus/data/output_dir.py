@@ -7,6 +7,7 @@ Layout::
     checkpoints/         DeepSpeed checkpoints (engine + optimizer state), one tag per saved version
     trajectories/        Arrow IPC batches of rollouts (nexus.data.trajectory_store)
     eval/                eval reports, one JSON per eval job
+    exports/vNNNNNN/     exported policy of a finished training job's final version (nexus.policy format)
 
 Written only by workers (never by the scheduler process); every write is atomic (temp + rename).
 """
