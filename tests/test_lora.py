@@ -200,9 +200,11 @@ def test_gradients_reach_only_each_tenants_own_adapter(tiny_backbone):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_grouped_training_through_engines_equals_serial_and_base_never_changes(tiny_backbone):
+@pytest.mark.parametrize("family", ["oft", "groot"])
+def test_grouped_training_through_engines_equals_serial_and_base_never_changes(family, tiny_backbone):
     """Many steps of several tenants' slots (own DeepSpeed ZeRO-2 engines, adapters inside): one grouped
-    forward/backward per step == each tenant trained alone; the backbone stays bit-identical."""
+    forward/backward per step == each tenant trained alone; the backbone stays bit-identical. GR00T heads
+    read prefix tokens: their gradients go back through the backbone too."""
     bb = tiny_backbone
     names = ("r4", "r8", "plain")
     before = fingerprint(bb.model)
@@ -213,25 +215,27 @@ def test_grouped_training_through_engines_equals_serial_and_base_never_changes(t
     def build():
         fw, slots = VLAFramework(bb), []
         for i, n in enumerate(names):
-            spec = make_spec(n, LORAS[n], seed=i, lr=1e-2)
+            spec = make_spec(n, LORAS[n], seed=i, lr=1e-2, family=family)
             slot = TenantSlot(spec, SCHEMA_OF[n], bb.hidden_size, lora_shapes=bb.lora_shapes(spec.lora))
             fw.add_tenant(n, slot.policy, TenantPreprocessor(SCHEMA_OF[n], bb.cfg))
             slots.append(slot)
         return fw, slots
 
+    def loss(n: str, step: int):  # flow-matching noise from a fresh generator: the same in both modes, every step
+        return lambda p, f, pr: sft_loss(p, f, pr, data[n][1], torch.Generator().manual_seed(len(n)))
+
     (fw_g, grouped), (fw_s, serial) = build(), build()
     init = {s.name: {k: v.clone() for k, v in s.policy.state_dict().items()} for s in grouped}
     first = None
-    for _ in range(4):
-        work = [(s, data[s.name][0], lambda p, f, pr, a=data[s.name][1]: sft_loss(p, f, pr, a)) for s in grouped]
-        g_stats = grouped_forward_backward(fw_g, work)
+    for step in range(4):
+        g_stats = grouped_forward_backward(fw_g, [(s, data[s.name][0], loss(s.name, step)) for s in grouped])
         for s in grouped:
             s.optim_step()
         s_stats = []
         for s in serial:
             feats, pr = fw_s.tenant_features(s.name, data[s.name][0])
             assert isinstance(feats, DeferredFeatures) == (s.policy.lora is not None)
-            s_stats.append(s.train_step(lambda p, feats=feats, pr=pr, a=data[s.name][1]: sft_loss(p, feats, pr, a)))
+            s_stats.append(s.train_step(lambda p, feats=feats, pr=pr, fn=loss(s.name, step): fn(p, feats, pr)))
         assert [x["loss"] for x in g_stats] == pytest.approx([x["loss"] for x in s_stats], rel=1e-5)
         first = first or g_stats
     assert all(last["loss"] < f["loss"] for f, last in zip(first, g_stats, strict=True))
