@@ -242,7 +242,8 @@ def test_grouped_training_through_engines_equals_serial_and_base_never_changes(f
     for g, s in zip(grouped, serial, strict=True):
         gs, ss = g.policy.state_dict(), s.policy.state_dict()
         for k in gs:
-            torch.testing.assert_close(gs[k], ss[k], rtol=1e-4, atol=1e-4)  # Adam: ~lr * noise / |grad|
+            # Adam turns float noise in near-zero gradients into moves up to lr (1e-2): allow a tenth of one step
+            torch.testing.assert_close(gs[k], ss[k], rtol=1e-4, atol=1e-3)
         if g.policy.lora is not None:
             moved = [k for k in gs if k.startswith("lora.") and not torch.equal(gs[k], init[g.name][k])]
             assert moved, f"{g.name}: the adapter did not train"
