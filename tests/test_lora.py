@@ -115,6 +115,16 @@ def test_fresh_adapter_is_a_no_op_and_plain_groups_are_untouched(tiny_backbone):
     assert torch.equal(adapted.pooled[1], base.pooled[1])  # a row without an adapter: exactly the base output
     assert torch.equal(bb.encode_prefix(feats).pooled, base.pooled)  # nothing left behind by the route
 
+    # rows of one adapter scattered through the batch (the router's gather / scatter-add path) == the
+    # contiguous layout encode_prefix sorts rows into
+    other = TenantPolicy.from_spec(make_spec("other", LoraConfig(rank=2), seed=1), ONE_CAM, bb.hidden_size,
+                                   lora_shapes=bb.lora_shapes(LoraConfig(rank=2)))
+    perturb(other, 1)
+    mixed = [policy.lora, other.lora, policy.lora]
+    with bb.router.route(mixed, bb.device):
+        scattered = bb._forward(bb.family.prepare(feats), ())
+    torch.testing.assert_close(scattered.pooled, bb.encode_prefix(feats, adapters=mixed).pooled, rtol=0, atol=1e-5)
+
 
 @pytest.mark.parametrize("family", ["oft", "groot"])
 def test_mixed_adapter_group_equals_per_tenant_forwards(family, tiny_backbone):

@@ -14,9 +14,9 @@ observations per tenant):
   autograd for LoRA) and step. Heads-only tenants train on frozen (no-grad) features in both modes.
 - grouped and serial alternate in ABBA order; medians of ``--reps``; ratios are serial / grouped.
 
-Memory per tenant slot: parameters (head + value head, adapter), gradient and AdamW state (the ZeRO
-fp32 master partition + both moments), counted from the engine's own tensors; plus the process's RSS
-growth (CPU) or allocated GPU memory (cuda) per slot created, measured.
+Memory per tenant slot: parameters (head + value head, adapter) and AdamW state (the ZeRO fp32 master
+partition + both moments), counted from the engine's own tensors; on cuda also the allocated GPU memory
+per slot created, measured.
 
 SFT held-out error: ``--sft-dataset`` (default ``robosuite-lift-scripted``: LIBERO-schema Panda Lift with
 agent-view + wrist cameras, so the backbone's features matter) through the actor's own update function
@@ -152,28 +152,23 @@ def slot_memory(slot) -> dict[str, float]:
             "param_bytes": nbytes(policy.parameters()), "optimizer_bytes": opt + master}
 
 
-def measured_slot_growth(backbone, rank: int, args, n: int = 4) -> float:
-    """Process memory growth per slot created (RSS on CPU, allocated memory on cuda), after one train step
-    so the optimizer state exists."""
+def measured_slot_growth(backbone, rank: int, args, n: int = 4) -> float | None:
+    """GPU memory allocated per slot created (after one train step, so the optimizer state exists).
+
+    None on CPU: the process RSS moves with allocator reuse by more than a slot's few MiB."""
     import gc
 
-    import psutil
     import torch
 
+    if args.device != "cuda":
+        return None
     gc.collect()
-    if args.device == "cuda":
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-    else:
-        before = psutil.Process().memory_info().rss
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     setup = Setup(backbone, n, rank, args)
     setup.train_serial()
-    gc.collect()
-    if args.device == "cuda":
-        torch.cuda.synchronize()
-        after = torch.cuda.memory_allocated()
-    else:
-        after = psutil.Process().memory_info().rss
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
     del setup
     return (after - before) / n
 
@@ -281,12 +276,14 @@ def table(rows: list[dict], meta: dict, sft_rows: list[dict]) -> str:
         lines.append(f"| {r['config']} | {r['tenants']} | {r['infer_grouped_ms']:.1f} | {r['infer_serial_ms']:.1f} | "
                      f"{r['infer_speedup']:.2f}x | {r['train_grouped_ms']:.1f} | {r['train_serial_ms']:.1f} | "
                      f"{r['train_speedup']:.2f}x | {vs} |")
-    lines += ["", "| config | head params | adapter params | param + optimizer bytes per slot | measured per slot |",
+    lines += ["", "| config | head params | adapter params | param + optimizer bytes per slot "
+                  "| measured per slot (GPU) |",
               "|---|---|---|---|---|"]
     for name, m in meta["memory"].items():
         lines.append(f"| {name} | {m['head_params']:,} | {m['adapter_params']:,} | "
                      f"{(m['param_bytes'] + m['optimizer_bytes']) / 2**20:.2f} MiB | "
-                     f"{m['measured_bytes_per_slot'] / 2**20:.2f} MiB |")
+                     + (f"{m['measured_bytes_per_slot'] / 2**20:.2f} MiB |" if m["measured_bytes_per_slot"] is not None
+                        else "- |"))
     if sft_rows:
         lines += ["", f"SFT on {sft_rows[0]['dataset']} ({sft_rows[0]['steps']} steps, held-out rows "
                       f"{sft_rows[0]['heldout_rows']}):", "",

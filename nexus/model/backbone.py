@@ -226,12 +226,21 @@ class SharedBackbone:
                 todo_adapters.append(a)
             rows.append(unique[k])
 
+        if any(a is not None for a in todo_adapters):  # rows of one adapter contiguous (S-LoRA's layout)
+            first: dict[int, int] = {}
+            for a in todo_adapters:
+                first.setdefault(id(a), len(first))
+            order = sorted(range(len(todo)), key=lambda i: first[id(todo_adapters[i])])
+            position = {old: new for new, old in enumerate(order)}
+            todo, todo_adapters = [todo[i] for i in order], [todo_adapters[i] for i in order]
+            rows = [position[r] for r in rows]
+
         batch = self.family.prepare(todo)  # tokenization + image patching: outside the lock
         with self._lock, self.router.route(todo_adapters, self.device):
             out = self._forward(batch, layers, grad)
             self.forward_calls += 1
             self.samples_encoded += len(todo)
-        if len(todo) < len(features):
+        if rows != list(range(len(todo))):
             out = out[rows]
         return out
 

@@ -144,14 +144,19 @@ class AdapterRouter:
 
     :meth:`route` names one adapter (or None) per batch row for the forwards run inside it. Outside a
     route, or for rows without an adapter, a projection's output is exactly its base output.
-    Callers serialize forwards (the backbone's model lock); the route is per router, not per thread.
+    Rows of one adapter should be contiguous (``SharedBackbone.encode_prefix`` sorts them so, as S-LoRA
+    does): each adapter then reads a slice of the input (a view) and all deltas are added to the base
+    output at once, so the cost stays linear in the rows whatever the number of adapters. Scattered rows
+    fall back to a gather / scatter-add per adapter. Callers serialize forwards (the backbone's model
+    lock); the route is per router, not per thread.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._modules = dict(model.named_modules())
         self._hooked: dict[str, Any] = {}
-        self._plan: list[tuple[TenantAdapter, torch.Tensor | None]] | None = None
+        self._segments: list[tuple[TenantAdapter | None, int, int]] | None = None  # contiguous runs
+        self._scattered: list[tuple[TenantAdapter, torch.Tensor]] | None = None  # (adapter, row indices)
         self._install_lock = threading.Lock()
 
     @property
@@ -171,19 +176,31 @@ class AdapterRouter:
 
     def _hook(self, name: str):
         def add_adapters(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
-            plan = self._plan
-            if not plan:
+            segments, scattered = self._segments, self._scattered
+            if segments is None and scattered is None:
                 return None
             x, out = args[0], output
-            for adapter, rows in plan:
+
+            def delta(lo: LoraLayer, rows: torch.Tensor) -> torch.Tensor:
+                return lo(rows).to(device=out.device, dtype=out.dtype)
+
+            if segments is not None:
+                parts: list[torch.Tensor] = []
+                adapted = False
+                for adapter, start, end in segments:
+                    lo = adapter.layer(name) if adapter is not None else None
+                    if lo is None:
+                        parts.append(out.new_zeros((end - start, *out.shape[1:])))
+                    else:
+                        parts.append(delta(lo, x[start:end]))
+                        adapted = True
+                if not adapted:
+                    return None
+                return out + (parts[0] if len(parts) == 1 else torch.cat(parts))
+            for adapter, rows in scattered or ():
                 lo = adapter.layer(name)
-                if lo is None:
-                    continue
-                if rows is None:  # the adapter owns every row: no gather / scatter
-                    out = out + lo(x).to(device=out.device, dtype=out.dtype)
-                else:
-                    delta = lo(x.index_select(0, rows)).to(device=out.device, dtype=out.dtype)
-                    out = out.index_add(0, rows, delta)
+                if lo is not None:
+                    out = out.index_add(0, rows, delta(lo, x.index_select(0, rows)))
             return out
 
         return add_adapters
@@ -191,20 +208,27 @@ class AdapterRouter:
     @contextmanager
     def route(self, adapters: Sequence[TenantAdapter | None], device: torch.device | str) -> Iterator[None]:
         """Within the block, row ``i`` of each forward gets ``adapters[i]`` (None: the base model only)."""
-        groups: dict[int, tuple[TenantAdapter, list[int]]] = {}
-        for i, a in enumerate(adapters):
-            if a is not None:
-                groups.setdefault(id(a), (a, []))[1].append(i)
-        if not groups:
+        if all(a is None for a in adapters):
             yield
             return
-        plan: list[tuple[TenantAdapter, torch.Tensor | None]] = []
-        for adapter, rows in groups.values():
-            self._ensure_hooks(adapter.module_names)
-            whole = len(rows) == len(adapters)
-            plan.append((adapter, None if whole else torch.tensor(rows, dtype=torch.long, device=device)))
-        self._plan = plan
+        runs: list[tuple[TenantAdapter | None, int, int]] = []
+        for i, a in enumerate(adapters):
+            if runs and runs[-1][0] is a:
+                runs[-1] = (a, runs[-1][1], i + 1)
+            else:
+                runs.append((a, i, i + 1))
+        for a, _, _ in runs:
+            if a is not None:
+                self._ensure_hooks(a.module_names)
+        if len({id(a) for a, _, _ in runs}) == len(runs):
+            self._segments = runs
+        else:
+            groups: dict[int, tuple[TenantAdapter, list[int]]] = {}
+            for i, a in enumerate(adapters):
+                if a is not None:
+                    groups.setdefault(id(a), (a, []))[1].append(i)
+            self._scattered = [(a, torch.tensor(rows, dtype=torch.long, device=device)) for a, rows in groups.values()]
         try:
             yield
         finally:
-            self._plan = None
+            self._segments = self._scattered = None

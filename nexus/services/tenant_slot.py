@@ -230,12 +230,12 @@ def grouped_forward_backward(framework: VLAFramework, work: Sequence[tuple[Tenan
     """Several tenants' batches through ONE grouped backbone forward (each row under its tenant's LoRA
     adapter, or none) and ONE backbone backward; each tenant's gradients land in its own engine.
 
-    Per tenant, its loss is backpropagated through its engine as far as its features (head gradients);
-    the features' gradients of all LoRA tenants then go back through the shared backbone in one
-    ``autograd.grad`` call, which yields each adapter's gradient (a row's gradient reaches only its own
-    adapter), handed to that tenant's engine as a second backward of a linear surrogate (its gradient
-    is exactly the adapter's). Gradients add up until each slot's ``optim_step``; slots must be
-    registered in ``framework`` under their tenant names.
+    Each tenant's loss is computed on its features cut from the backbone's graph; the features'
+    gradients of all LoRA tenants then go back through the shared backbone in one ``autograd.grad`` call,
+    which yields every adapter's gradient (a row's gradient reaches only its own adapter). Each tenant's
+    engine then runs one backward of its loss plus a linear surrogate whose gradient is exactly its
+    adapter's, so DeepSpeed sees one ordinary backward per tenant. Gradients add up until each slot's
+    ``optim_step``; slots must be registered in ``framework`` under their tenant names.
     """
     names = [slot.name for slot, _, _ in work]
     if len(set(names)) != len(names):
@@ -248,29 +248,34 @@ def grouped_forward_backward(framework: VLAFramework, work: Sequence[tuple[Tenan
             row_policies.append(slot.policy)
     adapted = any(slot.policy.lora is not None for slot, _, _ in work)
     per_tenant = framework.group_features(requests, row_policies=row_policies, grad=adapted)
-    results, outputs, out_grads, params = [], [], [], []
-    for slot, _, loss_fn in work:
+    losses, stats, cuts = [], [], []  # cuts: (work index, full feature tensor, its leaf copy)
+    for k, (slot, _, loss_fn) in enumerate(work):
         idx, feats = per_tenant[slot.name]
         proprio = torch.from_numpy(np.stack([requests[i][1].proprio for i in idx]))
         leaf = _leaf(feats)
-        loss, stats = loss_fn(slot.policy, leaf, proprio)
-        slot.backward(loss)
-        results.append({**{k: float(v) for k, v in stats.items()}, "loss": float(loss.detach())})
+        loss, st = loss_fn(slot.policy, leaf, proprio)
+        losses.append(loss)
+        stats.append({**{k_: float(v) for k_, v in st.items()}, "loss": float(loss.detach())})
         if slot.policy.lora is not None:
-            for full, cut in ((feats.pooled, leaf.pooled), (feats.tokens, leaf.tokens)):
-                if cut is not None and cut.grad is not None:
-                    outputs.append(full)
-                    out_grads.append(cut.grad)
-            params.append(list(slot.policy.lora.parameters()))
-    if outputs:
-        flat = [p for ps in params for p in ps]
-        grads = torch.autograd.grad(outputs, flat, out_grads, allow_unused=True)
-        k = 0
-        lora_slots = [slot for slot, _, _ in work if slot.policy.lora is not None]
-        for slot, ps in zip(lora_slots, params, strict=True):
-            gs = grads[k:k + len(ps)]
-            k += len(ps)
-            surrogate = sum((p * g.detach()).sum() for p, g in zip(ps, gs, strict=True) if g is not None)
-            if isinstance(surrogate, torch.Tensor):
-                slot.backward(surrogate)
-    return results
+            cuts += [(k, full, cut) for full, cut in ((feats.pooled, leaf.pooled), (feats.tokens, leaf.tokens))
+                     if cut is not None and cut.requires_grad]
+    surrogates: dict[int, torch.Tensor] = {}
+    if cuts:
+        owners = sorted({k for k, _, _ in cuts})
+        feat_grads = torch.autograd.grad([losses[k] for k in owners], [c for _, _, c in cuts], retain_graph=True,
+                                         allow_unused=True)
+        used = [(k, full, g) for (k, full, _), g in zip(cuts, feat_grads, strict=True) if g is not None]
+        params = {k: list(work[k][0].policy.lora.parameters()) for k in owners}  # type: ignore[union-attr]
+        flat = [p for k in owners for p in params[k]]
+        grads = torch.autograd.grad([f for _, f, _ in used], flat, [g for _, _, g in used], allow_unused=True) \
+            if used else [None] * len(flat)
+        j = 0
+        for k in owners:
+            gs = grads[j:j + len(params[k])]
+            j += len(params[k])
+            terms = [(p * g.detach()).sum() for p, g in zip(params[k], gs, strict=True) if g is not None]
+            if terms:
+                surrogates[k] = torch.stack(terms).sum()
+    for k, (slot, _, _) in enumerate(work):
+        slot.backward(losses[k] + surrogates[k] if k in surrogates else losses[k])
+    return stats
