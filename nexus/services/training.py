@@ -69,14 +69,15 @@ def service() -> TrainingModelService:
 ACTOR_BYTES_PER_PARAM = 32
 
 
-def slot_bytes(spec, schema, feat_dim: int) -> int:
-    """Actor memory a tenant's slot would take, counted on torch's meta device (nothing is allocated)."""
+def slot_bytes(spec, schema, feat_dim: int, lora_shapes: dict[str, tuple[int, int]] | None = None) -> int:
+    """Actor memory a tenant's slot would take (head, value head and LoRA adapter), counted on torch's
+    meta device (nothing is allocated)."""
     import torch
 
     from nexus.model.policy import TenantPolicy
 
     with torch.device("meta"):
-        policy = TenantPolicy.from_spec(spec, schema, feat_dim)
+        policy = TenantPolicy.from_spec(spec, schema, feat_dim, lora_shapes=lora_shapes)
     return ACTOR_BYTES_PER_PARAM * sum(p.numel() for p in policy.parameters())
 
 
@@ -86,7 +87,7 @@ def check_actor_budget(svc: TrainingModelService, spec, schema) -> None:
     from nexus.errors import LimitExceeded
 
     limits = svc.config.limits_for(spec.name)
-    need = slot_bytes(spec, schema, svc.feat_dim)
+    need = slot_bytes(spec, schema, svc.feat_dim, svc.framework.backbone.lora_shapes(spec.lora))
     if need > limits.max_head_bytes:
         raise LimitExceeded(f"hidden_dim={spec.hidden_dim} ({spec.action_head}): the slot needs "
                             f"~{need / 2**20:.0f} MiB of actor memory, over the limit "
