@@ -14,16 +14,37 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ENV_VAR = "NEXUS_SERVICE_CONFIG"
+# Hugging Face ``model_type`` of each backbone family's checkpoints (config.json)
+CHECKPOINT_MODEL_TYPES = {"qwen3vl": ("qwen3_vl",), "paligemma": ("paligemma",)}
 
 
 class BackboneSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     family: str = "qwen3vl"
     size: str = "tiny"
-    local_path: str | None = None
+    local_path: str | None = Field(None, description="a Hugging Face checkpoint directory (from_pretrained); "
+                                   "resolved to an absolute path, since service processes run elsewhere")
     image_size: int = Field(64, ge=16)
     dtype: str = "float32"
     device: str = "cpu"
+
+    @model_validator(mode="after")
+    def _checkpoint_dir(self) -> BackboneSettings:
+        """A checkpoint directory must exist and hold a model of the family (never a hub name)."""
+        if self.local_path is None:
+            return self
+        path = Path(self.local_path).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"backbone local_path {self.local_path!r} is not a Hugging Face checkpoint "
+                             "directory (no config.json there)")
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        expected = CHECKPOINT_MODEL_TYPES.get(self.family)
+        if expected is not None and model_type not in expected:
+            fits = [f for f, types in CHECKPOINT_MODEL_TYPES.items() if model_type in types]
+            raise ValueError(f"backbone checkpoint {str(path)!r} is a {model_type!r} model, not a {self.family!r} "
+                             "backbone" + (f" (use family {fits[0]!r})" if fits else ""))
+        self.local_path = str(path)
+        return self
 
 
 class HealthSettings(BaseModel):

@@ -357,10 +357,15 @@ def test_cross_tenant_access(env):
     assert set(op.values()) == {200}, op
     full = api("GET", "/v1/status", "op").json()
     assert {"a", "b", "bg"} <= {t["tenant"] for t in full["tenants"]} and "workers" in full
-    # scale / delete / export exist once the control plane (issue 8) and export (issue 11) add their handlers
-    for m, path, kw in [("POST", "/v1/admin/scale", {"json": {"engines": 1}}), ("POST", "/v1/tenants/b/export", {})]:
-        r = api(m, path, "op", **kw)
-        assert r.status_code == 200 or (r.status_code == 501 and _error(r)[0] == "NotSupported"), r.text
+    # scale and export (the control plane's handlers, issues 8 and 11) on any tenant
+    assert _status(api, "POST", "/v1/admin/scale", "op", json={"engines": 1}) == 200
+    r = api("POST", "/v1/tenants/b/export", "op")
+    assert r.status_code == 200, r.text
+    assert r.json()["relative_path"].startswith("exports/v") and Path(r.json()["path"]).parent == b_dir / "exports"
+    # B's own token: into B's dir only (a server path elsewhere is refused, and nothing written there)
+    assert _status(api, "POST", "/v1/tenants/b/export", "b", json={"path": str(a_dir / "stolen")}) == 403
+    assert _status(api, "POST", "/v1/tenants/b/export", "b", json={"path": "/tmp/b-export"}) == 403
+    assert not (a_dir / "stolen").exists() and not Path("/tmp/b-export").exists()
 
 
 def test_b_files_private_on_disk(env):

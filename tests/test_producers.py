@@ -229,3 +229,33 @@ def test_feature_column_round_trips_and_plain_readers_drop_it(tmp_path):
     assert len(_load_arrow(entry)["step"]) == 16  # an arrow dataset over RL batches reads them as plain rows
     with pytest.raises(ValueError, match="feature"):
         store.append(make_columns() | {"feature": np.zeros(8, np.float32)}, feature_key="k")  # not [N, H]
+
+
+def test_a_lora_tenant_recomputes_features_through_its_adapter(stack):
+    """Stored rollout features bypass the adapter (and its gradient): a LoRA tenant's update never reads them."""
+    from nexus.data.trajectory_store import TrajectoryStore
+    from nexus.messages import TenantSetup
+    from nexus.services.recovery import init_tenant
+    from nexus.services.training import batch_features
+    from nexus.spec import LoraConfig
+
+    cfg, engine, svc, specs, schema = stack
+    spec = TenantSpec(name="adapted", env="maniskill/pickcube-rgb", seed=3, hidden_dim=64, lora=LoraConfig(rank=4))
+    init_tenant(TenantSetup("adapted", spec.model_dump(), schema_to_dict(schema), str(cfg.tenants_dir / "adapted")))
+    key = svc.framework.preprocessors["adapted"].compat_key
+    store = TrajectoryStore(cfg.tenants_dir / "adapted" / "trajectories", "adapted", schema)
+    rng = np.random.default_rng(1)
+    n = 3
+    cols = {"episode": np.zeros(n, np.int64), "step": np.arange(n, dtype=np.int32),
+            "state": rng.normal(size=(n, schema.proprio_dim)).astype(np.float32),
+            "image.base_camera": rng.integers(0, 256, (n, 64, 64, 3), dtype=np.uint8),
+            "action": np.zeros((n, 4), np.float32), "reward": np.zeros(n, np.float32),
+            "terminated": np.zeros(n, bool), "truncated": np.zeros(n, bool), "success": np.zeros(n, bool),
+            "logprob": np.zeros(n, np.float32), "value": np.zeros(n, np.float32),
+            "policy_version": np.zeros(n, np.int64), "feature": np.ones((n, svc.feat_dim), np.float32)}
+    table = read_ipc(store.append(cols, feature_key=key).path)
+    _, _, cached = batch_features(svc, "adapted", table, table_arrays(table))
+    assert not cached  # same backbone key, pooled-only head: a plain tenant would have read the column
+    assert svc.framework.preprocessors["cached"].compat_key == key
+    _, _, plain_cached = batch_features(svc, "cached", table, table_arrays(table))
+    assert plain_cached  # the same batch: the plain tenant's update reads the stored features

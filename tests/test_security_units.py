@@ -245,3 +245,56 @@ def test_slot_estimate_counts_real_parameters_without_allocating(family, hidden)
     else:  # 1.2e9 parameters: counted on the meta device in no time and no memory
         assert est > 30 * 2**30
     assert torch.get_default_device().type == "cpu"  # the meta context did not leak
+
+
+def test_slot_estimate_counts_the_lora_adapter():
+    from nexus.features import TenantSchema
+    from nexus.model.backbone import BackboneConfig, SharedBackbone
+    from nexus.model.policy import TenantPolicy
+    from nexus.services.training import ACTOR_BYTES_PER_PARAM, slot_bytes
+    from nexus.spec import LoraConfig
+
+    bb = SharedBackbone(BackboneConfig(size="tiny", image_size=64))
+    spec = TenantSpec(name="a", env="maniskill/pushcube-state", hidden_dim=32, lora=LoraConfig(rank=8))
+    schema, shapes = TenantSchema(35, 4), bb.lora_shapes(spec.lora)
+    real = sum(p.numel() for p in TenantPolicy.from_spec(spec, schema, bb.hidden_size, lora_shapes=shapes).parameters())
+    assert slot_bytes(spec, schema, bb.hidden_size, shapes) == ACTOR_BYTES_PER_PARAM * real
+    heads_only = spec.model_copy(update={"lora": None})
+    assert slot_bytes(spec, schema, bb.hidden_size, shapes) > slot_bytes(heads_only, schema, bb.hidden_size)
+
+
+# -- export targets and init_from through the gateway ---------------------------------------------
+def test_export_target_confined_to_the_tenants_output_dir(tmp_path):
+    from nexus.gateway.app import export_target
+
+    out = tmp_path / "tenants" / "a"
+    (out / "exports").mkdir(parents=True)
+    (tmp_path / "tenants" / "b").mkdir()
+    assert export_target("exports/mine", str(out), operator=False) == str(out / "exports" / "mine")
+    assert export_target(str(out / "exports" / "x"), str(out), operator=False) == str(out / "exports" / "x")
+    os.symlink(tmp_path / "tenants" / "b", out / "exports" / "to-b")
+    for bad in ("/etc/evil", str(tmp_path / "tenants" / "b" / "x"), "../b/x", "exports/../../b", "exports/to-b/x",
+                str(out), ".", "weights/v9", "checkpoints/x", "jobs/j", "manifest.json"):
+        with pytest.raises(Forbidden):
+            export_target(bad, str(out), operator=False)
+    with pytest.raises(SpecError):
+        export_target("a\x00b", str(out), operator=False)
+    # the operator may name any server path; relative ones are still inside the output dir
+    assert export_target("/srv/exports/a", str(out), operator=True) == "/srv/exports/a"
+    assert export_target("exports/y", str(out), operator=True) == str(out / "exports" / "y")
+
+
+def test_init_from_needs_an_export_in_the_callers_own_dir(tmp_path):
+    from nexus.gateway.app import init_from_allowed
+
+    own, other = tmp_path / "a", tmp_path / "b"
+    (own / "exports" / "v000001").mkdir(parents=True)
+    (other / "exports" / "v000001").mkdir(parents=True)
+    init_from_allowed(str(own / "exports" / "v000001"), str(own))
+    os.symlink(other / "exports" / "v000001", own / "exports" / "link")
+    for path, own_dir in [(str(other / "exports" / "v000001"), str(own)), (str(own / "exports" / "v000001"), None),
+                          ("exports/v000001", str(own)), (str(own / "exports" / "link"), str(own)),
+                          (str(own / "exports" / ".." / ".." / "b" / "exports" / "v000001"), str(own)),
+                          (str(own / "exports" / "missing"), str(own))]:
+        with pytest.raises(Forbidden):
+            init_from_allowed(path, own_dir)

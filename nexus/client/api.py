@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nexus.config import ServiceConfig
-from nexus.errors import Forbidden, JobFailed, NotFound
+from nexus.errors import Conflict, Forbidden, JobFailed, NotFound
 from nexus.features import Observation
 from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec
 
@@ -311,6 +311,56 @@ class Tenant:
     def save_weights(self) -> Future:
         """Publish the current head as a new policy version; the future gives the version."""
         return self._ops.submit(lambda: self.nexus.call("nexus_op", tenant=self.name, verb="save_weights")["version"])
+
+    def export(self, version: int | None = None, path: str | Path | None = None, *,
+               server_path: str | None = None) -> dict[str, Any]:
+        """Export policy version ``version`` (None: the current one) as a self-contained directory: head and
+        adapter weights in safetensors, the backbone reference, preprocessor config, normalization stats and
+        a JSON manifest. ``nexus.policy.load(dir)`` runs it without a service.
+
+        The service writes it into the tenant's output dir (``exports/vNNNNNN/``, kept there; the
+        gateway serves its files). ``path``: a local directory (missing or empty) to download it into,
+        every file checked against the manifest's sha256. ``server_path``: write it there on the
+        service's file system instead (tenant tokens: only inside their output dir). Returns the export's
+        summary: ``path`` (on the service), ``relative_path``, ``version``, ``files`` and, when downloaded,
+        ``local_path``."""
+        if self.nexus.transport is None:  # service-internal: the same file system, written in place
+            return self.nexus.call("nexus_export", tenant=self.name, version=version,
+                                   path=str(Path(server_path or path).resolve()) if (server_path or path) else None)
+        local = None if path is None else Path(path).resolve()
+        if local is not None and local.exists() and (not local.is_dir() or any(local.iterdir())):
+            raise Conflict(f"export target {str(local)!r} exists and is not an empty directory")
+        info = self.nexus.call("nexus_export", tenant=self.name, version=version, path=server_path)
+        if local is not None:
+            if info.get("relative_path") is None:
+                raise Forbidden(f"the export at {info['path']!r} lies outside the tenant's output dir: "
+                                "the gateway cannot serve it")
+            info["local_path"] = str(self._download(info["relative_path"], info["files"], local))
+        return info
+
+    def _download(self, folder: str, files: list[str], target: Path) -> Path:
+        """The export's files from the gateway into ``target`` (atomically: a temporary sibling renamed)."""
+        import shutil
+
+        from nexus import policy as policy_format
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".{target.name}.download-{uuid.uuid4().hex[:8]}"
+        try:
+            for name in files:
+                if name.startswith("/") or ".." in name.split("/"):
+                    raise Forbidden(f"export file name {name!r} leaves the export directory")
+                dest = tmp / name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(self.read_file(f"{folder}/{name}"))
+            policy_format.read_manifest(tmp, verify_files=True)  # every file as the service wrote it
+            if target.exists():
+                target.rmdir()  # empty (checked before)
+            tmp.rename(target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target
 
     def predict_action(self, obs: Observation, version: int | None = None, deterministic: bool = True) -> Future:
         """An action from the tenant's inference engine (grouped with other tenants' requests)."""

@@ -1,4 +1,5 @@
-"""``nexus`` command line: ``demo``, ``up`` (a long-running local service) and ``status``."""
+"""``nexus`` command line: ``demo``, ``up`` (a long-running local service), ``status``, ``logs``, ``report``
+and ``export`` (a tenant's policy version as a self-contained directory)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def _demo(a: argparse.Namespace) -> int:
 def _up(a: argparse.Namespace) -> int:
     from nexus.client.api import Nexus
 
-    nx = Nexus.local(a.root, n_sim=a.sim_workers, dashboard_address=a.dashboard)
+    nx = Nexus.local(a.root, n_sim=a.sim_workers, dashboard_address=a.dashboard, **_backbone_config(a))
     print(f"JoyNexus service up\n  gateway: {nx.service.gateway_url} (docs: {nx.service.gateway_url}/docs)\n"
           f"  operator token: {nx.service.config.gateway_dir / 'operator.token'}\n"
           f"  scheduler (service-internal): {nx.service.address}\n  dashboard: {nx.dashboard_link}\n"
@@ -34,7 +35,8 @@ def _up(a: argparse.Namespace) -> int:
     from nexus.client.cli_control import keep_up
 
     try:  # a dead scheduler or a spent restart budget: global restart on the same root
-        nx = keep_up(nx, lambda: stop, lambda: Nexus.local(a.root, n_sim=a.sim_workers, dashboard_address=a.dashboard))
+        nx = keep_up(nx, lambda: stop, lambda: Nexus.local(a.root, n_sim=a.sim_workers, dashboard_address=a.dashboard,
+                                                        **_backbone_config(a)))
     except KeyboardInterrupt:
         pass
     nx.close()
@@ -121,7 +123,48 @@ def _report(a: argparse.Namespace) -> int:
 
 def _common_connection_args(q: argparse.ArgumentParser) -> None:
     q.add_argument("--root", default="runs/service", help="service root (reads its scheduler.json)")
-    q.add_argument("--address", default=None, help="scheduler address instead of --root")
+    q.add_argument("--address", default=None, help="gateway URL instead of --root")
+
+
+def _add_backbone_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("backbone")
+    g.add_argument("--backbone-path", default=None,
+                   help="a Hugging Face checkpoint directory of the backbone (from_pretrained, never a hub download)")
+    g.add_argument("--backbone-family", default=None, choices=["qwen3vl", "paligemma"])
+    g.add_argument("--backbone-size", default=None, help="offline preset without a checkpoint (tiny, small, medium)")
+    g.add_argument("--image-size", type=int, default=None)
+
+
+def _backbone_config(a: argparse.Namespace) -> dict:
+    """ServiceConfig overrides from the backbone options (validated there: a bad path is refused)."""
+    chosen = {"local_path": a.backbone_path, "family": a.backbone_family, "size": a.backbone_size,
+              "image_size": a.image_size}
+    chosen = {k: v for k, v in chosen.items() if v is not None}
+    return {"backbone": chosen} if chosen else {}
+
+
+def _export(a: argparse.Namespace) -> int:
+    with _connect(a) as nx:
+        info = nx.tenant(a.tenant).export(a.version, a.out, server_path=a.server_path)
+    print(f"exported {info['tenant']} version {info['version']} to {info.get('local_path') or info['path']}"
+          + (f" (on the service: {info['path']})" if info.get("local_path") else ""))
+    for name in info["files"]:
+        print(f"  {name}")
+    return 0
+
+
+def _add_export_parser(sub) -> None:
+    e = sub.add_parser("export", help="write a tenant's policy version as a self-contained directory "
+                                      "(load it with nexus.policy.load, no service needed)")
+    e.add_argument("tenant")
+    e.add_argument("--version", type=int, default=None, help="policy version (default: current)")
+    e.add_argument("--out", default=None, help="local directory to download it into (must not exist or be "
+                                              "empty); default: only written to the tenant's exports/vNNNNNN/")
+    e.add_argument("--server-path", default=None, help="write it there on the service instead (tenant tokens: "
+                                                      "inside the tenant's output dir only)")
+    _common_connection_args(e)
+    e.add_argument("--token", default=None, help="with --address: the operator's or the tenant's token")
+    e.set_defaults(fn=_export)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--root", default="runs/service")
     u.add_argument("--sim-workers", type=int, default=2)
     u.add_argument("--dashboard", default="127.0.0.1:8787")
+    _add_backbone_options(u)
     u.set_defaults(fn=_up)
     s = sub.add_parser("status", help="tenants, queues and versions of a running service")
     s.add_argument("--root", default="runs/service", help="service root (reads its scheduler.json)")
@@ -156,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     from nexus.client.cli_control import add_commands
 
     add_commands(sub, _connect, _common_connection_args)
+    _add_export_parser(sub)
     a = p.parse_args(argv)
     return a.fn(a)
 

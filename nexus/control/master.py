@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from nexus.config import ServiceConfig
@@ -203,6 +204,25 @@ class Master:
     def engines(self) -> list[dict[str, Any]]:
         """Endpoints of the serving engines (``Nexus.engine(i)``)."""
         return [m.endpoint.to_dict() for m in self.pool.serving()]
+
+    async def export(self, tenant: str, path: str | None = None, version: int | None = None) -> dict[str, Any]:
+        """Write a tenant's policy version (default: current) as a self-contained directory (``nexus.policy``).
+
+        ``path`` None: the tenant's own ``<output dir>/exports/vNNNNNN/`` (written once, reused after), which
+        the gateway serves as the tenant's files; else an absolute path on the service's file system (the
+        gateway lets tenant tokens name only paths inside their output dir). Runs on actor rank 0 (the
+        backbone the policy ran on is resident there) from that version's durable weights file, so training
+        may go on meanwhile."""
+        t = self.registry.get(tenant)
+        version = t.version if version is None else int(version)
+        if not 0 <= version <= t.version:
+            raise NotFound(f"tenant {tenant!r} has no version {version} (current {t.version})")
+        if path is not None and (not isinstance(path, str) or "\x00" in path or not os.path.isabs(path)):
+            raise SpecError(f"export path {path!r}: give an absolute path on the service's file system")
+        setup = t.setup()
+        return await self.actors.run(
+            tasks.EXPORT_VERSION, lambda r: (setup.spec, setup.schema, setup.output_dir, version, path, r),
+            key=f"nexus-export-{tenant}-v{version}", retry_lost=True, timeout=600)
 
     async def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:
         """Wait until the actor group and at least one engine serve (and rediscovery ran)."""

@@ -52,6 +52,7 @@ class NexusPlugin(SchedulerPlugin):
             "nexus_route": m.route,
             "nexus_engines": m.engines,
             "nexus_wait_ready": m.wait_ready,
+            "nexus_export": m.export,
         })
         scheduler.get_task_stream(count=0)  # record task start/stops from the start (dashboard, metering checks)
         for address in scheduler.workers:  # workers that joined before the plugin

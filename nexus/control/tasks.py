@@ -45,6 +45,7 @@ FINISH_JOB = TaskRef(f"{_R}:finish_job")
 DROP_TENANT = TaskRef(f"{_R}:drop_tenant")
 PURGE_OUTPUT = TaskRef(f"{_R}:purge_output")
 DISCOVER = TaskRef(f"{_R}:discover")
+EXPORT_VERSION = TaskRef("nexus.services.export:export_version")  # the backbone the policy ran on is resident
 MARK_INTERRUPTED = TaskRef(f"{_R}:mark_interrupted")
 # simulators (resource SIM): rollout producers
 RUN_ROLLOUT = TaskRef(f"{_R}:run_rollout")

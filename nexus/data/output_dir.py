@@ -9,6 +9,8 @@ Layout::
     trajectories/        Arrow IPC batches of rollouts (nexus.data.trajectory_store)
     eval/                eval reports, one JSON per eval job
     jobs/<job>.json      one record per job: "running" from its start, its final state at its end
+    exports/vNNNNNN/     exported policy of a version (nexus.policy format): a finished training job's final
+                         version, or one written on request (nexus_export without a path)
 
 Written only by workers (never by the scheduler process); every write is atomic (temp + rename), files
 are 0600 and dirs 0700 (``nexus.paths``). Old versions' weights and old checkpoints beyond the tenant's

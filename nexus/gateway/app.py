@@ -86,8 +86,11 @@ class ScaleBody(_Body):
 
 
 class ExportBody(_Body):
-    model_config = ConfigDict(extra="allow")
-    version: int | None = Field(None, ge=0, le=2**31 - 1)
+    version: int | None = Field(None, ge=0, le=2**31 - 1, description="policy version; default: the current one")
+    path: str | None = Field(None, max_length=4096,
+                             description="default: the tenant's exports/vNNNNNN/ (read it with GET .../files). "
+                                         "Relative paths are inside the tenant's output dir; tenant tokens may "
+                                         "name no path outside it, the operator token may")
 
 
 # module level: with postponed annotations FastAPI resolves these names in the module's globals
@@ -237,6 +240,9 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
             raise Forbidden("creating tenants needs the operator token on this service")
         name = spec.name
         validate_tenant(spec, gw.limits(name))
+        if spec.init_from is not None and not (who and who.operator):  # a server path: never another's export
+            own = (await backend.tenant_view(who.tenant))["output_dir"] if who and who.tenant else None
+            await asyncio.to_thread(init_from_allowed, spec.init_from, own)
         raw = spec.model_dump()
         async with gw.create_lock:
             if name in tokens:
@@ -275,8 +281,18 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
 
     @app.post("/v1/tenants/{tenant}/export", tags=["tenants"])
     async def export(tenant: str, who: Who, body: ExportBody | None = None) -> Any:
+        """Write a policy version as a self-contained directory (``nexus.policy.load`` runs it without a
+        service): by default the tenant's own ``exports/vNNNNNN/``, whose files ``GET .../files/exports/...``
+        downloads. The answer names it (``path``; ``relative_path`` inside the output dir)."""
         who.may_act_on(tenant)
-        return await backend.export(tenant, **(body.model_dump(exclude_none=True) if body else {}))
+        body = body or ExportBody()
+        output_dir = (await backend.tenant_view(tenant))["output_dir"]
+        options: dict[str, Any] = {"version": body.version}
+        if body.path is not None:
+            options["path"] = await asyncio.to_thread(export_target, body.path, output_dir, who.operator)
+        if not who.operator:
+            await gw.check_storage(tenant, output_dir)
+        return await backend.export(tenant, **options)
 
     @app.get("/v1/tenants/{tenant}/files", tags=["files"])
     async def list_files(tenant: str, who: Who) -> dict[str, Any]:
@@ -418,6 +434,46 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
     return app
 
 
+# folders of an output dir the service writes and prunes itself (nexus.data.output_dir): no export goes there
+_MANAGED = frozenset({"weights", "checkpoints", "trajectories", "eval", "jobs"})
+
+
+def export_target(path: str, output_dir: str, operator: bool) -> str:
+    """The absolute export path a caller may name. Relative paths are inside the tenant's output dir; a
+    tenant's path must stay inside it (no '..', no symlink on the way, not the dir itself or a folder the
+    service manages); the operator may name any absolute path."""
+    if "\x00" in path or not path.strip():
+        raise SpecError(f"export path {path!r} is not a path")
+    full = path if os.path.isabs(path) else os.path.join(output_dir, path)
+    if operator:
+        return os.path.normpath(full)
+    if ".." in path.split("/"):
+        raise Forbidden(f"export path {path!r}: '..' is not allowed")
+    try:
+        target = confine(full, output_dir)
+        rel = target.relative_to(confine(output_dir, output_dir))
+    except (Forbidden, ValueError):
+        raise Forbidden(f"export path {path!r} refused: a tenant exports only inside its own output dir "
+                        "(default: exports/vNNNNNN)") from None
+    if not rel.parts or rel.parts[0] in _MANAGED or rel.parts[0] == "manifest.json":
+        raise Forbidden(f"export path {path!r} refused: it is the output dir or a folder the service manages; "
+                        "use a path under exports/")
+    return str(target)
+
+
+def init_from_allowed(path: str, own_dir: str | None) -> None:
+    """A tenant token may start a new tenant only from an export inside its own output dir."""
+    if own_dir is None:
+        raise Forbidden("init_from needs the operator token, or a tenant token whose output dir holds the export")
+    if not os.path.isabs(path) or ".." in path.split("/"):
+        raise Forbidden(f"init_from {path!r} refused: give the absolute path of an export in your output dir")
+    try:
+        confine(path, own_dir, must_exist=True)
+    except (Forbidden, NotFound):
+        raise Forbidden(f"init_from {path!r} refused: a tenant may start from an export inside its own output "
+                        "dir only") from None
+
+
 def _list_files(root: str) -> list[dict[str, Any]]:
     out = []
     base = confine(root, root)
@@ -451,4 +507,4 @@ def _read_file(root: str, rel: str) -> bytes:
         return f.read()
 
 
-__all__ = ["Gateway", "create_app", "jsonable"]
+__all__ = ["Gateway", "create_app", "export_target", "init_from_allowed", "jsonable"]

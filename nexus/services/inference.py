@@ -123,7 +123,9 @@ class InferenceEngine:
         from nexus.services.tenant_slot import TenantSlot
 
         spec, schema = self._specs[tenant]
-        return TenantSlot.load_weights_bytes(weights, spec, schema, self._fw().backbone.hidden_size)
+        bb = self._fw().backbone
+        return TenantSlot.load_weights_bytes(weights, spec, schema, bb.hidden_size,
+                                             lora_shapes=bb.lora_shapes(spec.lora))
 
     # -- weights and pins --------------------------------------------------------------------
     async def register_tenant(self, spec: dict, schema: dict, version: int, weights: bytes) -> int:
@@ -343,6 +345,10 @@ class InferenceEngine:
         self._flush_signal()
         return True
 
+    def _policy_of(self, tenant: str, version: int | None):
+        live_version, live = self._live[tenant]
+        return live if version is None or version == live_version else self._pinned[(tenant, version)][0]
+
     def _forward(self, group: list[_Request]) -> list[dict[str, Any]]:
         """One grouped backbone forward per compatible group, then each tenant's own head (live or
         pinned version). A chunked policy returns its first action (receding horizon) and the chunk."""
@@ -351,7 +357,10 @@ class InferenceEngine:
 
         fw = self._fw()
         feats = [fw.preprocessors[r.tenant](r.obs) for r in group]
-        per_tenant = fw.group_features([(r.tenant, f) for r, f in zip(group, feats, strict=True)])
+        # each row runs through its own version's LoRA adapter (if any) inside the shared forward
+        row_policies = [self._policy_of(r.tenant, r.version) for r in group]
+        per_tenant = fw.group_features([(r.tenant, f) for r, f in zip(group, feats, strict=True)],
+                                       row_policies=row_policies)
         outs: list[dict[str, Any] | None] = [None] * len(group)
         for tenant, (idx, cond) in per_tenant.items():
             live_version, live = self._live[tenant]

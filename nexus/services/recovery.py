@@ -84,15 +84,25 @@ def _build_slot(setup: TenantSetup) -> SlotInfo:
     out = TenantOutputDir(setup.output_dir)
     if name not in svc.slots:  # first: a refused tenant leaves nothing behind
         check_actor_budget(svc, spec, schema)
+    existed = out.path.exists()
     check_output_dir(svc, spec, out)
+    bb = svc.framework.backbone
+    ck = out.latest_checkpoint()
+    current = svc.slots.get(name)
+    try:  # before the manifest: a refused init_from leaves no tenant behind
+        init = None if ck is not None else _initial_state(spec, schema, bb, out)
+    except BaseException:
+        if not existed and not any(out.path.iterdir()):
+            out.path.rmdir()
+        raise
     if not out.exists():
         out.create(setup.spec, setup.schema)
     published = out.highest_version()
-    current = svc.slots.get(name)
     if current is not None and current.version >= published:  # this process still holds it
         return SlotInfo(name, current.version, True, current.version, published, _job_seq(out))
-    slot = TenantSlot(spec, schema, svc.feat_dim, grad_clip=spec.grad_clip)
-    ck = out.latest_checkpoint()
+    # a LoRA tenant's adapter is part of its policy: the slot's engine trains it, its weights files carry it
+    slot = TenantSlot(spec, schema, svc.feat_dim, grad_clip=spec.grad_clip, lora_shapes=bb.lora_shapes(spec.lora),
+                      init_state=init)
     ck_version = None
     if ck is not None:
         slot.load_checkpoint(str(out.checkpoints), ck["tag"])
@@ -112,6 +122,23 @@ def _build_slot(setup: TenantSetup) -> SlotInfo:
     svc.synced[name] = slot.version  # the engine pool registers the tenant at this version
     _link_outside_root(svc.config, name, out.path)
     return SlotInfo(name, slot.version, ck is not None, ck_version, published, _job_seq(out))
+
+
+def _initial_state(spec, schema, backbone, out):
+    """The weights a slot without a checkpoint starts from: the tenant's own version 0 when it was written
+    (a rebuilt slot; its v0 may have come from ``init_from``, whose dir need not exist any more), else the
+    exported policy ``init_from`` (a new tenant; checked against this backbone before anything is written),
+    else None (fresh, seeded weights)."""
+    import torch
+
+    from nexus.policy import initial_state
+
+    v0 = out.weights_path(0)
+    if v0.is_file():
+        return torch.load(v0, map_location="cpu", weights_only=True)
+    if spec.init_from:
+        return initial_state(spec.init_from, spec, schema, backbone)
+    return None
 
 
 def _link_outside_root(config, name: str, path: Path) -> None:
@@ -187,6 +214,8 @@ def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool,
         artifacts = [str(out.manifest_path)]
         if slot is not None and out.weights_path(slot.version).exists():
             artifacts.append(str(out.weights_path(slot.version)))
+            if checkpoint and record.get("state") == "done":  # the job's MLflow model: its final version, exported
+                artifacts += _export_for_tracking(tenant, slot, output_dir)
     res: dict[str, Any] = {"artifacts": artifacts}
     if engines:
         from distributed import get_worker
@@ -196,6 +225,20 @@ def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool,
 
         res["sync"] = sync_weights(tenant, EngineSet(get_worker(), engines))
     return res
+
+
+def _export_for_tracking(tenant: str, slot, output_dir: str) -> list[str]:
+    import logging
+    from dataclasses import asdict
+
+    from nexus.services.export import export_for_tracking
+
+    try:
+        path = export_for_tracking(slot.spec.model_dump(), asdict(slot.schema), output_dir, slot.version)
+    except Exception:  # the job stays recorded; only its MLflow model is missing
+        logging.getLogger("nexus.actor").exception("could not export %s v%d", tenant, slot.version)
+        return []
+    return [path] if path else []
 
 
 # -- a restarted service ----------------------------------------------------------------------------------
@@ -245,6 +288,13 @@ def mark_interrupted(output_dir: str, reason: str) -> list[str]:
 
 
 # -- rollout producers -----------------------------------------------------------------------------------------
+def _producer_settings(req: RolloutRequest) -> dict[str, Any] | None:
+    """A LoRA tenant's update recomputes its features through the adapter: its rollouts store none."""
+    if req.datapath is None or not req.tenant.spec.get("lora"):
+        return req.datapath
+    return {**req.datapath, "cache_features": False}
+
+
 def run_rollout(req: RolloutRequest) -> dict[str, Any]:
     """A rollout producer: the tenant's episodes, each action from its (re-routable) inference engine."""
     from distributed import get_worker
@@ -257,4 +307,5 @@ def run_rollout(req: RolloutRequest) -> dict[str, Any]:
         routes = {req.tenant.name: req.route} if req.route is not None else None
         engine = EngineClient(get_worker(), routes=routes, on_answer=progress.tick)
         return rollout.collect(req.tenant.name, req.env, req.tenant.output_dir, req.tenant.schema, req.episodes,
-                               req.seed, req.offset, req.deterministic, req.version, engine, req.job, req.datapath)
+                               req.seed, req.offset, req.deterministic, req.version, engine, req.job,
+                               _producer_settings(req))

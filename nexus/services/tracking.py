@@ -72,7 +72,9 @@ class Tracker:
         client, run_id = self._mlflow(), self.runs[job_id]
         for service, seconds in (metering or {}).items():
             client.log_metric(run_id, f"metered_{service}_s", float(seconds))
-        for path in artifacts:
+        from nexus.services.model_registry import log_policy_models
+
+        for path in log_policy_models(run_id, artifacts, self.config.resolved_tracking_uri()):  # policies: the model
             if Path(path).exists():
                 client.log_artifact(run_id, path)
         client.log_dict(run_id, result, "result.json")

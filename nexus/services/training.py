@@ -74,14 +74,15 @@ def service() -> TrainingModelService:
 ACTOR_BYTES_PER_PARAM = 32
 
 
-def slot_bytes(spec, schema, feat_dim: int) -> int:
-    """Actor memory a tenant's slot would take, counted on torch's meta device (nothing is allocated)."""
+def slot_bytes(spec, schema, feat_dim: int, lora_shapes: dict[str, tuple[int, int]] | None = None) -> int:
+    """Actor memory a tenant's slot would take (head, value head and LoRA adapter), counted on torch's
+    meta device (nothing is allocated)."""
     import torch
 
     from nexus.model.policy import TenantPolicy
 
     with torch.device("meta"):
-        policy = TenantPolicy.from_spec(spec, schema, feat_dim)
+        policy = TenantPolicy.from_spec(spec, schema, feat_dim, lora_shapes=lora_shapes)
     return ACTOR_BYTES_PER_PARAM * sum(p.numel() for p in policy.parameters())
 
 
@@ -91,7 +92,7 @@ def check_actor_budget(svc: TrainingModelService, spec, schema) -> None:
     from nexus.errors import LimitExceeded
 
     limits = svc.config.limits_for(spec.name)
-    need = slot_bytes(spec, schema, svc.feat_dim)
+    need = slot_bytes(spec, schema, svc.feat_dim, svc.framework.backbone.lora_shapes(spec.lora))
     if need > limits.max_head_bytes:
         raise LimitExceeded(f"hidden_dim={spec.hidden_dim} ({spec.action_head}): the slot needs "
                             f"~{need / 2**20:.0f} MiB of actor memory, over the limit "
@@ -312,8 +313,9 @@ def batch_features(svc: TrainingModelService, tenant: str, table, arrays: dict, 
     """Backbone features + proprio of a stored RL batch -> (BackboneFeatures, proprio, from_cache).
 
     The rollout's own features when the batch carries them, they came from this actor's backbone
-    (same compat key) and the tenant's head reads pooled features only; otherwise one grouped
-    forward of the frozen backbone over the batch (what a recompute costs)."""
+    (same compat key), the tenant's head reads pooled features only and it has no LoRA adapter (its
+    update backpropagates through the backbone into the adapter, and the adapter moved since the
+    rollout); otherwise one forward of the backbone over the batch (what a recompute costs)."""
     import numpy as np
     import torch
 
@@ -324,7 +326,7 @@ def batch_features(svc: TrainingModelService, tenant: str, table, arrays: dict, 
     key = batch_metadata(table).get("feature_key")
     pre = svc.framework.preprocessors.get(tenant)
     if (use_cache and FEATURE_COLUMN in arrays and pre is not None and key == pre.compat_key
-            and not slot.policy.prefix_layers):
+            and not slot.policy.prefix_layers and slot.policy.lora is None):
         pooled = torch.from_numpy(np.array(arrays[FEATURE_COLUMN], np.float32))  # a copy: Arrow buffers are read-only
         return BackboneFeatures(pooled), torch.from_numpy(np.array(arrays["state"], np.float32)), True
     feats, proprio = svc.features(tenant, table_to_observations(table, slot.schema))
