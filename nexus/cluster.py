@@ -6,11 +6,16 @@
 * ``infer-0``: the inference model service (and the MLflow tracker), resource ``INFER=1``
 
 Every process gets the service config through ``NEXUS_SERVICE_CONFIG`` and one torch thread.
+
+A running service holds an exclusive lock on ``<root>/service.lock`` (``flock``, released by the kernel
+however the process ends): a second service on the same root is refused before it touches anything,
+so it can never replace or delete the first one's ``scheduler.json``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import signal
@@ -20,6 +25,7 @@ import time
 from pathlib import Path
 
 from nexus.config import ENV_VAR, ServiceConfig
+from nexus.errors import Conflict
 
 _DIST_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
@@ -32,16 +38,75 @@ def _die_with_parent() -> None:
         pass
 
 
+LOCK_FILE = "service.lock"
+
+
+def lock_holder(root: str | Path) -> dict | None:
+    """Who holds a service root: the lock file's record (pid, scheduler address) if a live process holds
+    the lock, else None."""
+    path = Path(root) / LOCK_FILE
+    if not path.exists():
+        return None
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return json.loads(path.read_text() or "{}")
+            except json.JSONDecodeError:
+                return {}
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+class RootLock:
+    """An exclusive, non-blocking lock on a service root, held for the service's lifetime."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / LOCK_FILE
+        self._f = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")  # noqa: SIM115 (held open while the service runs)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            holder = lock_holder(self.path.parent) or {}
+            raise Conflict(f"service root {self.path.parent} is in use by a running service (pid "
+                           f"{holder.get('pid', '?')}, scheduler {holder.get('address', '?')}); stop it with "
+                           f"`nexus down --root {self.path.parent}` or choose another root") from None
+        self._f = f
+        self.record()
+
+    def record(self, **fields) -> None:
+        if self._f is not None:
+            self._f.seek(0)
+            self._f.truncate()
+            self._f.write(json.dumps({"pid": os.getpid(), **fields}))
+            self._f.flush()
+
+    def release(self) -> None:
+        if self._f is not None:
+            self._f.seek(0)
+            self._f.truncate()
+            fcntl.flock(self._f, fcntl.LOCK_UN)
+            self._f.close()
+            self._f = None
+
+
 class LocalService:
-    def __init__(self, config: ServiceConfig, n_sim: int = 2, dashboard_address: str = "127.0.0.1:0",
-                 memory_limit: str = "6GiB") -> None:
+    def __init__(self, config: ServiceConfig, n_sim: int | None = None, dashboard_address: str | None = None,
+                 memory_limit: str | None = None) -> None:
         self.config = config
-        self.n_sim = n_sim
-        self.dashboard_address = dashboard_address
-        self.memory_limit = memory_limit
+        self.n_sim = n_sim or config.cluster.sim_workers
+        self.dashboard_address = dashboard_address or config.cluster.dashboard_address or "127.0.0.1:0"
+        self.memory_limit = memory_limit or config.cluster.memory_limit
         self.root = Path(config.root).resolve()
         self.procs: list[subprocess.Popen] = []
         self.address: str | None = None
+        self._lock = RootLock(self.root)
 
     @property
     def scheduler_file(self) -> Path:
@@ -75,9 +140,17 @@ class LocalService:
                            "--memory-limit", self.memory_limit, "--death-timeout", "60"], env)
 
     def start(self, timeout: float = 120) -> LocalService:
+        self._lock.acquire()  # before anything in the root changes
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> LocalService:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.config.save(self.root / "service.json")
-        self.scheduler_file.unlink(missing_ok=True)
+        self.scheduler_file.unlink(missing_ok=True)  # a stale one: the lock says no live service owns it
         self._spawn("scheduler", ["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
                                   "--dashboard-address", self.dashboard_address,
                                   "--scheduler-file", str(self.scheduler_file),
@@ -85,10 +158,10 @@ class LocalService:
         t0 = time.time()
         while not self.scheduler_file.exists():
             if self.procs[0].poll() is not None or time.time() - t0 > timeout:
-                self.stop()
                 raise RuntimeError(f"the scheduler did not start; see {self.logs / 'scheduler.log'}")
             time.sleep(0.1)
         self.address = json.loads(self.scheduler_file.read_text())["address"]
+        self._lock.record(address=self.address)
         for i in range(self.n_sim):
             self._worker(f"sim-{i}", "SIM=1")
         self._worker("actor-0", "ACTOR=1")
@@ -111,7 +184,10 @@ class LocalService:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        if self.procs:  # only the service that started the scheduler removes its file
+            self.scheduler_file.unlink(missing_ok=True)
         self.procs.clear()
+        self._lock.release()
 
     def __enter__(self) -> LocalService:
         return self.start()

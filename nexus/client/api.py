@@ -4,43 +4,66 @@ High level: connect to a service (or start a local one), create a tenant from a 
 SFT / RL / Eval job, stream its progress, wait for its result.
 
 Low level, Tinker-style: ``forward_backward(batch, loss)``, ``optim_step()``, ``save_weights()``
-and ``predict_action(obs, version=...)``, each returning a future. A tenant's low-level calls run
-in the order they were made; each datum is self-contained (observations + actions).
+and ``predict_action(obs, version=...)``, each returning a :class:`~nexus.client.futures.NexusFuture`
+(``.result()`` or ``await``). A tenant's training calls run in the order they were made; each datum is
+self-contained (observations + actions).
+
+Everything can come from files too: ``Nexus.local(config="service.toml")``, ``nx.submit("tenant.toml",
+"job.toml")``, ``nx.create_tenant("tenant.toml")``, ``tenant.submit("job.toml")`` (see ``nexus.config``).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nexus.config import ServiceConfig
-from nexus.errors import JobFailed, NotFound
+from nexus.client.futures import NexusFuture
+from nexus.config import ServiceConfig, load_service_config, load_submission, read_toml
+from nexus.errors import JobFailed, NotFound, SpecError, Unavailable
 from nexus.features import Observation
 from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec
+
+PathLike = str | Path
+TERMINAL = ("done", "failed", "cancelled")
 
 
 class Nexus:
     """A connection to a JoyNexus service."""
 
-    def __init__(self, address: str, *, service: Any = None, timeout: float = 120) -> None:
+    def __init__(self, address: str, *, service: Any = None, timeout: float = 30) -> None:
         from distributed import Client
 
         self.service = service
+        probe_scheduler(address, timeout)
         self.client = Client(address, timeout=timeout, set_as_default=False)
         self._engine = None
+        self._predictions = ThreadPoolExecutor(4, thread_name_prefix="nexus-predict")
 
     @classmethod
-    def local(cls, root: str | Path = "runs/local", n_sim: int = 2, dashboard_address: str = "127.0.0.1:0",
-              **config: Any) -> Nexus:
-        """Start the embedded default: a local Dask cluster running the Nexus service."""
+    def local(cls, root: PathLike | None = None, n_sim: int | None = None, dashboard_address: str | None = None,
+              *, config: ServiceConfig | PathLike | None = None, overrides: Iterable[str] = (),
+              **fields: Any) -> Nexus:
+        """Start the embedded default: a local Dask cluster running the Nexus service.
+
+        Settings: ``config`` (a :class:`ServiceConfig` or a TOML file, as ``nexus up --config``), then
+        ``root`` and any ``ServiceConfig`` field as keyword arguments, then ``overrides`` (``"key.path=value"``,
+        as ``--set``). Without any, the root is ``runs/local``.
+        """
         from nexus.cluster import LocalService
 
-        service = LocalService(ServiceConfig(root=str(Path(root).resolve()), **config), n_sim=n_sim,
-                               dashboard_address=dashboard_address).start()
+        if isinstance(config, ServiceConfig):
+            config = config.model_dump(exclude_unset=True)
+            cfg = load_service_config(None, overrides, **{"root": "runs/local", **config, **_given(root=root),
+                                                         **fields})
+        else:
+            defaults = {} if config is not None and "root" in read_toml(config) else {"root": "runs/local"}
+            cfg = load_service_config(config, overrides, **{**defaults, **_given(root=root), **fields})
+        service = LocalService(cfg, n_sim=n_sim, dashboard_address=dashboard_address).start()
         try:
             nx = cls(service.address, service=service)
             nx.client.wait_for_workers(service.n_workers, timeout=180)
@@ -59,6 +82,7 @@ class Nexus:
         return self.client.dashboard_link
 
     def close(self) -> None:
+        self._predictions.shutdown(wait=False, cancel_futures=True)
         self.client.close()
         if self.service is not None:
             self.service.stop()
@@ -70,10 +94,25 @@ class Nexus:
         self.close()
 
     # -- tenants and jobs ------------------------------------------------------------------
-    def create_tenant(self, spec: TenantSpec | dict[str, Any]) -> Tenant:
-        raw = spec.model_dump() if isinstance(spec, TenantSpec) else dict(spec)
+    def create_tenant(self, spec: TenantSpec | dict[str, Any] | PathLike, overrides: Iterable[str] = ()) -> Tenant:
+        """Create (or re-attach to) a tenant from a spec, a dict or a TOML file (``overrides``: ``tenant.*``
+        keys for a file)."""
+        if isinstance(spec, str | Path):
+            sub = load_submission([spec], overrides)
+            if sub.tenant is None:
+                raise SpecError(f"{spec}: no tenant in this file")
+            raw = sub.tenant
+        else:
+            raw = spec.model_dump() if isinstance(spec, TenantSpec) else dict(spec)
         info = self.call("nexus_create_tenant", spec=raw)
         return Tenant(self, info["tenant"], info)
+
+    def submit(self, *files: PathLike, overrides: Iterable[str] = (), tenant: str | None = None) -> list[Job]:
+        """Tenant and job files (``nexus submit``): create the tenant they describe (or use ``tenant``,
+        an existing one) and submit their jobs in file order."""
+        sub = load_submission(files, overrides, tenant)
+        t = self.create_tenant(sub.tenant) if sub.tenant is not None else self.tenant(sub.name)
+        return [t.submit(j) for j in sub.jobs]
 
     def tenant(self, name: str) -> Tenant:
         for t in self.status()["tenants"]:
@@ -102,23 +141,119 @@ class Nexus:
         return self._engine
 
 
+def probe_scheduler(address: str, timeout: float) -> dict[str, Any]:
+    """Ask ``address`` who it is, with a hard deadline: a dead address, or a port that is not a Dask scheduler
+    (e.g. the dashboard's), fails within ``timeout`` seconds with :class:`Unavailable` instead of hanging."""
+    import asyncio
+
+    async def identity() -> dict[str, Any]:
+        from distributed.comm import connect
+
+        comm = await asyncio.wait_for(connect(address, timeout=timeout), timeout)
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await asyncio.wait_for(comm.read(), timeout)
+        finally:
+            comm.abort()
+
+    try:
+        ident = asyncio.run(asyncio.wait_for(identity(), timeout + 1))
+    except (OSError, TimeoutError, ValueError) as e:
+        reason = "no answer" if isinstance(e, TimeoutError) else " ".join(str(e).split())
+        raise Unavailable(f"could not reach a Dask scheduler at {address} within {timeout:g} s ({reason})") from None
+    if not isinstance(ident, dict) or ident.get("type") != "Scheduler":
+        kind = ident.get("type") if isinstance(ident, dict) else type(ident).__name__
+        raise Unavailable(f"{address} is a {kind}, not a Dask scheduler")
+    return ident
+
+
+def _given(**kw: Any) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in kw.items() if v is not None}
+
+
+# the counter that measures a job's progress, and the metrics worth a line, per job kind
+COUNTERS = {"sft": "steps", "rl": "updates", "eval": "episodes"}
+HEADLINE = {"sft": ("loss", "heldout_action_mse"), "rl": ("return", "success_rate"), "eval": ("success_rate",
+                                                                                               "return")}
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """One look at a job: ``print(p)`` gives a line such as
+    ``pick-sft-sft-3  running  120/300 steps  v120  loss 0.083  heldout_action_mse 0.12  (41 s)``."""
+
+    job: str
+    tenant: str
+    kind: str
+    state: str
+    done: int
+    total: int
+    version: int | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    error: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def unit(self) -> str:
+        return COUNTERS.get(self.kind, "steps")
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.total if self.total else 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> JobProgress:
+        kind = info["kind"]
+        p = {**info.get("progress", {}), **(info.get("result") or {})}
+        unit = COUNTERS.get(kind, "steps")
+        total = int(info.get("spec", {}).get(unit, 0))
+        done = total if info["state"] == "done" and kind == "eval" else int(p.get(unit, 0) or 0)
+        metrics = {k: float(p[k]) for k in HEADLINE.get(kind, ()) if isinstance(p.get(k), int | float)}
+        end = info.get("t_end") or time.time()
+        return cls(job=info["job"], tenant=info["tenant"], kind=kind, state=info["state"], done=done, total=total,
+                   version=p.get("version"), metrics=metrics, elapsed_s=max(0.0, end - info.get("t_submit", end)),
+                   error=info.get("error"), raw=info)
+
+    def __str__(self) -> str:
+        parts = [self.job, self.state, f"{self.done}/{self.total} {self.unit}"]
+        if self.version is not None:
+            parts.append(f"v{self.version}")
+        parts += [f"{k} {v:.3g}" for k, v in self.metrics.items()]
+        parts.append(f"({self.elapsed_s:.0f} s)")
+        if self.error:
+            parts.append(f"error: {self.error}")
+        return "  ".join(parts)
+
+
 class Job:
     def __init__(self, nexus: Nexus, job_id: str) -> None:
         self.nexus, self.id = nexus, job_id
 
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
     def info(self) -> dict[str, Any]:
+        """The service's full view of the job (spec, state, progress, result, error, metering)."""
         return self.nexus.call("nexus_job", job_id=self.id)
 
-    def stream(self, poll_s: float = 0.5) -> Iterator[dict[str, Any]]:
-        """Yield the job's state each time its progress changes, until it ends."""
+    def progress(self) -> JobProgress:
+        return JobProgress.from_info(self.info())
+
+    def stream(self, poll_s: float = 0.5) -> Iterator[JobProgress]:
+        """Yield a :class:`JobProgress` each time the job's state or progress changes, until it ends."""
         last = None
         while True:
-            info = self.info()
-            key = (info["state"], repr(sorted(info["progress"].items())))
+            p = self.progress()
+            key = (p.state, p.done, p.version, tuple(sorted(p.metrics.items())))
             if key != last:
                 last = key
-                yield info
-            if info["state"] in ("done", "failed"):
+                yield p
+            if p.finished:
                 return
             time.sleep(poll_s)
 
@@ -126,17 +261,13 @@ class Job:
         """Wait for the job with a progress bar (steps, updates or episodes); returns its result."""
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        info = self.info()
-        counter = {"sft": "steps", "rl": "updates", "eval": "episodes"}[info["kind"]]
-        total = info["spec"][counter]
-        with Progress(TextColumn(f"{self.id} ({counter})"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        first = self.progress()
+        with Progress(TextColumn(f"{self.id} ({first.unit})"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TextColumn("{task.fields[metric]}"), TimeElapsedColumn(), console=console) as bar:
-            task = bar.add_task(self.id, total=total, metric="")
-            for info in self.stream(poll_s):
-                p = {**info["progress"], **(info["result"] or {})}
-                metric = next((f"{k} {p[k]:.3f}" for k in ("loss", "return", "success_rate") if k in p), "")
-                done = total if info["state"] == "done" and counter == "episodes" else p.get(counter, 0)
-                bar.update(task, completed=done, metric=metric)
+            task = bar.add_task(self.id, total=first.total, metric="")
+            for p in self.stream(poll_s):
+                metric = "  ".join(f"{k} {v:.3f}" for k, v in p.metrics.items())
+                bar.update(task, completed=p.done, metric=metric)
         return self.result()
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
@@ -146,8 +277,8 @@ class Job:
             info = self.nexus.call("nexus_wait", job_id=self.id, timeout=min(left or 30.0, 30.0))
             if info["state"] == "done":
                 return info["result"]
-            if info["state"] == "failed":
-                raise JobFailed(f"job {self.id} failed: {info['error']}")
+            if info["state"] in TERMINAL:
+                raise JobFailed(f"job {self.id} {info['state']}: {info['error']}")
             if deadline is not None and time.time() >= deadline:
                 raise TimeoutError(f"job {self.id} still {info['state']} after {timeout} s")
 
@@ -161,8 +292,18 @@ class Tenant:
     def version(self) -> int:
         return self.nexus.tenant(self.name).info["version"]
 
-    def submit(self, job: SFTJob | RLJob | EvalJob | dict[str, Any]) -> Job:
-        raw = job.model_dump() if not isinstance(job, dict) else job
+    def __repr__(self) -> str:
+        return f"Tenant({self.name!r})"
+
+    def submit(self, job: SFTJob | RLJob | EvalJob | dict[str, Any] | PathLike, overrides: Iterable[str] = ()) -> Job:
+        """Submit a job: a spec, a dict or a TOML job file (``overrides``: ``job.*`` keys for a file)."""
+        if isinstance(job, str | Path):
+            sub = load_submission([job], overrides, self.name)
+            if len(sub.jobs) != 1 or sub.tenant is not None:
+                raise SpecError(f"{job}: expected exactly one job and no tenant (nexus.submit takes several)")
+            raw = sub.jobs[0]
+        else:
+            raw = job.model_dump() if not isinstance(job, dict) else job
         return Job(self.nexus, self.nexus.call("nexus_submit", tenant=self.name, job=raw))
 
     def sft(self, **kw: Any) -> Job:
@@ -175,7 +316,7 @@ class Tenant:
         return self.submit(EvalJob(**kw))
 
     # -- low level (futures) ---------------------------------------------------------------
-    def forward_backward(self, batch: dict[str, Any], loss: str = "sft") -> Future:
+    def forward_backward(self, batch: dict[str, Any], loss: str = "sft") -> NexusFuture[dict[str, Any]]:
         """Accumulate gradients of ``loss`` on a self-contained batch.
 
         ``batch``: ``observations`` (list of :class:`Observation`), ``actions`` [N, A]; for
@@ -196,15 +337,20 @@ class Tenant:
                 if name in client.list_datasets():
                     client.unpublish_dataset(name)
 
-        return self._ops.submit(run)
+        return NexusFuture.run(self._ops, run)
 
-    def optim_step(self) -> Future:
-        return self._ops.submit(self.nexus.call, "nexus_op", tenant=self.name, verb="optim_step")
+    def optim_step(self) -> NexusFuture[dict[str, Any]]:
+        return NexusFuture.run(self._ops, self.nexus.call, "nexus_op", tenant=self.name, verb="optim_step")
 
-    def save_weights(self) -> Future:
+    def save_weights(self) -> NexusFuture[int]:
         """Publish the current head as a new policy version; the future gives the version."""
-        return self._ops.submit(lambda: self.nexus.call("nexus_op", tenant=self.name, verb="save_weights")["version"])
+        return NexusFuture.run(self._ops,
+                               lambda: self.nexus.call("nexus_op", tenant=self.name, verb="save_weights")["version"])
 
-    def predict_action(self, obs: Observation, version: int | None = None, deterministic: bool = True):
-        """An action from the inference engine (grouped with other tenants' requests)."""
-        return self.nexus.engine().predict(self.name, obs, version, deterministic)
+    def predict_action(self, obs: Observation, version: int | None = None,
+                       deterministic: bool = True) -> NexusFuture[dict[str, Any]]:
+        """An action from the inference engine (grouped with other tenants' requests); the future gives
+        ``{"action": array, "version": int, ...}``. Not ordered behind this tenant's training calls."""
+        engine = self.nexus.engine()
+        return NexusFuture.run(self.nexus._predictions,
+                               lambda: engine.predict(self.name, obs, version, deterministic).result())

@@ -28,6 +28,7 @@ from nexus.control import dashboard
 from nexus.control.monitoring import SERVICES, TOPIC, MonitoringState, PrometheusCollector
 from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
 from nexus.control.validation import SpecError, schema_to_dict, validate_job, validate_tenant
+from nexus.data.output_dir import mark_evaluation
 from nexus.features import TenantSchema
 from nexus.services import rollout, tracking
 from nexus.services import training as training_service
@@ -380,7 +381,7 @@ class NexusPlugin(SchedulerPlugin):
             # an evaluation is a nested run under the tenant's latest training job
             parent = next((j for j in reversed(t.jobs) if self.jobs[j].spec.kind != "eval"), None)
             tracker.start_run(js.job_id, js.tenant, js.spec.kind, run_params,
-                              parent if js.spec.kind == "eval" else None)
+                              parent if js.spec.kind == "eval" else None, js.t_submit)
             runner = {"sft": self._run_sft, "rl": self._run_rl, "eval": self._run_eval}[js.spec.kind]
             js.result = await runner(js, t)
             js.state = "done"
@@ -403,11 +404,14 @@ class NexusPlugin(SchedulerPlugin):
     async def _finish_job(self, js: JobState, t: TenantState) -> None:
         """Checkpoint (training jobs), record the job in the manifest, close the MLflow run."""
         client, _, tracker = await self._services()
-        record = {k: v for k, v in js.view().items() if k != "spec"} | {"spec": js.spec.model_dump()}
+        record = {k: v for k, v in js.view().items() if k != "spec"} | {"spec": js.spec.model_dump(),
+                                                                        "history": js.history}
+        # MLflow gets the weights of the version this job evaluated or produced (ux: tracking)
+        version = (js.result or js.progress).get("version")
         artifacts: list[str] = []
         try:
             fut = client.submit(training_service.finish_job, js.tenant, t.output_dir, record,
-                                js.spec.kind in ("sft", "rl"), resources={"ACTOR": 1}, pure=False,
+                                js.spec.kind in ("sft", "rl"), version, resources={"ACTOR": 1}, pure=False,
                                 key=f"nexus-finish-{js.job_id}")
             artifacts = (await fut)["artifacts"]
         except Exception as e:
@@ -417,15 +421,16 @@ class NexusPlugin(SchedulerPlugin):
         if self._engine is not None:
             await self._engine[1].flush_signals()
         tracker.end_run(js.job_id, js.state, artifacts, js.result or {}, js.history,
-                        self.monitoring.job_metering(js.job_id))
+                        self.monitoring.job_metering(js.job_id), js.t_end)
 
-    def _log(self, js: JobState, metrics: dict[str, float], step: int) -> None:
-        js.progress.update(metrics)
-        js.history.append({"step": step, **metrics})
-        self._tracker[1].log_metrics(js.job_id, metrics, step)
+    def _log(self, js: JobState, metrics: dict[str, float], step: int, kind: str) -> None:
+        """One history row (``nexus.history``: kind train / rollout / eval / queue, a monotonic step per kind)."""
+        js.progress.update({k: v for k, v in metrics.items() if not (kind == "rollout" and k == "version")})
+        js.history.append({"kind": kind, "step": step, **metrics})
+        self._tracker[1].log_metrics(js.job_id, metrics, step, kind)
 
     def _log_update(self, js: JobState, res: dict[str, Any], **counters: int) -> None:
-        self._log(js, {**res["metrics"], **counters, "version": res["version"]}, res["version"])
+        self._log(js, {**res["metrics"], **counters, "version": res["version"]}, res["version"], "train")
 
     # SFT: ready batches from the offline dataset; back-pressure from the tenant's in-flight cap.
     async def _run_sft(self, js: JobState, t: TenantState) -> dict[str, Any]:
@@ -442,7 +447,7 @@ class NexusPlugin(SchedulerPlugin):
                                          "eval_heldout": k == spec.steps - 1 or k % 10 == 0})
             pending.add(asyncio.ensure_future(self._enqueue(item)))
             finished = {f for f in pending if f.done()}
-            for f in finished:
+            for f in sorted(finished, key=lambda f: f.result()["version"]):  # monotonic steps
                 done_steps += 1
                 self._log_update(js, f.result(), steps=done_steps)
             pending -= finished
@@ -485,7 +490,8 @@ class NexusPlugin(SchedulerPlugin):
                         env_steps += out["stats"]["steps"]
                         self._log(js, {"return": out["stats"]["mean_return"],
                                        "success_rate": out["stats"]["success_rate"], "episodes": episodes,
-                                       "env_steps": env_steps}, t.version)
+                                       "env_steps": env_steps, "version": out["batch"]["policy_version"]},
+                                  env_steps, "rollout")
                         item = TrainingItem(tenant=name, kind="rl", policy_version=out["batch"]["policy_version"],
                                             payload={"job": js.job_id, "batch": out["batch"],
                                                      "ppo": spec.ppo.model_dump()})
@@ -495,7 +501,7 @@ class NexusPlugin(SchedulerPlugin):
                         res = f.result()
                         if res.get("dropped"):
                             dropped += 1
-                            self._log(js, {"dropped_stale": dropped}, t.version)
+                            self._log(js, {"dropped_stale": dropped}, dropped, "queue")
                         else:
                             updates += 1
                             self._log_update(js, res, updates=updates)
@@ -513,6 +519,9 @@ class NexusPlugin(SchedulerPlugin):
         client, engine, _ = await self._services()
         version = t.version if spec.version is None else spec.version
         js.progress.update(version=version, episodes=0)
+        # retention keeps every evaluated version: mark it before anything can prune it (ux: retention)
+        await client.submit(mark_evaluation, t.output_dir, js.job_id, version, pure=False,
+                            resources={"INFER": 1}, key=f"nexus-evalmark-{js.job_id}")
         await engine.pin(t.spec.name, version, t.output_dir)
         try:
             n_tasks = min(spec.episodes, 2)
@@ -533,7 +542,7 @@ class NexusPlugin(SchedulerPlugin):
                             resources={"SIM": 1}, key=f"nexus-evalreport-{js.job_id}")
         report["report_path"] = await fut
         self._log(js, {"success_rate": stats["success_rate"], "return": stats["mean_return"],
-                       "episodes": stats["episodes"]}, version)
+                       "episodes": stats["episodes"]}, version, "eval")
         return report
 
 

@@ -2,11 +2,15 @@
 
 Layout::
 
-    manifest.json        spec, schema, versions, checkpoints, job history
-    weights/vNNNNNN.pt   exported head weights of every policy version (inference pins load these)
+    manifest.json        spec, schema, versions, checkpoints, job records
+    weights/vNNNNNN.pt   exported head weights of policy versions (inference pins load these); retention
+                         (``prune_weights``) keeps the newest N, the initial, every checkpointed and every
+                         evaluated version, and marks the others ``"pruned"`` in the manifest
     checkpoints/         DeepSpeed checkpoints (engine + optimizer state), one tag per saved version
     trajectories/        Arrow IPC batches of rollouts (nexus.data.trajectory_store)
-    eval/                eval reports, one JSON per eval job
+    eval/                eval reports, one JSON per eval job (written when the evaluation starts, so its
+                         version is protected from retention, and again with the results)
+    jobs/                each finished job's metric history (``<job>-<submit ms>.json``)
 
 Written only by workers (never by the scheduler process); every write is atomic (temp + rename).
 """
@@ -85,12 +89,73 @@ class TenantOutputDir:
         self.write(m)
 
     def add_job(self, record: dict[str, Any]) -> None:
+        """Append a job record; its metric ``history`` (long) goes to its own file under ``jobs/``."""
+        record = dict(record)
+        history = record.pop("history", None)
+        if history is not None:
+            rel = Path("jobs") / f"{record.get('job', 'job')}-{int(float(record.get('t_submit') or 0) * 1000)}.json"
+            atomic_write_bytes(self.path / rel, json.dumps(history, default=str).encode())
+            record["history_file"] = str(rel)
         m = self.read()
         m["jobs"].append(record)
         self.write(m)
+
+    # -- retention -------------------------------------------------------------------------
+    def evaluated_versions(self) -> set[int]:
+        """Versions an evaluation pinned: eval reports are named ``<job>-vNNNNNN.json`` and written when the
+        evaluation starts."""
+        out = set()
+        for p in self.eval_dir.glob("*-v*.json") if self.eval_dir.exists() else ():
+            try:
+                out.add(int(p.stem.rsplit("-v", 1)[1]))
+            except ValueError:
+                continue
+        return out
+
+    def protected_versions(self, manifest: dict[str, Any], keep_last: int) -> set[int]:
+        versions = [v["version"] for v in manifest["versions"]]
+        keep = set(versions[-keep_last:]) if keep_last else set(versions)
+        keep |= {c["version"] for c in manifest["checkpoints"]}
+        keep |= self.evaluated_versions()
+        if versions:
+            keep.add(versions[0])  # the initial head: what every later version is compared against
+        return keep
+
+    def prune_weights(self, keep_last: int) -> list[int]:
+        """Delete the weights files retention does not keep; returns the versions pruned now."""
+        if keep_last <= 0:
+            return []
+        m = self.read()
+        keep = self.protected_versions(m, keep_last)
+        pruned = []
+        for entry in m["versions"]:
+            if entry["version"] in keep or entry.get("pruned"):
+                continue
+            self.weights_path(entry["version"]).unlink(missing_ok=True)
+            entry["pruned"] = time.time()
+            pruned.append(entry["version"])
+        if pruned:
+            self.write(m)
+        return pruned
 
     def latest_checkpoint(self) -> dict[str, Any] | None:
         if not self.exists():
             return None
         cks = self.read()["checkpoints"]
         return cks[-1] if cks else None
+
+
+def mark_evaluation(output_dir: str, job: str, version: int) -> str:
+    """Start of an evaluation (a task on a worker): refuse a version whose weights retention removed, then
+    write the report's first version so retention keeps this version from now on."""
+    from nexus.errors import NotFound
+
+    out = TenantOutputDir(output_dir)
+    path = out.eval_dir / f"{job}-v{version:06d}.json"
+    atomic_write_bytes(path, json.dumps({"job": job, "version": version, "state": "running"}).encode())
+    if not out.weights_path(version).exists():
+        path.unlink(missing_ok=True)
+        raise NotFound(f"version {version} of {out.path.name!r} has no weights any more (removed by retention: "
+                       "the service keeps the newest versions, checkpointed and evaluated ones; see "
+                       "retention.keep_last)")
+    return str(path)

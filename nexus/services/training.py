@@ -81,6 +81,7 @@ def _publish_version(svc: TrainingModelService, tenant: str, out, engine, source
     atomic_write_bytes(out.weights_path(version), weights)
     sync = _push_weights(engine, tenant, version, weights)
     out.add_version(version, source)
+    out.prune_weights(svc.config.retention.keep_last)  # ux: retention (keep-last-N + checkpointed + evaluated)
     return version, sync
 
 
@@ -271,13 +272,17 @@ def _run_op(svc: TrainingModelService, tenant: str, payload: dict, out, engine) 
     return {"version": version, "metrics": sync}
 
 
-def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> dict[str, Any]:
-    """Save a DeepSpeed checkpoint after a training job and append the job to the manifest."""
+def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool,
+               version: int | None = None) -> dict[str, Any]:
+    """Save a DeepSpeed checkpoint after a training job and append the job to the manifest; the artifacts
+    are the manifest and the weights of ``version`` (the version the job evaluated or produced; default:
+    the slot's current one)."""
     with _metered(tenant, "checkpoint"):
-        return _finish_job(tenant, output_dir, record, checkpoint)
+        return _finish_job(tenant, output_dir, record, checkpoint, version)
 
 
-def _finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> dict[str, Any]:
+def _finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool,
+                version: int | None = None) -> dict[str, Any]:
     from nexus.data.output_dir import TenantOutputDir
 
     svc = service()
@@ -289,6 +294,8 @@ def _finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) ->
         record["checkpoint"] = tag
     out.add_job(record)
     artifacts = [str(out.manifest_path)]
-    if slot is not None and out.weights_path(slot.version).exists():
-        artifacts.append(str(out.weights_path(slot.version)))
+    if version is None and slot is not None:
+        version = slot.version
+    if version is not None and out.weights_path(version).exists():
+        artifacts.append(str(out.weights_path(version)))
     return {"artifacts": artifacts}
