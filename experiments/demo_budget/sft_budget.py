@@ -40,13 +40,13 @@ def main() -> None:
     import tempfile
 
     import torch
+    from sft_families import rollout
 
     from nexus.config import ENV_VAR, ServiceConfig
     from nexus.model.preprocessor import TenantPreprocessor
     from nexus.services import training as training_service
     from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import TenantSpec
-    from sft_families import rollout
 
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="nexus-sft-budget-"))
@@ -78,7 +78,7 @@ def main() -> None:
         print(f"steps {r['steps']:5d}  train {r['train_s']:6.1f} s  loss {r['loss']:.4f}  held-out MSE "
               f"{r['heldout_action_mse']:.4f}  success {r['success_rate']:.2f} ({args.env_episodes} episodes, "
               f"eval {r['eval_s']:.0f} s)", flush=True)
-    out = HERE / f"sft_budget_{args.family}_{args.backbone}_seed{args.seed}.json"
+    out = HERE / f"sft_budget_{args.family}_{args.backbone}_b{args.batch}_seed{args.seed}.json"
     out.write_text(json.dumps({"meta": {**vars(args), "wall_s": round(time.time() - t_all, 1),
                                         "command": "python experiments/demo_budget/sft_budget.py "
                                                    + " ".join(sys.argv[1:])}, "rows": rows}, indent=1))

@@ -209,8 +209,13 @@ def follow_jobs(jobs: list, console: Any = None, poll_s: float = 1.0) -> list:
 
 def _submit(a: argparse.Namespace) -> int:
     from nexus.config import load_submission
+    from nexus.control.validation import validate_job, validate_tenant
 
-    load_submission(a.files, a.set, a.tenant)  # refuse a bad file before connecting
+    sub = load_submission(a.files, a.set, a.tenant)
+    if sub.tenant is not None:  # refuse a bad spec before connecting, with the service's own checks and words
+        spec, _ = validate_tenant(sub.tenant)
+        for job in sub.jobs:
+            validate_job(spec, job)
     with _connect(a) as nx:
         jobs = nx.submit(*a.files, overrides=a.set, tenant=a.tenant)
         for j in jobs:

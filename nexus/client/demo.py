@@ -73,7 +73,8 @@ def learned_rows(logs: dict[str, dict[str, Any]]) -> list[list[str]]:
                          "1.00 = the scripted expert; π after 1500 steps in one process: 0.40-0.70"])
         train = [h for h in by_kind(hist).get("train", []) if "heldout_action_mse" in h]
         if train:
-            rows.append(["pick-sft", "held-out action MSE", _fmt(train[0]["heldout_action_mse"], 3),
+            rows.append(["pick-sft", "held-out action MSE (after step 1 → last)",
+                         _fmt(train[0]["heldout_action_mse"], 3),
                          _fmt(train[-1]["heldout_action_mse"], 3),
                          "lower; predicting zeros 0.41, π in one process 0.08"])
     rl = logs.get("push-rl")
@@ -154,7 +155,7 @@ def run_demo(root: str = "runs/demo", sft_steps: int | None = None, rl_updates: 
 def _watch(console: Console, jobs: list[Job], t0: float, what: str, earlier: list[Job] = ()) -> None:
     """A live table of ``jobs`` until all have ended (jobs of ``earlier`` phases stay listed)."""
     done_before = [j.progress() for j in earlier]
-    with Live(console=console, refresh_per_second=1) as live:
+    with Live(console=console, refresh_per_second=1, transient=True) as live:
         while True:
             progress = [j.progress() for j in jobs]
             live.update(progress_table(done_before + progress, f"{what} … {time.time() - t0:.0f} s"))
