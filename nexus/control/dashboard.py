@@ -33,7 +33,7 @@ ROLE_COLUMNS = [("role", "role"), ("name", "name"), ("state", "state"), ("restar
 COUNTERS = {"sft": "steps", "rl": "updates", "eval": "episodes"}
 HEADLINE = {"sft": ("loss", "heldout_action_mse"), "rl": ("return", "success_rate"), "eval": ("success_rate",)}
 ROLE_OF_RESOURCE = {"SIM": "simulator", "ACTOR": "actor", "INFER": "inference"}
-ROW_PX, HEADER_PX = 25, 30
+ROW_PX, HEADER_PX, MAX_ROWS = 25, 30, 14  # tables longer than MAX_ROWS scroll
 
 
 class Colors:
@@ -296,8 +296,8 @@ def nexus_doc(scheduler, extra, doc) -> None:
         jobs.data = jobs_columns(view)
         roles.data = roles_columns(st)
         for table, source in ((job_table, jobs), (tenant_table, tenants), (role_table, roles)):
-            table.height = HEADER_PX + ROW_PX * max(1, len(source.data["tenant" if "tenant" in source.data
-                                                                            else "role"]))
+            n = len(next(iter(source.data.values())))  # rows shown: the table's own height, no blank space
+            table.height = HEADER_PX + ROW_PX * min(max(1, n), MAX_ROWS)
         t0 = view["t_start"]
         queues.data = {"t": [s["t"] - t0 for s in view["samples"]],
                        "training": [s["training_depth"] for s in view["samples"]],
