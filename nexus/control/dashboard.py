@@ -247,13 +247,13 @@ def nexus_doc(scheduler, extra, doc) -> None:
     role_table = DataTable(source=roles, columns=[TableColumn(field=k, title=t) for k, t in ROLE_COLUMNS],
                            height=HEADER_PX + ROW_PX, row_height=ROW_PX, index_position=None, **width)
 
-    fl = figure(title="Training loss per tenant (one point per update)", height=260, y_axis_type="log",
+    fl = figure(title="Training loss per tenant (per update)", height=260, y_axis_type="log",
                 x_axis_label="policy version", y_axis_label="training loss", **width)
     fl.multi_line("xs", "ys", color="color", legend_field="tenant", source=loss, line_width=1.5)
-    fr = figure(title="Rollout return per tenant (mean of the batches each version collected)", height=260,
+    fr = figure(title="Rollout return per tenant (mean per version)", height=260,
                 x_axis_label="policy version", y_axis_label="episode return", **width)
     fr.multi_line("xs", "ys", color="color", legend_field="tenant", source=returns, line_width=1.5)
-    fe = figure(title="Evaluation success (one point per evaluation)", height=260, y_range=(-0.05, 1.05),
+    fe = figure(title="Evaluation success (a point per evaluation)", height=260, y_range=(-0.05, 1.05),
                 x_axis_label="evaluated policy version", y_axis_label="success rate (0-1)", **width)
     fe.scatter("x", "y", color="color", legend_field="tenant", source=evals, size=9, line_color="black")
     fe.add_tools(HoverTool(tooltips=[("tenant", "@tenant"), ("version", "@x"), ("success", "@y"),
