@@ -156,8 +156,16 @@ def probe_scheduler(address: str, timeout: float) -> dict[str, Any]:
         finally:
             comm.abort()
 
+    def probe() -> dict[str, Any]:
+        return asyncio.run(asyncio.wait_for(identity(), timeout + 1))
+
     try:
-        ident = asyncio.run(asyncio.wait_for(identity(), timeout + 1))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the usual case (scripts, the CLI): no event loop in this thread
+            ident = probe()
+        else:  # called from async code (e.g. a notebook): probe on a helper thread
+            ident = _on_daemon_thread(probe)
     except (OSError, TimeoutError, ValueError) as e:
         reason = "no answer" if isinstance(e, TimeoutError) else " ".join(str(e).split())
         raise Unavailable(f"could not reach a Dask scheduler at {address} within {timeout:g} s ({reason})") from None
@@ -165,6 +173,25 @@ def probe_scheduler(address: str, timeout: float) -> dict[str, Any]:
         kind = ident.get("type") if isinstance(ident, dict) else type(ident).__name__
         raise Unavailable(f"{address} is a {kind}, not a Dask scheduler")
     return ident
+
+
+def _on_daemon_thread(fn):
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True, name="nexus-probe")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def _given(**kw: Any) -> dict[str, Any]:
