@@ -14,8 +14,7 @@ def _publish(out: TenantOutputDir, versions: range, keep_last: int) -> None:
     for v in versions:  # what the actor does per version: write the head, record it, prune
         out.weights_path(v).parent.mkdir(parents=True, exist_ok=True)
         out.weights_path(v).write_bytes(b"w" * 16)
-        out.add_version(v, "test")
-        out.prune_weights(keep_last)
+        out.add_version(v, "test", keep_last=keep_last)
 
 
 def _on_disk(out: TenantOutputDir) -> set[int]:
@@ -37,11 +36,12 @@ def test_keeps_last_n_checkpointed_evaluated_and_initial(tmp_path):
     assert len(m["versions"]) == 20  # the history of versions stays complete
 
 
-def test_keep_last_zero_keeps_everything(tmp_path):
+def test_keep_last_zero_keeps_everything_and_pruning_later_applies_the_rule(tmp_path):
     out = TenantOutputDir(tmp_path / "t")
     out.create({"name": "t"}, {})
     _publish(out, range(0, 6), keep_last=0)
     assert _on_disk(out) == set(range(6))
+    assert out.prune_weights(2) == [1, 2, 3] and _on_disk(out) == {0, 4, 5}
 
 
 def test_an_evaluation_of_a_pruned_version_is_refused(tmp_path):

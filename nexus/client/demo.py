@@ -27,7 +27,8 @@ from nexus.history import by_kind, per_version
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "demo"
 FILES = {"pick-sft": "pick-sft.toml", "push-rl": "push-rl.toml", "pick-rgb": "pick-rgb.toml"}
-EVAL_EPISODES = 20
+EVAL_EPISODES = 20  # the trained versions
+BEFORE_EPISODES = 10  # the untrained head (its success is 0: fewer episodes leave the cores to training)
 
 
 def progress_table(progress: list[JobProgress], title: str) -> Table:
@@ -67,9 +68,9 @@ def learned_rows(logs: dict[str, dict[str, Any]]) -> list[list[str]]:
         evals = sorted((h for h in by_kind(hist).get("eval", [])), key=lambda h: h["step"])
         if evals:
             first, last = evals[0], evals[-1]
-            rows.append(["pick-sft", f"eval success rate ({int(last.get('episodes', 0))} episodes)",
-                         f"{_fmt(first['success_rate'])} (v{first['step']})",
-                         f"[b]{_fmt(last['success_rate'])}[/b] (v{last['step']})",
+            rows.append(["pick-sft", "eval success rate (deterministic episodes)",
+                         f"{_fmt(first['success_rate'])} (v{first['step']}, {int(first.get('episodes', 0))} ep.)",
+                         f"[b]{_fmt(last['success_rate'])}[/b] (v{last['step']}, {int(last.get('episodes', 0))} ep.)",
                          "1.00 = the scripted expert; π after 1500 steps in one process: 0.40-0.70"])
         train = [h for h in by_kind(hist).get("train", []) if "heldout_action_mse" in h]
         if train:
@@ -95,8 +96,9 @@ def learned_rows(logs: dict[str, dict[str, Any]]) -> list[list[str]]:
                          "0-1; PPO baseline 0.07 → 0.53 in 15 CPU min"])
         evals = [h for h in by_kind(hist).get("eval", [])]
         if evals:
-            rows.append(["push-rl", f"eval success rate ({int(evals[-1].get('episodes', 0))} episodes)", "-",
-                         f"{_fmt(evals[-1]['success_rate'])} (v{evals[-1]['step']})",
+            rows.append(["push-rl", "eval success rate (deterministic episodes)", "-",
+                         f"{_fmt(evals[-1]['success_rate'])} (v{evals[-1]['step']}, "
+                         f"{int(evals[-1].get('episodes', 0))} ep.)",
                          "0-1; PPO baseline 0.25-0.4 after 30k env steps"])
     return rows
 
@@ -124,14 +126,21 @@ def run_demo(root: str = "runs/demo", sft_steps: int | None = None, rl_updates: 
         console.print(f"Dask dashboard: {link}   Nexus page: {link.replace('/status', '/nexus')}")
         tenants = {name: nx.create_tenant(sub.tenant) for name, sub in subs.items()}
         console.print(f"tenants created from {configs}: {', '.join(tenants)} ({time.time() - t0:.0f} s)")
-        jobs: list[Job] = [tenants[name].submit(j) for name, sub in subs.items() for j in sub.jobs]
+        training = {name: [tenants[name].submit(j) for j in sub.jobs] for name, sub in subs.items()}
         # the untrained policy's score, pinned at its start while SFT goes on
-        jobs.append(tenants["pick-sft"].evaluate(episodes=eval_episodes))
-        _watch(console, jobs, t0, "training")
-        finals = [tenants["pick-sft"].evaluate(episodes=eval_episodes),
-                  tenants["push-rl"].evaluate(episodes=eval_episodes)]
-        _watch(console, finals, t0, "final evaluations", earlier=jobs)
-        jobs += finals
+        jobs: list[Job] = [j for js in training.values() for j in js]
+        jobs.append(tenants["pick-sft"].evaluate(episodes=BEFORE_EPISODES))
+        # each trained tenant is evaluated as soon as its own training ends (the others keep running)
+        after = {"pick-sft": None, "push-rl": None}
+
+        def start_finals(progress: dict[str, JobProgress]) -> None:
+            for name in after:
+                if after[name] is None and all(progress[j.id].finished for j in training[name]):
+                    after[name] = tenants[name].evaluate(episodes=eval_episodes)
+                    jobs.append(after[name])
+
+        _watch(console, jobs, t0, on_progress=start_finals,
+               until=lambda: all(a is not None for a in after.values()))
         nx.flush()
         infos = [j.info() for j in jobs]
         logs = {name: nx.call("nexus_tenant_log", tenant=name) for name in tenants}
@@ -152,13 +161,15 @@ def run_demo(root: str = "runs/demo", sft_steps: int | None = None, rl_updates: 
         return infos
 
 
-def _watch(console: Console, jobs: list[Job], t0: float, what: str, earlier: list[Job] = ()) -> None:
-    """A live table of ``jobs`` until all have ended (jobs of ``earlier`` phases stay listed)."""
-    done_before = [j.progress() for j in earlier]
+def _watch(console: Console, jobs: list[Job], t0: float, on_progress=None, until=None) -> None:
+    """A live table of ``jobs`` (the list may grow) until all have ended and ``until()`` holds."""
     with Live(console=console, refresh_per_second=1, transient=True) as live:
         while True:
-            progress = [j.progress() for j in jobs]
-            live.update(progress_table(done_before + progress, f"{what} … {time.time() - t0:.0f} s"))
-            if all(p.finished for p in progress):
+            progress = {j.id: j.progress() for j in list(jobs)}
+            if on_progress is not None:
+                on_progress(progress)
+            live.update(progress_table(list(progress.values()), f"running … {time.time() - t0:.0f} s"))
+            if all(p.finished for p in progress.values()) and len(progress) == len(jobs) and (
+                    until is None or until()):
                 return
             time.sleep(1.0)

@@ -76,12 +76,16 @@ class TenantOutputDir:
         self.write(m)
         return m
 
-    def add_version(self, version: int, source: str) -> None:
+    def add_version(self, version: int, source: str, keep_last: int = 0) -> list[int]:
+        """Record a new version; with ``keep_last`` > 0 also apply retention (one manifest write for both).
+        Returns the versions whose weights were pruned now."""
         m = self.read()
         m["versions"].append({"version": version, "time": time.time(), "source": source,
                               "weights": str(self.weights_path(version))})
         m["latest_version"] = version
+        pruned = self._prune(m, keep_last) if keep_last > 0 else []
         self.write(m)
+        return pruned
 
     def add_checkpoint(self, version: int, tag: str) -> None:
         m = self.read()
@@ -126,6 +130,12 @@ class TenantOutputDir:
         if keep_last <= 0:
             return []
         m = self.read()
+        pruned = self._prune(m, keep_last)
+        if pruned:
+            self.write(m)
+        return pruned
+
+    def _prune(self, m: dict[str, Any], keep_last: int) -> list[int]:
         keep = self.protected_versions(m, keep_last)
         pruned = []
         for entry in m["versions"]:
@@ -134,8 +144,6 @@ class TenantOutputDir:
             self.weights_path(entry["version"]).unlink(missing_ok=True)
             entry["pruned"] = time.time()
             pruned.append(entry["version"])
-        if pruned:
-            self.write(m)
         return pruned
 
     def latest_checkpoint(self) -> dict[str, Any] | None:

@@ -80,8 +80,7 @@ def _publish_version(svc: TrainingModelService, tenant: str, out, engine, source
     weights = slot.export_weights()
     atomic_write_bytes(out.weights_path(version), weights)
     sync = _push_weights(engine, tenant, version, weights)
-    out.add_version(version, source)
-    out.prune_weights(svc.config.retention.keep_last)  # ux: retention (keep-last-N + checkpointed + evaluated)
+    out.add_version(version, source, keep_last=svc.config.retention.keep_last)  # + retention (ux)
     return version, sync
 
 
