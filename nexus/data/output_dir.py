@@ -62,7 +62,9 @@ class TenantOutputDir:
         return json.loads(self.manifest_path.read_text())
 
     def write(self, manifest: dict[str, Any]) -> None:
-        atomic_write_bytes(self.manifest_path, json.dumps(manifest, indent=2, default=str).encode())
+        # compact JSON: the manifest is rewritten at every version, and Python's pretty printer (indent) is
+        # ~3x slower than its C encoder (measured 20 vs 8 ms at 1500 versions) — `jq .` pretty-prints it
+        atomic_write_bytes(self.manifest_path, json.dumps(manifest, default=str).encode())
 
     def create(self, spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
         manifest = {"tenant": spec["name"], "spec": spec, "schema": schema, "created": time.time(),
