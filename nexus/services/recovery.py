@@ -162,8 +162,11 @@ def run_update(req: UpdateRequest, data: Any = None) -> UpdateResult:
                         pushed_to=tuple(engines.pushed_to), push_errors=tuple(engines.errors))
 
 
-def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> dict[str, Any]:
-    """At a job's end: checkpoint (training jobs, unless this version has one), record the job."""
+def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool,
+               version: int | None = None) -> dict[str, Any]:
+    """At a job's end: checkpoint (training jobs, unless this version has one), record the job (its metric
+    history goes to ``jobs/<job>.json``). The artifacts are the manifest and the weights of ``version`` (the
+    version the job evaluated or produced; default: the slot's current one)."""
     from nexus.services.training import _metered
 
     with _metered(tenant, "checkpoint"):
@@ -179,11 +182,14 @@ def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool) -> 
                 limits = _state().training().config.limits_for(tenant)
                 out.prune(limits.max_versions_kept, limits.max_checkpoints_kept)
             record["checkpoint"] = out.latest_checkpoint()["tag"]
+        if record.get("history") is None:
+            out.write_job(record)  # add_job writes the record file itself when there is a history
         out.add_job(record)
-        out.write_job(record)
         artifacts = [str(out.manifest_path)]
-        if slot is not None and out.weights_path(slot.version).exists():
-            artifacts.append(str(out.weights_path(slot.version)))
+        if version is None and slot is not None:
+            version = slot.version
+        if version is not None and out.weights_path(version).exists():
+            artifacts.append(str(out.weights_path(version)))
         return {"artifacts": artifacts}
 
 

@@ -148,9 +148,8 @@ def _publish_version(svc: TrainingModelService, tenant: str, out, engine, source
     weights = slot.export_weights()
     make_durable(svc, slot, out, version, weights)  # weights written once (+ checkpoint when due) first
     sync = _push_weights(engine, tenant, version, weights)
-    out.add_version(version, source)
     limits = svc.config.limits_for(tenant)
-    out.prune(limits.max_versions_kept, limits.max_checkpoints_kept)
+    out.add_version(version, source, keep=(limits.max_versions_kept, limits.max_checkpoints_kept))  # + retention
     return version, sync
 
 
