@@ -46,7 +46,32 @@ def http_port():
 
 def test_no_service_at_root(tmp_path):
     r = nexus("status", "--root", str(tmp_path))
-    one_line_error(r, 3, "is `nexus up` running?", str(tmp_path / "scheduler.json"))
+    one_line_error(r, 3, "is `nexus up` running?", str(tmp_path / "gateway"))
+
+
+def test_a_stale_gateway_file_on_a_free_root_is_no_service(tmp_path):
+    # a service that died left root/gateway/gateway.json behind; its root lock is free
+    (tmp_path / "gateway").mkdir()
+    (tmp_path / "gateway" / "gateway.json").write_text('{"url": "http://127.0.0.1:9"}')
+    (tmp_path / "gateway" / "operator.token").write_text("op-x")
+    (tmp_path / "service.lock").write_text("")
+    r = nexus("list", "--root", str(tmp_path), "--timeout", "2")
+    one_line_error(r, 3, "no running gateway recorded in", "is `nexus up` running?")
+
+
+def test_dead_gateway_url_fails_within_the_stated_timeout():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = nexus("status", "--address", f"http://127.0.0.1:{port}", "--token", "x", "--timeout", "2")
+    one_line_error(r, 3, "within 2 s", f"--address http://127.0.0.1:{port}")
+
+
+def test_an_http_port_that_is_not_a_gateway_is_refused(http_port):
+    r = nexus("list", "--address", f"http://127.0.0.1:{http_port}", "--token", "x", "--timeout", "5")
+    one_line_error(r, 3, "is not a JoyNexus gateway", f"--address http://127.0.0.1:{http_port}")
 
 
 def test_dead_address_fails_within_the_stated_timeout(tmp_path):
