@@ -160,7 +160,7 @@ class ServiceConfig(BaseModel):
         limits = data.get("limits")
         limits = limits.model_dump() if isinstance(limits, ServiceLimits) else dict(limits or {})
         for key, name in (("max_versions_kept", "keep_last"), ("max_checkpoints_kept", "keep_checkpoints")):
-            if name not in r.model_keys_set:
+            if name not in r.model_fields_set:
                 continue
             if key in limits and limits[key] != getattr(r, name):
                 raise ValueError(f"retention.{name}={getattr(r, name)} and limits.{key}={limits[key]} "

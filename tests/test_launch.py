@@ -15,6 +15,7 @@ import pytest
 from nexus.client.api import Nexus
 from nexus.control.validation import validate_tenant
 from nexus.errors import SpecError
+from nexus.gateway.auth import read_gateway_url, read_operator_token
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +53,11 @@ def test_up_prints_where_everything_is(service):
     for needle in ("root:", str(root), "dashboard:", "Nexus page:", "/nexus", "MLflow:", f"sqlite:///{root}"):
         assert needle in text, text
     cfg = json.loads((root / "service.json").read_text())  # what every worker reads
-    assert cfg["retention"]["keep_last"] == 3 and cfg["infer_max_batch"] == 4 and cfg["cluster"]["sim_workers"] == 1
+    # [retention] keep_last is the limit max_versions_kept (one retention mechanism)
+    assert cfg["limits"]["max_versions_kept"] == 3 and cfg["infer_max_batch"] == 4
+    assert cfg["cluster"]["sim_workers"] == 1
+    for needle in ("gateway:", "operator token:", str(root / "gateway" / "operator.token")):
+        assert needle in text, text
 
 
 def test_submit_files_gives_the_same_tenant_as_the_api(service, tmp_path):
@@ -64,7 +69,8 @@ def test_submit_files_gives_the_same_tenant_as_the_api(service, tmp_path):
               "--set", "job.steps=6", "--root", str(root), "--follow")
     assert r.returncode == 0, r.stderr
     assert "submitted filed-sft-" in r.stdout
-    with Nexus(json.loads((root / "scheduler.json").read_text())["address"]) as nx:
+    gateway = root / "gateway"  # as the CLI does: the gateway, as the operator
+    with Nexus(read_gateway_url(gateway), token=read_operator_token(gateway)) as nx:
         t = nx.tenant("filed")
         spec, _ = validate_tenant({"name": "filed", "dataset": "pickcube-scripted", "env": "maniskill/pickcube-state",
                                    "seed": 4, "lr": 0.002})
@@ -76,7 +82,7 @@ def test_submit_files_gives_the_same_tenant_as_the_api(service, tmp_path):
         # a job file for an existing tenant, through the API
         ev = t.submit(REPO / "configs" / "jobs" / "eval.toml", overrides=["job.episodes=1"])
         assert ev.result(timeout=300)["episodes"] == 1
-        # retention (keep_last=3): the newest 3, the initial, the checkpointed (6) and the evaluated (6)
+        # retention (keep_last=3): the newest 3, the initial and the evaluated (6)
         weights = sorted(int(p.stem[1:]) for p in (root / "tenants" / "filed" / "weights").glob("v*.pt"))
         assert weights == [0, 4, 5, 6]
     # a bad file is refused with the service's words before anything is sent
