@@ -14,7 +14,7 @@ import pytest
 
 from nexus.client.api import Nexus
 from nexus.control.validation import validate_tenant
-from nexus.errors import SpecError
+from nexus.errors import Conflict
 from nexus.gateway.auth import read_gateway_url, read_operator_token
 
 pytestmark = pytest.mark.cluster
@@ -77,7 +77,7 @@ def test_submit_files_gives_the_same_tenant_as_the_api(service, tmp_path):
         assert t.info["version"] == 6
         # the API with the same content is the same tenant (an existing tenant with another spec is refused)
         assert nx.create_tenant(spec.model_dump()).name == "filed"
-        with pytest.raises(SpecError, match="exists with another spec"):
+        with pytest.raises(Conflict, match="exists with another spec"):  # the gateway: 409
             nx.create_tenant(spec.model_copy(update={"lr": 0.1}).model_dump())
         # a job file for an existing tenant, through the API
         ev = t.submit(REPO / "configs" / "jobs" / "eval.toml", overrides=["job.episodes=1"])
