@@ -16,11 +16,16 @@ listener — scheduler, dashboard, nannies, workers' comm ports and HTTP servers
 the gateway — binds to ``ServiceConfig.host`` (127.0.0.1 by default); with ``ServiceConfig.tls`` every
 Dask connection is mutual TLS with certificates generated into ``root/tls`` (``nexus.tls``). Service
 processes run with umask 077: what they write is the service user's only.
+
+A running service holds an exclusive lock on ``<root>/service.lock`` (``flock``, released by the kernel
+however the process ends): a second service on the same root is refused before it touches anything,
+so it can never replace or delete the first one's ``scheduler.json``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import signal
@@ -30,7 +35,8 @@ import time
 from pathlib import Path
 
 from nexus.config import ENV_VAR, ServiceConfig
-from nexus.paths import harden_process, private_mkdir
+from nexus.errors import Conflict
+from nexus.paths import FILE_MODE, harden_process, private_mkdir
 from nexus.tls import ensure_certificates
 
 
@@ -49,24 +55,83 @@ def _die_with_parent() -> None:
         pass
 
 
+LOCK_FILE = "service.lock"
+
+
+def lock_holder(root: str | Path) -> dict | None:
+    """Who holds a service root: the lock file's record (pid, scheduler address) if a live process holds
+    the lock, else None."""
+    path = Path(root) / LOCK_FILE
+    if not path.exists():
+        return None
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return json.loads(path.read_text() or "{}")
+            except json.JSONDecodeError:
+                return {}
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+class RootLock:
+    """An exclusive, non-blocking lock on a service root, held for the service's lifetime."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / LOCK_FILE
+        self._f = None
+
+    def acquire(self) -> None:
+        private_mkdir(self.path.parent)
+        f = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE), "r+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            holder = lock_holder(self.path.parent) or {}
+            raise Conflict(f"service root {self.path.parent} is in use by a running service (pid "
+                           f"{holder.get('pid', '?')}, scheduler {holder.get('address', '?')}); stop it with "
+                           f"`nexus down --root {self.path.parent}` or choose another root") from None
+        self._f = f
+        self.record()
+
+    def record(self, **fields) -> None:
+        if self._f is not None:
+            self._f.seek(0)
+            self._f.truncate()
+            self._f.write(json.dumps({"pid": os.getpid(), **fields}))
+            self._f.flush()
+
+    def release(self) -> None:
+        if self._f is not None:
+            self._f.seek(0)
+            self._f.truncate()
+            fcntl.flock(self._f, fcntl.LOCK_UN)
+            self._f.close()
+            self._f = None
+
+
 def _child_setup() -> None:
     _die_with_parent()
     harden_process()
 
 
 class LocalService:
-    def __init__(self, config: ServiceConfig, n_sim: int = 2, dashboard_address: str | None = None,
-                 memory_limit: str = "6GiB", n_infer: int | None = None) -> None:
+    def __init__(self, config: ServiceConfig, n_sim: int | None = None, dashboard_address: str | None = None,
+                 memory_limit: str | None = None, n_infer: int | None = None) -> None:
         self.config = config
-        self.n_sim = n_sim
+        self.n_sim = n_sim or config.cluster.sim_workers
         self.n_infer = max(config.inference_engines, 1) if n_infer is None else n_infer
-        self.dashboard_address = dashboard_address or f"{config.host}:0"
-        self.memory_limit = memory_limit
+        self.dashboard_address = dashboard_address or config.cluster.dashboard_address or f"{config.host}:0"
+        self.memory_limit = memory_limit or config.cluster.memory_limit
         self.root = Path(config.root).resolve()
         self.procs: list[subprocess.Popen] = []
         self.address: str | None = None
         self.gateway_url: str | None = None
         self.tls = None  # TLSFiles once started with config.tls
+        self._lock = RootLock(self.root)
 
     @property
     def operator_token(self) -> str:
@@ -137,11 +202,19 @@ class LocalService:
     def start(self, timeout: float = 120) -> LocalService:
         private_mkdir(self.root)
         os.chmod(self.root, 0o700)
+        self._lock.acquire()  # before anything in the root changes
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> LocalService:
         private_mkdir(self.logs)
         if self.config.tls:
             self.tls = ensure_certificates(self.config.tls_dir, hosts=_cert_hosts(self.config.host))
         self.config.save(self.root / "service.json")
-        self.scheduler_file.unlink(missing_ok=True)
+        self.scheduler_file.unlink(missing_ok=True)  # a stale one: the lock says no live service owns it
         protocol = ["--protocol", "tls"] if self.tls else []
         self._spawn("scheduler", ["distributed.cli.dask_scheduler", "--host", self.config.host, "--port", "0",
                                   *protocol, *self._tls_args(),
@@ -151,10 +224,10 @@ class LocalService:
         t0 = time.time()
         while not self.scheduler_file.exists():
             if self.procs[0].poll() is not None or time.time() - t0 > timeout:
-                self.stop()
                 raise RuntimeError(f"the scheduler did not start; see {self.logs / 'scheduler.log'}")
             time.sleep(0.1)
         self.address = json.loads(self.scheduler_file.read_text())["address"]
+        self._lock.record(address=self.address)
         for i in range(self.n_sim):
             self._worker(f"sim-{i}", "SIM=1")
         self._worker("actor-0", "ACTOR=1")
@@ -180,7 +253,10 @@ class LocalService:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        if self.procs:  # only the service that started the scheduler removes its file
+            self.scheduler_file.unlink(missing_ok=True)
         self.procs.clear()
+        self._lock.release()
 
     def listening(self) -> list[tuple[int, str, str, int]]:
         """(pid, process, ip, port) of every listening socket of the service's processes (and children)."""

@@ -2,16 +2,26 @@
 
 The file's path travels in the environment variable ``NEXUS_SERVICE_CONFIG`` (set by
 ``nexus.cluster`` for the processes it starts, or by an operator for CLI-started workers).
+
+Users write the same settings as TOML (``nexus up --config service.toml``, ``Nexus.local(config=...)``),
+and tenants and jobs as TOML too (``nexus submit``, ``Nexus.submit``); ``--set key=value`` overrides any
+field by its dotted path. Every file error is a :class:`nexus.errors.SpecError` naming the file and field,
+the same error class and messages the API raises for the same spec given as a dict.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from nexus.errors import SpecError
 
 ENV_VAR = "NEXUS_SERVICE_CONFIG"
 # Hugging Face ``model_type`` of each backbone family's checkpoints (config.json)
@@ -97,7 +107,8 @@ class ServiceLimits(BaseModel):
     max_queued_ops: int = Field(8, ge=1, description="low-level calls of one tenant waiting at the gateway")
     max_batch_rows: int = Field(4096, ge=1, description="samples in one forward_backward batch")
     max_instruction_chars: int = Field(2000, ge=1)
-    max_versions_kept: int = Field(50, ge=1, description="policy versions whose weights stay on disk")
+    max_versions_kept: int = Field(50, ge=0, description="newest policy versions whose weights stay on disk "
+                                   "(0: all; the initial and every evaluated version are kept too)")
     max_checkpoints_kept: int = Field(3, ge=1, description="DeepSpeed checkpoints kept per tenant")
     max_storage_bytes: int = Field(8 * 2**30, ge=1, description="bytes of a tenant's output dir")
     max_request_bytes: int = Field(64 * 2**20, ge=1024, description="body of one gateway request")
@@ -135,6 +146,30 @@ class DataPathSettings(BaseModel):
     sync_every: int = Field(0, ge=0, description="lazy sync: also push every N versions (0: never)")
 
 
+class ClusterSettings(BaseModel):
+    """The embedded local deployment (``nexus up``, ``Nexus.local``): worker processes on this machine."""
+
+    model_config = ConfigDict(extra="forbid")
+    sim_workers: int = Field(2, ge=1, description="simulator workers (resource SIM=1 each)")
+    dashboard_address: str | None = Field(
+        None, description="Dask dashboard host:port; default: 127.0.0.1:8787 for `nexus up`, a free port otherwise")
+    memory_limit: str = Field("6GiB", description="per worker process (Dask's --memory-limit)")
+
+
+class RetentionSettings(BaseModel):
+    """Which policy versions keep their weights file (``weights/vNNNNNN.pt``) in a tenant's output dir.
+
+    The user-facing spelling of two service-wide limits (one mechanism: ``TenantOutputDir.prune``):
+    ``keep_last`` is ``limits.max_versions_kept`` and ``keep_checkpoints`` is ``limits.max_checkpoints_kept``;
+    ``tenant_limits`` still override them per tenant."""
+
+    model_config = ConfigDict(extra="forbid")
+    keep_last: int = Field(50, ge=0, description="the newest N versions (0: keep every version)")
+    keep_checkpoints: int = Field(3, ge=1, description="the newest N DeepSpeed checkpoints")
+    # always kept besides the newest N: the initial version and every version an evaluation pinned (from the
+    # moment it starts), so reports and MLflow runs stay reproducible
+
+
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     root: str = Field(description="service folder: tenants' output dirs, MLflow store, logs")
@@ -161,6 +196,37 @@ class ServiceConfig(BaseModel):
     health: HealthSettings = HealthSettings()
     dispatch: DispatchSettings = DispatchSettings()
     datapath: DataPathSettings = DataPathSettings()
+    cluster: ClusterSettings = ClusterSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retention_sets_limits(cls, data: Any) -> Any:
+        """``[retention]`` is written into ``limits`` (the one place retention is read from)."""
+        if not isinstance(data, dict) or "retention" not in data:
+            return data
+        data = dict(data)
+        raw = data.pop("retention")
+        try:
+            r = RetentionSettings.model_validate(raw)
+        except ValidationError as e:
+            raise ValueError("; ".join(f"retention.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
+                                       for err in e.errors())) from None
+        limits = data.get("limits")
+        limits = limits.model_dump() if isinstance(limits, ServiceLimits) else dict(limits or {})
+        for key, name in (("max_versions_kept", "keep_last"), ("max_checkpoints_kept", "keep_checkpoints")):
+            if name not in r.model_fields_set:
+                continue
+            if key in limits and limits[key] != getattr(r, name):
+                raise ValueError(f"retention.{name}={getattr(r, name)} and limits.{key}={limits[key]} "
+                                 "disagree (they are one setting); set one of them")
+            limits[key] = getattr(r, name)
+        data["limits"] = limits
+        return data
+
+    @property
+    def retention(self) -> RetentionSettings:
+        return RetentionSettings(keep_last=self.limits.max_versions_kept,
+                                 keep_checkpoints=self.limits.max_checkpoints_kept)
 
     @model_validator(mode="after")
     def _overrides_name_limits(self) -> ServiceConfig:
@@ -204,3 +270,156 @@ class ServiceConfig(BaseModel):
         if not path:
             raise RuntimeError(f"no service config: set {ENV_VAR} to the JSON file written by nexus.cluster")
         return cls.model_validate(json.loads(Path(path).read_text()))
+
+
+# ------------------------------------------------------------------------------------------------ files
+def describe_validation_error(e: ValidationError) -> str:
+    """A pydantic error as one line: ``field.path: message; ...``."""
+    return "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'spec'}: {err['msg']}" for err in e.errors())
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise SpecError(f"{path}: is a directory, not a TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{path}: invalid TOML: {e}") from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value); the value is read as a TOML value (numbers, booleans, strings
+    in quotes, arrays), and as a plain string when it is not one (``root=runs/x``)."""
+    key, sep, value = text.partition("=")
+    path = key.strip().split(".")
+    if not sep or not all(path):
+        raise SpecError(f"--set {text!r}: expected key=value, e.g. backbone.family=paligemma")
+    try:
+        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value.strip()
+    return path, parsed
+
+
+def apply_overrides(doc: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """A copy of ``doc`` with every ``key.path=value`` set (tables created as needed)."""
+    out = json.loads(json.dumps(doc))  # deep copy of plain TOML data
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for i, part in enumerate(path[:-1]):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SpecError(f"--set {text!r}: {'.'.join(path[:i + 1])} is a value, not a table")
+        node[path[-1]] = value
+    return out
+
+
+def load_service_config(path: str | Path | None = None, overrides: Iterable[str] = (),
+                        **fields: Any) -> ServiceConfig:
+    """Service settings: defaults < the TOML file < ``fields`` (keyword arguments) < ``--set`` overrides.
+
+    A relative ``root`` is taken from the current directory and made absolute.
+    """
+    doc = read_toml(path) if path is not None else {}
+    doc = _merge(doc, {k: v for k, v in fields.items() if v is not None})
+    doc = apply_overrides(doc, overrides)
+    doc.setdefault("root", "runs/service")
+    where = f"{path}: " if path is not None else ""
+    try:
+        cfg = ServiceConfig.model_validate(doc)
+    except ValidationError as e:
+        raise SpecError(f"{where}invalid service config: {describe_validation_error(e)}") from None
+    return cfg.model_copy(update={"root": str(Path(cfg.root).expanduser().resolve())})
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        elif isinstance(v, BaseModel):
+            out[k] = _merge(out.get(k, {}) if isinstance(out.get(k), dict) else {}, v.model_dump(exclude_unset=True))
+        else:
+            out[k] = v
+    return out
+
+
+@dataclass
+class Submission:
+    """What ``nexus submit FILE...`` sends: at most one tenant spec and the jobs to run on it, as the raw dicts
+    the API sends (validated by the service's own validation, so files and API fail alike)."""
+
+    tenant: dict[str, Any] | None = None
+    tenant_name: str | None = None  # a job-only submission names an existing tenant
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str | None:
+        return self.tenant.get("name") if self.tenant else self.tenant_name
+
+
+def load_submission(paths: Iterable[str | Path], overrides: Iterable[str] = (),
+                    tenant: str | None = None) -> Submission:
+    """Tenant and job files -> one :class:`Submission`.
+
+    A file holds a tenant (``TenantSpec`` fields at top level, or a ``[tenant]`` table), a job (``kind = ...``
+    at top level, or a ``[job]`` table), several jobs (``[[jobs]]``), or a tenant with its jobs. A job-only
+    file may name its tenant with a top-level ``tenant = "name"``, or the caller with ``tenant`` (an existing
+    tenant). Overrides address ``tenant.<field>`` and ``job.<field>`` (every job of the submission).
+    """
+    sub = Submission(tenant_name=tenant)
+    for path in paths:
+        doc = read_toml(path)
+        sub.sources.append(str(path))
+        tenant = doc.pop("tenant", None)
+        if isinstance(tenant, str):
+            sub.tenant_name, tenant = sub.tenant_name or tenant, None
+        jobs = []
+        if "job" in doc:
+            jobs.append(_table(doc.pop("job"), path, "job"))
+        if "jobs" in doc:
+            value = doc.pop("jobs")
+            if not isinstance(value, list):
+                raise SpecError(f"{path}: 'jobs' must be an array of tables ([[jobs]])")
+            jobs += [_table(j, path, "jobs") for j in value]
+        if doc:  # top-level fields: a job if it says its kind, else a tenant
+            if "kind" in doc:
+                jobs.insert(0, doc)
+            elif tenant is None:
+                tenant = doc
+            else:
+                raise SpecError(f"{path}: fields {sorted(doc)} outside the [tenant] table")
+        if tenant is not None:
+            if sub.tenant is not None:
+                raise SpecError(f"{path}: a second tenant (the first came from {sub.sources[0]}); submit one "
+                                "tenant at a time")
+            sub.tenant = _table(tenant, path, "tenant")
+        sub.jobs += jobs
+    overrides = list(overrides)
+    for text in overrides:
+        if not text.startswith(("tenant.", "job.")):
+            raise SpecError(f"--set {text!r}: a submission's overrides start with 'tenant.' or 'job.'")
+    for_tenant = [o for o in overrides if o.startswith("tenant.")]
+    for_jobs = [o for o in overrides if o.startswith("job.")]
+    if for_tenant:
+        if sub.tenant is None:
+            raise SpecError(f"--set {for_tenant[0]!r}: the submission has no tenant file")
+        sub.tenant = apply_overrides({"tenant": sub.tenant}, for_tenant)["tenant"]
+    if for_jobs:
+        if not sub.jobs:
+            raise SpecError(f"--set {for_jobs[0]!r}: the submission has no job")
+        sub.jobs = [apply_overrides({"job": j}, for_jobs)["job"] for j in sub.jobs]
+    if sub.name is None:
+        raise SpecError("no tenant: give a tenant file, or a job file with tenant = \"name\" (or --tenant)")
+    return sub
+
+
+def _table(value: Any, path: str | Path, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SpecError(f"{path}: {key!r} must be a table")
+    return value

@@ -354,10 +354,10 @@ def test_backbone_checkpoint_dirs_in_config_and_exports(tiny_backbone, tmp_path,
     with pytest.raises(ValueError, match="not a 'paligemma' backbone"):
         ServiceConfig(root="x", backbone={"local_path": str(ckpt), "family": "paligemma"})
 
-    from nexus.client.cli import _backbone_config, main  # the CLI's --backbone-path ends in the same config
+    from nexus.client.cli import _with_backbone, main  # the CLI's --backbone-path ends in the same config
 
     ns = argparse.Namespace(backbone_path=str(ckpt), backbone_family=None, backbone_size=None, image_size=None)
-    assert ServiceConfig(root="x", **_backbone_config(ns)).backbone.local_path == str(ckpt)
+    assert _with_backbone(ServiceConfig(root="x"), ns).backbone.local_path == str(ckpt)
     with pytest.raises(SystemExit):
         main(["up", "--backbone-family", "nope"])
 

@@ -195,9 +195,20 @@ def _step(slot: TenantSlot, cond: BackboneFeatures, proprio: torch.Tensor, targe
                                        torch.Generator().manual_seed(seed)))
 
 
+def _adam_view(slot: TenantSlot) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The slot's flat fp32 parameters, the bias-corrected RMS of its gradients (Adam's sqrt(v_hat), same
+    layout) and its learning rate."""
+    zero = slot.engine.optimizer
+    flat = zero.single_partition_of_fp32_groups[0]
+    st, group = zero.optimizer.state[flat], zero.optimizer.param_groups[0]
+    v_hat = st["exp_avg_sq"] / (1 - group["betas"][1] ** float(st["step"]))
+    return flat.detach().clone(), v_hat.sqrt(), group["lr"]
+
+
 def test_isolation_between_families_in_one_grouped_step(tiny_backbone, tiny_paligemma):
     """One grouped forward for six tenants of three families; each steps on its own rows only: an idle
-    tenant is untouched, the others end exactly where the same tenant stepped alone ends."""
+    tenant is untouched, the others end where the same tenant stepped alone ends (as far as float
+    arithmetic and Adam allow, see below)."""
     targets = {"lib-oft": 1e3}  # absurd targets for one tenant must not leak into any other
     idle = "cal-pi"
 
@@ -209,7 +220,10 @@ def test_isolation_between_families_in_one_grouped_step(tiny_backbone, tiny_pali
                 if step == 2 and name == idle:
                     continue
                 if not grouped:  # the serial baseline: this tenant's own forward
-                    cond = fw.group_features([reqs[i] for i in idx])[name][1]
+                    alone = fw.group_features([reqs[i] for i in idx])[name][1]
+                    # the guarantee group batching makes: the same features, up to float rounding
+                    torch.testing.assert_close(alone.pooled, cond.pooled, rtol=1e-5, atol=1e-5)
+                    cond = alone
                 _step(slots[name], cond, _proprio(reqs, idx), targets.get(name, 0.5) * step, step)
 
     fw = VLAFramework(tiny_backbone, tiny_paligemma)
@@ -232,10 +246,21 @@ def test_isolation_between_families_in_one_grouped_step(tiny_backbone, tiny_pali
     twin_fw = VLAFramework(tiny_backbone, tiny_paligemma)
     twins = _register(twin_fw, slots=True)  # same seeds: same initial weights
     history(twin_fw, twins, grouped=False)
+    # Adam's step lr * m_hat / (sqrt(v_hat) + eps) is scale-free in the gradient: where the gradient stands
+    # clear of eps, float rounding of the features moves the step by a rounding-sized fraction of lr (we
+    # allow 1e-3 lr). Where the gradient is itself rounding residue (sqrt(v_hat) below 10 eps, e.g. 1e-11 for
+    # weights that barely touch the loss), its relative error is large and Adam turns it into a step of up
+    # to lr: there we only assert Adam's bound, at most lr per step (measured on this machine: 1.2e-4 =
+    # 0.012 lr for one element of 2 x 92 392; clear elements within 1.5e-6).
     for name in slots:
-        # Adam turns float noise in near-zero gradients into up to lr-sized moves: allow 1 % of one step
-        for a, b in zip(_params(slots[name]), _params(twins[name]), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        (a, g_rms, lr), (b, _, _) = _adam_view(slots[name]), _adam_view(twins[name])
+        steps = 1 if name == idle else 2
+        clear = g_rms >= 10 * slots[name].engine.optimizer.optimizer.param_groups[0]["eps"]
+        diff = (a - b).abs()
+        assert float(diff[clear].max()) <= 1e-3 * lr, (name, float(diff[clear].max()))
+        assert float(diff.max()) <= steps * lr, (name, float(diff.max()))
+        loose = ~clear & (diff > 1e-3 * lr)
+        assert int(loose.sum()) <= 1e-3 * diff.numel(), name  # the loose bound is needed by few elements
 
 
 # -- checkpoints -----------------------------------------------------------------------------------

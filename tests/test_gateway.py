@@ -420,9 +420,10 @@ def test_quotas_versions_kept_storage_and_queued_calls(env):
         keep2.optim_step().result(120)
         keep2.save_weights().result(120)
     weights = sorted(f["path"] for f in keep2.files() if f["path"].startswith("weights/"))
-    assert weights == ["weights/v000002.pt", "weights/v000003.pt"]
+    # retention: the newest 2 and the initial version (nexus.data.output_dir.TenantOutputDir.prune)
+    assert weights == ["weights/v000000.pt", "weights/v000002.pt", "weights/v000003.pt"]
     manifest = json.loads(keep2.read_file("manifest.json"))
-    assert [v["version"] for v in manifest["versions"] if v.get("pruned")] == [0, 1]
+    assert [v["version"] for v in manifest["versions"] if v.get("pruned")] == [1]
     with pytest.raises(NotFound, match="pruned"):
         keep2.evaluate(episodes=1, version=1)
     with pytest.raises(LimitExceeded, match="max_storage_bytes=1"):

@@ -9,23 +9,32 @@ High level: connect to a service (or start a local one), create a tenant from a 
 SFT / RL / Eval job, stream its progress, wait for its result.
 
 Low level, Tinker-style: ``forward_backward(batch, loss)``, ``optim_step()``, ``save_weights()``
-and ``predict_action(obs, version=...)``, each returning a future. A tenant's low-level calls run
-in the order they were made; each datum is self-contained (observations + actions).
+and ``predict_action(obs, version=...)``, each returning a :class:`~nexus.client.futures.NexusFuture`
+(``.result()`` or ``await``). A tenant's training calls run in the order they were made; each datum is
+self-contained (observations + actions).
+
+Everything can come from files too: ``Nexus.local(config="service.toml")``, ``nx.submit("tenant.toml",
+"job.toml")``, ``nx.create_tenant("tenant.toml")``, ``tenant.submit("job.toml")`` (see ``nexus.config``).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nexus.config import ServiceConfig
-from nexus.errors import Conflict, Forbidden, JobFailed, NotFound
+from nexus.client.futures import NexusFuture
+from nexus.config import ServiceConfig, load_service_config, load_submission, read_toml
+from nexus.errors import Conflict, Forbidden, JobFailed, NotFound, SpecError, Unavailable
 from nexus.features import Observation
 from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec
+
+PathLike = str | Path
+TERMINAL = ("done", "failed", "cancelled")
 
 
 class Nexus:
@@ -45,18 +54,31 @@ class Nexus:
         else:
             from distributed import Client
 
+            probe_scheduler(address, min(timeout, 30), security)  # a dead address fails fast, not after minutes
             self._client = Client(address, timeout=timeout, set_as_default=False, security=security)
 
     @classmethod
-    def local(cls, root: str | Path = "runs/local", n_sim: int = 2, dashboard_address: str = "127.0.0.1:0",
-              n_infer: int | None = None, **config: Any) -> Nexus:
-        """Start the embedded default: a local Dask cluster running the Nexus service.
+    def local(cls, root: PathLike | None = None, n_sim: int | None = None, dashboard_address: str | None = None,
+              n_infer: int | None = None, *, config: ServiceConfig | PathLike | None = None,
+              overrides: Iterable[str] = (), **fields: Any) -> Nexus:
+        """Start the embedded default: a local Dask cluster running the Nexus service, and return a gateway
+        client holding the operator token (``nx.client``: the internal Dask connection).
 
-        ``n_infer``: INFER workers (default: ``inference_engines``); spare ones let the pool grow."""
+        Settings: ``config`` (a :class:`ServiceConfig` or a TOML file, as ``nexus up --config``), then
+        ``root`` and any ``ServiceConfig`` field as keyword arguments, then ``overrides`` (``"key.path=value"``,
+        as ``--set``). Without any, the root is ``runs/local``. ``n_infer``: INFER workers (default:
+        ``inference_engines``); spare ones let the pool grow.
+        """
         from nexus.cluster import LocalService
 
-        service = LocalService(ServiceConfig(root=str(Path(root).resolve()), **config), n_sim=n_sim,
-                               dashboard_address=dashboard_address, n_infer=n_infer).start()
+        if isinstance(config, ServiceConfig):
+            config = config.model_dump(exclude_unset=True)
+            cfg = load_service_config(None, overrides, **{"root": "runs/local", **config, **_given(root=root),
+                                                         **fields})
+        else:
+            defaults = {} if config is not None and "root" in read_toml(config) else {"root": "runs/local"}
+            cfg = load_service_config(config, overrides, **{**defaults, **_given(root=root), **fields})
+        service = LocalService(cfg, n_sim=n_sim, dashboard_address=dashboard_address, n_infer=n_infer).start()
         try:
             nx = cls(service.gateway_url, token=service.operator_token, service=service)
             nx._wait_for_workers(service.n_workers, timeout=180)
@@ -119,7 +141,7 @@ class Nexus:
         if self.transport is not None:
             self.transport.close()
         if self._predicts is not None:
-            self._predicts.shutdown(wait=False)
+            self._predicts.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             self._client.close()
         if self.service is not None:
@@ -132,10 +154,25 @@ class Nexus:
         self.close()
 
     # -- tenants and jobs ------------------------------------------------------------------
-    def create_tenant(self, spec: TenantSpec | dict[str, Any]) -> Tenant:
-        raw = spec.model_dump() if isinstance(spec, TenantSpec) else dict(spec)
+    def create_tenant(self, spec: TenantSpec | dict[str, Any] | PathLike, overrides: Iterable[str] = ()) -> Tenant:
+        """Create (or re-attach to) a tenant from a spec, a dict or a TOML file (``overrides``: ``tenant.*``
+        keys for a file)."""
+        if isinstance(spec, str | Path):
+            sub = load_submission([spec], overrides)
+            if sub.tenant is None:
+                raise SpecError(f"{spec}: no tenant in this file")
+            raw = sub.tenant
+        else:
+            raw = spec.model_dump() if isinstance(spec, TenantSpec) else dict(spec)
         info = self.call("nexus_create_tenant", spec=raw)
         return Tenant(self, info["tenant"], info)
+
+    def submit(self, *files: PathLike, overrides: Iterable[str] = (), tenant: str | None = None) -> list[Job]:
+        """Tenant and job files (``nexus submit``): create the tenant they describe (or use ``tenant``,
+        an existing one) and submit their jobs in file order."""
+        sub = load_submission(files, overrides, tenant)
+        t = self.create_tenant(sub.tenant) if sub.tenant is not None else self.tenant(sub.name)
+        return [t.submit(j) for j in sub.jobs]
 
     def tenant(self, name: str, token: str | None = None) -> Tenant:
         """A handle on an existing tenant (``token``: its secret, when this client does not hold it yet)."""
@@ -186,26 +223,151 @@ class Nexus:
         return self.call("nexus_scale_inference", n=n)
 
 
+def probe_scheduler(address: str, timeout: float, security: Any = None) -> dict[str, Any]:
+    """Ask ``address`` who it is, with a hard deadline: a dead address, or a port that is not a Dask scheduler
+    (e.g. the dashboard's), fails within ``timeout`` seconds with :class:`Unavailable` instead of hanging."""
+    import asyncio
+
+    async def identity() -> dict[str, Any]:
+        from distributed.comm import connect
+
+        args = security.get_connection_args("client") if security is not None else {}
+        comm = await asyncio.wait_for(connect(address, timeout=timeout, **args), timeout)
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await asyncio.wait_for(comm.read(), timeout)
+        finally:
+            comm.abort()
+
+    def probe() -> dict[str, Any]:
+        return asyncio.run(asyncio.wait_for(identity(), timeout + 1))
+
+    try:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the usual case (scripts, the CLI): no event loop in this thread
+            ident = probe()
+        else:  # called from async code (e.g. a notebook): probe on a helper thread
+            ident = _on_daemon_thread(probe)
+    except (OSError, TimeoutError, ValueError) as e:
+        reason = "no answer" if isinstance(e, TimeoutError) else " ".join(str(e).split())
+        raise Unavailable(f"could not reach a Dask scheduler at {address} within {timeout:g} s ({reason})") from None
+    if not isinstance(ident, dict) or ident.get("type") != "Scheduler":
+        kind = ident.get("type") if isinstance(ident, dict) else type(ident).__name__
+        raise Unavailable(f"{address} is a {kind}, not a Dask scheduler")
+    return ident
+
+
+def _on_daemon_thread(fn):
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True, name="nexus-probe")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _given(**kw: Any) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in kw.items() if v is not None}
+
+
+# the counter that measures a job's progress, and the metrics worth a line, per job kind
+COUNTERS = {"sft": "steps", "rl": "updates", "eval": "episodes"}
+HEADLINE = {"sft": ("loss", "heldout_action_mse"), "rl": ("return", "success_rate"), "eval": ("success_rate",
+                                                                                               "return")}
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """One look at a job: ``print(p)`` gives a line such as
+    ``pick-sft-sft-3  running  120/300 steps  v120  loss 0.083  heldout_action_mse 0.12  (41 s)``."""
+
+    job: str
+    tenant: str
+    kind: str
+    state: str
+    done: int
+    total: int
+    version: int | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    error: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def unit(self) -> str:
+        return COUNTERS.get(self.kind, "steps")
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.total if self.total else 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> JobProgress:
+        kind = info["kind"]
+        p = {**info.get("progress", {}), **(info.get("result") or {})}
+        unit = COUNTERS.get(kind, "steps")
+        total = int(info.get("spec", {}).get(unit, 0))
+        done = total if info["state"] == "done" and kind == "eval" else int(p.get(unit, 0) or 0)
+        metrics = {k: float(p[k]) for k in HEADLINE.get(kind, ()) if isinstance(p.get(k), int | float)}
+        end = info.get("t_end") or time.time()
+        return cls(job=info["job"], tenant=info["tenant"], kind=kind, state=info["state"], done=done, total=total,
+                   version=p.get("version"), metrics=metrics, elapsed_s=max(0.0, end - info.get("t_submit", end)),
+                   error=info.get("error"), raw=info)
+
+    def __str__(self) -> str:
+        parts = [self.job, self.state, f"{self.done}/{self.total} {self.unit}"]
+        if self.version is not None:
+            parts.append(f"v{self.version}")
+        parts += [f"{k} {v:.3g}" for k, v in self.metrics.items()]
+        parts.append(f"({self.elapsed_s:.0f} s)")
+        if self.error:
+            parts.append(f"error: {self.error}")
+        return "  ".join(parts)
+
+
 class Job:
     def __init__(self, nexus: Nexus, job_id: str, tenant: str | None = None) -> None:
         self.nexus, self.id, self.tenant = nexus, job_id, tenant
 
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
     def info(self) -> dict[str, Any]:
+        """The service's full view of the job (spec, state, progress, result, error, metering)."""
         return self.nexus.call("nexus_job", job_id=self.id, owner=self.tenant)
 
-    def stream(self, poll_s: float = 0.5) -> Iterator[dict[str, Any]]:
-        """Yield the job's state each time its progress changes, until it ends."""
-        if self.nexus.transport is not None:
-            yield from self.nexus.transport.stream(self.id, self.tenant, poll_s)
+    def progress(self) -> JobProgress:
+        return JobProgress.from_info(self.info())
+
+    def stream(self, poll_s: float = 0.5) -> Iterator[JobProgress]:
+        """Yield a :class:`JobProgress` each time the job's state or progress changes, until it ends."""
+        if self.nexus.transport is not None:  # the gateway's stream sends a view at each change
+            for info in self.nexus.transport.stream(self.id, self.tenant, poll_s):
+                yield JobProgress.from_info(info)
             return
         last = None
         while True:
-            info = self.info()
-            key = (info["state"], repr(sorted(info["progress"].items())))
+            p = self.progress()
+            key = (p.state, p.done, p.version, tuple(sorted(p.metrics.items())))
             if key != last:
                 last = key
-                yield info
-            if info["state"] in ("done", "failed", "cancelled"):
+                yield p
+            if p.finished:
                 return
             time.sleep(poll_s)
 
@@ -217,17 +379,13 @@ class Job:
         """Wait for the job with a progress bar (steps, updates or episodes); returns its result."""
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        info = self.info()
-        counter = {"sft": "steps", "rl": "updates", "eval": "episodes"}[info["kind"]]
-        total = info["spec"][counter]
-        with Progress(TextColumn(f"{self.id} ({counter})"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        first = self.progress()
+        with Progress(TextColumn(f"{self.id} ({first.unit})"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TextColumn("{task.fields[metric]}"), TimeElapsedColumn(), console=console) as bar:
-            task = bar.add_task(self.id, total=total, metric="")
-            for info in self.stream(poll_s):
-                p = {**info["progress"], **(info["result"] or {})}
-                metric = next((f"{k} {p[k]:.3f}" for k in ("loss", "return", "success_rate") if k in p), "")
-                done = total if info["state"] == "done" and counter == "episodes" else p.get(counter, 0)
-                bar.update(task, completed=done, metric=metric)
+            task = bar.add_task(self.id, total=first.total, metric="")
+            for p in self.stream(poll_s):
+                metric = "  ".join(f"{k} {v:.3f}" for k, v in p.metrics.items())
+                bar.update(task, completed=p.done, metric=metric)
         return self.result()
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
@@ -237,7 +395,7 @@ class Job:
             info = self.nexus.call("nexus_wait", job_id=self.id, timeout=min(left or 30.0, 30.0), owner=self.tenant)
             if info["state"] == "done":
                 return info["result"]
-            if info["state"] in ("failed", "cancelled"):
+            if info["state"] in TERMINAL:
                 raise JobFailed(f"job {self.id} {info['state']}: {info['error']}")
             if deadline is not None and time.time() >= deadline:
                 raise TimeoutError(f"job {self.id} still {info['state']} after {timeout} s")
@@ -265,8 +423,18 @@ class Tenant:
         """One file of the tenant's output dir (e.g. ``manifest.json``, ``weights/v000003.pt``)."""
         return self.nexus.transport.read_file(self.name, path)
 
-    def submit(self, job: SFTJob | RLJob | EvalJob | dict[str, Any]) -> Job:
-        raw = job.model_dump() if not isinstance(job, dict) else job
+    def __repr__(self) -> str:
+        return f"Tenant({self.name!r})"
+
+    def submit(self, job: SFTJob | RLJob | EvalJob | dict[str, Any] | PathLike, overrides: Iterable[str] = ()) -> Job:
+        """Submit a job: a spec, a dict or a TOML job file (``overrides``: ``job.*`` keys for a file)."""
+        if isinstance(job, str | Path):
+            sub = load_submission([job], overrides, self.name)
+            if len(sub.jobs) != 1 or sub.tenant is not None:
+                raise SpecError(f"{job}: expected exactly one job and no tenant (nexus.submit takes several)")
+            raw = sub.jobs[0]
+        else:
+            raw = job.model_dump() if not isinstance(job, dict) else job
         return Job(self.nexus, self.nexus.call("nexus_submit", tenant=self.name, job=raw), self.name)
 
     def sft(self, **kw: Any) -> Job:
@@ -279,7 +447,7 @@ class Tenant:
         return self.submit(EvalJob(**kw))
 
     # -- low level (futures) ---------------------------------------------------------------
-    def forward_backward(self, batch: dict[str, Any], loss: str = "sft") -> Future:
+    def forward_backward(self, batch: dict[str, Any], loss: str = "sft") -> NexusFuture[dict[str, Any]]:
         """Accumulate gradients of ``loss`` on a self-contained batch.
 
         ``batch``: ``observations`` (list of :class:`Observation`), ``actions`` [N, A]; for
@@ -288,7 +456,7 @@ class Tenant:
         (a PPOConfig dict). The batch goes to a worker directly; the scheduler sees its name only.
         """
         if self.nexus.transport is not None:  # to the gateway, which sends it to the actor worker directly
-            return self._ops.submit(self.nexus.transport.forward_backward, self.name, batch, loss)
+            return NexusFuture.run(self._ops, self.nexus.transport.forward_backward, self.name, batch, loss)
 
         def run() -> dict[str, Any]:
             client = self.nexus.client
@@ -303,14 +471,15 @@ class Tenant:
                 if name in client.list_datasets():
                     client.unpublish_dataset(name)
 
-        return self._ops.submit(run)
+        return NexusFuture.run(self._ops, run)
 
-    def optim_step(self) -> Future:
-        return self._ops.submit(self.nexus.call, "nexus_op", tenant=self.name, verb="optim_step")
+    def optim_step(self) -> NexusFuture[dict[str, Any]]:
+        return NexusFuture.run(self._ops, self.nexus.call, "nexus_op", tenant=self.name, verb="optim_step")
 
-    def save_weights(self) -> Future:
+    def save_weights(self) -> NexusFuture[int]:
         """Publish the current head as a new policy version; the future gives the version."""
-        return self._ops.submit(lambda: self.nexus.call("nexus_op", tenant=self.name, verb="save_weights")["version"])
+        return NexusFuture.run(self._ops,
+                               lambda: self.nexus.call("nexus_op", tenant=self.name, verb="save_weights")["version"])
 
     def export(self, version: int | None = None, path: str | Path | None = None, *,
                server_path: str | None = None) -> dict[str, Any]:
@@ -362,10 +531,13 @@ class Tenant:
             raise
         return target
 
-    def predict_action(self, obs: Observation, version: int | None = None, deterministic: bool = True) -> Future:
-        """An action from the tenant's inference engine (grouped with other tenants' requests)."""
+    def predict_action(self, obs: Observation, version: int | None = None,
+                       deterministic: bool = True) -> NexusFuture[dict[str, Any]]:
+        """An action from the tenant's inference engine (grouped with other tenants' requests); the future
+        gives ``{"action": array, "version": int, ...}``. Not ordered behind this tenant's training calls."""
         if self.nexus.transport is not None:
             if self.nexus._predicts is None:
                 self.nexus._predicts = ThreadPoolExecutor(4, thread_name_prefix="nexus-predict")
-            return self.nexus._predicts.submit(self.nexus.transport.predict, self.name, obs, version, deterministic)
-        return self.nexus.predictor().predict(self.name, obs, version, deterministic)
+            return NexusFuture.run(self.nexus._predicts, self.nexus.transport.predict, self.name, obs, version,
+                                   deterministic)
+        return NexusFuture.of(self.nexus.predictor().predict(self.name, obs, version, deterministic))

@@ -91,14 +91,18 @@ def _scale(a: argparse.Namespace, connect: Callable) -> int:
     return 0
 
 
-def add_commands(sub, connect: Callable, common: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Register the subcommands; ``connect(args)`` opens a ``Nexus``, ``common`` adds --root/--address."""
-    c = sub.add_parser("cancel", help="cancel a job (frees its admission slots, queued items and pins)")
+def add_commands(sub, connect: Callable, common: Callable[[argparse.ArgumentParser], None],
+                 parents: list[argparse.ArgumentParser] = ()) -> None:
+    """Register the subcommands; ``connect(args)`` opens a ``Nexus``, ``common`` adds --root/--address,
+    ``parents``: shared options (``--debug``)."""
+    c = sub.add_parser("cancel", parents=list(parents),
+                       help="cancel a job (frees its admission slots, queued items and pins)")
     c.add_argument("job")
-    d = sub.add_parser("delete", help="delete a tenant (cancels its jobs; keeps its output dir unless --purge)")
+    d = sub.add_parser("delete", parents=list(parents),
+                       help="delete a tenant (cancels its jobs; keeps its output dir unless --purge)")
     d.add_argument("tenant")
     d.add_argument("--purge", action="store_true", help="also delete the tenant's output dir")
-    s = sub.add_parser("scale-inference", help="grow or shrink the inference pool to N engines")
+    s = sub.add_parser("scale-inference", parents=list(parents), help="grow or shrink the inference pool to N engines")
     s.add_argument("n", type=int)
     for p, fn in ((c, _cancel), (d, _delete), (s, _scale)):
         common(p)

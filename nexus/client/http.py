@@ -62,6 +62,28 @@ class HttpTransport:
     def close(self) -> None:
         self.http.close()
 
+    def probe(self, timeout: float) -> None:
+        """Check within ``timeout`` seconds that a JoyNexus gateway answers at the URL and takes the token
+        (:class:`Unavailable` if nothing or something else answers; the gateway's own error otherwise)."""
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            r = self.http.get("/v1/status", headers=headers, timeout=httpx.Timeout(timeout))
+        except httpx.TimeoutException:
+            raise Unavailable(f"no answer from a gateway at {self.url} within {timeout:g} s") from None
+        except httpx.TransportError as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise Unavailable(f"could not reach a gateway at {self.url} within {timeout:g} s ({reason})") from None
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or (r.status_code >= 400 and "error" not in body):
+            raise Unavailable(f"{self.url} answers HTTP {r.status_code} but is not a JoyNexus gateway")
+        if r.status_code >= 400:
+            raise self._error(r)
+
     # -- plumbing --------------------------------------------------------------------------
     def _token(self, tenant: str | None) -> str | None:
         return self.tokens.get(tenant, self.token) if tenant else self.token

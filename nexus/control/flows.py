@@ -38,7 +38,7 @@ class FlowContext:
     health: HealthManager
     runtime: DaskRuntime
     rollout_attempts: int
-    log: Callable[[JobState, dict[str, Any], int], None]
+    log: Callable[[JobState, dict[str, Any], int, str], None]  # (job, metrics, step, history kind)
     datapath: DataPathSettings = field(default_factory=DataPathSettings)
 
     def sync_rule(self, live_consumers: bool) -> dict[str, Any]:
@@ -48,7 +48,7 @@ class FlowContext:
         return {"policy": dp.sync_policy, "every": dp.sync_every, "live_consumers": live_consumers}
 
     def log_update(self, js: JobState, res: dict[str, Any], **counters: int) -> None:
-        self.log(js, {**res["metrics"], **counters, "version": res["version"]}, res["version"])
+        self.log(js, {**res["metrics"], **counters, "version": res["version"]}, res["version"], "train")
 
 
 def producer_role(job_id: str) -> str:
@@ -80,10 +80,12 @@ async def run_sft(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, A
     pending: set[asyncio.Task] = set()
     done_steps = 0
     js.progress.update(steps=0, version=t.version)
+    # the held-out error costs several steps' compute (flow experts integrate an ODE): ~60 points a job
+    heldout_every = max(10, spec.steps // 60)
 
     def harvest(finished: set[asyncio.Task]) -> None:
         nonlocal done_steps
-        for f in finished:
+        for f in sorted(finished, key=lambda f: f.result()["version"]):  # monotonic steps
             done_steps += 1
             ctx.log_update(js, f.result(), steps=done_steps)
 
@@ -93,7 +95,7 @@ async def run_sft(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, A
             item = TrainingItem(tenant=t.name, kind="sft", policy_version=t.version,
                                 payload={"job": js.job_id, "dataset": t.spec.dataset, "step": k,
                                          "batch_size": spec.batch_size,
-                                         "eval_heldout": k == spec.steps - 1 or k % 10 == 0,
+                                         "eval_heldout": k == spec.steps - 1 or k % heldout_every == 0,
                                          "sync": ctx.sync_rule(live_consumers=False)})
             pending.add(_spawn(ctx.dispatcher.submit(item)))
             ctx.health.progress(role, batches=k + 1)
@@ -159,7 +161,8 @@ async def run_rl(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, An
                     for k in producer_totals:
                         producer_totals[k] += float(out["stats"].get(k, 0.0))
                     ctx.log(js, {"return": out["stats"]["mean_return"], "success_rate": out["stats"]["success_rate"],
-                                 "episodes": episodes, "env_steps": env_steps, **producer_totals}, t.version)
+                                 "episodes": episodes, "env_steps": env_steps, **producer_totals,
+                                 "version": out["batch"]["policy_version"]}, env_steps, "rollout")
                     item = TrainingItem(tenant=name, kind="rl", policy_version=out["batch"]["policy_version"],
                                         payload={"job": js.job_id, "batch": out["batch"], "ppo": spec.ppo.model_dump(),
                                                  "sync": ctx.sync_rule(live_consumers=True)})
@@ -169,7 +172,7 @@ async def run_rl(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, An
                     res = f.result()
                     if res.get("dropped"):
                         dropped += 1
-                        ctx.log(js, {"dropped_stale": dropped}, t.version)
+                        ctx.log(js, {"dropped_stale": dropped}, dropped, "queue")
                     else:
                         updates += 1
                         ctx.log_update(js, res, updates=updates)
@@ -200,6 +203,9 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
 async def run_eval(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, Any]:
     spec = js.spec
     version = t.version if spec.version is None else spec.version
+    # retention keeps every evaluated version: mark it before anything can prune it (refused if already pruned)
+    await ctx.runtime.run(tasks.MARK_EVALUATION, t.output_dir, js.job_id, version,
+                          key=f"nexus-evalmark-{js.job_id}", resources={"SIM": 1})
     role = producer_role(js.job_id)
     ctx.health.register(role, "rollout")
     js.progress.update(version=version, episodes=0)
@@ -235,7 +241,7 @@ async def run_eval(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, 
     report["report_path"] = await ctx.runtime.run(tasks.WRITE_EVAL_REPORT, t.output_dir, report,
                                                   key=f"nexus-evalreport-{js.job_id}", resources={"SIM": 1})
     ctx.log(js, {"success_rate": stats["success_rate"], "return": stats["mean_return"],
-                 "episodes": stats["episodes"]}, version)
+                 "episodes": stats["episodes"]}, version, "eval")
     return report
 
 

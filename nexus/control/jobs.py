@@ -146,10 +146,11 @@ class JobManager:
     def of_tenant(self, tenant: str) -> list[JobState]:
         return [j for j in self.jobs.values() if j.tenant == tenant]
 
-    def log(self, js: JobState, metrics: dict[str, Any], step: int) -> None:
-        js.progress.update(metrics)
-        js.history.append({"step": step, **metrics})
-        self.tracker.log_metrics(js.job_id, metrics, step)
+    def log(self, js: JobState, metrics: dict[str, Any], step: int, kind: str) -> None:
+        """One history row (``nexus.history``: kind train / rollout / eval / queue, a monotonic step per kind)."""
+        js.progress.update({k: v for k, v in metrics.items() if not (kind == "rollout" and k == "version")})
+        js.history.append({"kind": kind, "step": step, **metrics})
+        self.tracker.log_metrics(js.job_id, metrics, step, kind)
 
     # -- runner -----------------------------------------------------------------------------------------
     async def _run(self, js: JobState, t: TenantState) -> None:
@@ -161,7 +162,7 @@ class JobManager:
             # an evaluation is a nested run under the tenant's latest training job
             parent = next((j for j in reversed(t.jobs) if j in self.jobs and self.jobs[j].spec.kind != "eval"), None)
             self.tracker.start_run(js.job_id, js.tenant, js.spec.kind, params,
-                                   parent if js.spec.kind == "eval" else None)
+                                   parent if js.spec.kind == "eval" else None, js.t_submit)
             runner = {"sft": flows.run_sft, "rl": flows.run_rl, "eval": flows.run_eval}[js.spec.kind]
             js.result = await runner(self.ctx, js, t)
             js.state = "done"
@@ -196,12 +197,14 @@ class JobManager:
         """Checkpoint (training jobs), record the job in its output dir, close the MLflow run."""
         artifacts: list[str] = []
         if self.registry.find(js.tenant) is t and t.phase != "deleting":
-            record = js.record()
+            record = _plain(js.record() | {"history": js.history})
             train = js.spec.kind in ("sft", "rl")
+            # MLflow gets the weights of the version this job evaluated or produced
+            version = (js.result or js.progress).get("version")
             try:
                 engines = tuple(self.ctx.pool.push_targets()) if train else ()  # lazy sync's last version
-                out = await self.actors.run(tasks.FINISH_JOB, lambda r: (js.tenant, t.output_dir, record, train,
-                                                                         engines),
+                out = await self.actors.run(tasks.FINISH_JOB,
+                                            lambda r: (js.tenant, t.output_dir, record, train, version, engines),
                                             key=f"nexus-finish-{js.job_id}", retry_lost=True, timeout=600)
                 artifacts = list(out["artifacts"])
             except Exception as e:
@@ -213,7 +216,7 @@ class JobManager:
         except Exception as e:
             logger.info("flushing engine signals: %s", e)
         self.tracker.end_run(js.job_id, js.state, artifacts, _plain(js.result or {}), _plain(js.history),
-                             self.monitoring.job_metering(js.job_id))
+                             self.monitoring.job_metering(js.job_id), js.t_end)
 
 
 def _plain(x: Any) -> Any:

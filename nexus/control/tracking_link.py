@@ -38,18 +38,21 @@ class TrackerLink:
 
     # -- calls (never wait) -----------------------------------------------------------------------------
     def start_run(self, job_id: str, tenant: str, kind: str, params: dict[str, Any],
-                  parent_job: str | None = None) -> None:
-        self._queue("start_run", job_id=job_id, tenant=tenant, kind=kind, params=params, parent_job=parent_job)
+                  parent_job: str | None = None, start_time: float | None = None) -> None:
+        # the job's own times (not when the tracker got to the call): a resent batch keeps them
+        self._queue("start_run", job_id=job_id, tenant=tenant, kind=kind, params=params, parent_job=parent_job,
+                    start_time=start_time)
 
-    def log_metrics(self, job_id: str, metrics: dict[str, Any], step: int) -> None:
+    def log_metrics(self, job_id: str, metrics: dict[str, Any], step: int, kind: str = "train") -> None:
         plain = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         if plain:
-            self._queue("log_metrics", job_id=job_id, metrics=plain, step=int(step))
+            self._queue("log_metrics", job_id=job_id, metrics=plain, step=int(step), kind=kind)
 
     def end_run(self, job_id: str, status: str, artifacts: list[str], result: dict[str, Any],
-                history: list[dict[str, Any]] | None = None, metering: dict[str, float] | None = None) -> None:
+                history: list[dict[str, Any]] | None = None, metering: dict[str, float] | None = None,
+                end_time: float | None = None) -> None:
         self._queue("end_run", job_id=job_id, status=status, artifacts=list(artifacts), result=result,
-                    history=history, metering=metering)
+                    history=history, metering=metering, end_time=end_time)
 
     def fail_interrupted(self, before_ms: int, root: str, reason: str) -> None:
         self._queue("fail_interrupted", before_ms=int(before_ms), root=root, reason=reason)

@@ -90,10 +90,13 @@ def check_eval_version(tenant: str, version: int | None, current: int, limits: S
         return
     if version > current:
         raise NotFound(f"tenant {tenant!r} has no version {version} yet (current {current})")
+    if limits.max_versions_kept == 0 or version == 0:  # keep all; the initial version is always kept
+        return
     oldest = max(0, current - limits.max_versions_kept + 1)
     if version < oldest:
         raise NotFound(f"version {version} of tenant {tenant!r} was pruned: only the last "
-                       f"max_versions_kept={limits.max_versions_kept} versions are kept (oldest {oldest})")
+                       f"max_versions_kept={limits.max_versions_kept} versions and the initial one are kept "
+                       f"(oldest {oldest})")
 
 
 def validate_tenant(raw: dict[str, Any] | TenantSpec,

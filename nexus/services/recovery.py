@@ -191,9 +191,11 @@ def run_update(req: UpdateRequest, data: Any = None) -> UpdateResult:
 
 
 def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool,
-               engines: tuple = ()) -> dict[str, Any]:
-    """At a job's end: checkpoint (training jobs, unless this version has one), record the job, and push
-    the last version to ``engines`` if lazy sync held it back."""
+               version: int | None = None, engines: tuple = ()) -> dict[str, Any]:
+    """At a job's end: checkpoint (training jobs, unless this version has one), record the job (its metric
+    history goes to ``jobs/<job>.json``), and push the last version to ``engines`` if lazy sync held it
+    back. The artifacts are the manifest and the weights of ``version`` (the version the job evaluated or
+    produced; default: the slot's current one) and, for a finished training job, its exported policy."""
     from nexus.services.training import _metered
 
     with _metered(tenant, "checkpoint"):
@@ -209,13 +211,16 @@ def finish_job(tenant: str, output_dir: str, record: dict, checkpoint: bool,
                 limits = _state().training().config.limits_for(tenant)
                 out.prune(limits.max_versions_kept, limits.max_checkpoints_kept)
             record["checkpoint"] = out.latest_checkpoint()["tag"]
+        if record.get("history") is None:
+            out.write_job(record)  # add_job writes the record file itself when there is a history
         out.add_job(record)
-        out.write_job(record)
         artifacts = [str(out.manifest_path)]
-        if slot is not None and out.weights_path(slot.version).exists():
-            artifacts.append(str(out.weights_path(slot.version)))
-            if checkpoint and record.get("state") == "done":  # the job's MLflow model: its final version, exported
-                artifacts += _export_for_tracking(tenant, slot, output_dir)
+        if version is None and slot is not None:
+            version = slot.version
+        if version is not None and out.weights_path(version).exists():
+            artifacts.append(str(out.weights_path(version)))
+        if slot is not None and checkpoint and record.get("state") == "done":  # the job's MLflow model
+            artifacts += _export_for_tracking(tenant, slot, output_dir)
     res: dict[str, Any] = {"artifacts": artifacts}
     if engines:
         from distributed import get_worker

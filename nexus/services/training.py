@@ -172,9 +172,8 @@ def _publish_version(svc: TrainingModelService, tenant: str, out, engine, source
     if should_push(version, sync):
         pushed = _push_weights(engine, tenant, version, weights)
         svc.synced[tenant] = version
-    out.add_version(version, source)
     limits = svc.config.limits_for(tenant)
-    out.prune(limits.max_versions_kept, limits.max_checkpoints_kept)
+    out.add_version(version, source, keep=(limits.max_versions_kept, limits.max_checkpoints_kept))  # + retention
     return version, pushed
 
 
