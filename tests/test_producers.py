@@ -54,7 +54,7 @@ class SlowClient:
         self.sizes.append(len(observations))
 
         def answer():
-            time.sleep(0.002)
+            time.sleep(0.02)  # well above one env step (even on a loaded machine): the producer does wait
             return ActionReply(outputs=[_policy(o) for o in observations], engine_wait_s=0.0005, compute_s=0.001)
 
         return self.pool.submit(answer)
@@ -185,6 +185,18 @@ def _initial(specs, schema, svc) -> dict:
     return TenantPolicy.from_spec(specs["cached"], schema, svc.feat_dim).state_dict()
 
 
+def _camera_batch(schema, feat_dim: int, seed: int, n: int = 3) -> dict:
+    """A stored RL batch of a camera env with a (constant) cached feature column."""
+    rng = np.random.default_rng(seed)
+    return {"episode": np.zeros(n, np.int64), "step": np.arange(n, dtype=np.int32),
+            "state": rng.normal(size=(n, schema.proprio_dim)).astype(np.float32),
+            "image.base_camera": rng.integers(0, 256, (n, 64, 64, 3), dtype=np.uint8),
+            "action": np.zeros((n, 4), np.float32), "reward": np.zeros(n, np.float32),
+            "terminated": np.zeros(n, bool), "truncated": np.zeros(n, bool), "success": np.zeros(n, bool),
+            "logprob": np.zeros(n, np.float32), "value": np.zeros(n, np.float32),
+            "policy_version": np.zeros(n, np.int64), "feature": np.ones((n, feat_dim), np.float32)}
+
+
 def test_features_of_another_backbone_are_recomputed(stack):
     """A batch whose features came from another backbone (another image size here) is not trusted."""
     from nexus.data.trajectory_store import TrajectoryStore
@@ -192,15 +204,7 @@ def test_features_of_another_backbone_are_recomputed(stack):
 
     cfg, engine, svc, specs, schema = stack
     store = TrajectoryStore(cfg.tenants_dir.parent / "foreign", "cached", schema)
-    rng = np.random.default_rng(0)
-    n = 3
-    cols = {"episode": np.zeros(n, np.int64), "step": np.arange(n, dtype=np.int32),
-            "state": rng.normal(size=(n, schema.proprio_dim)).astype(np.float32),
-            "image.base_camera": rng.integers(0, 256, (n, 64, 64, 3), dtype=np.uint8),
-            "action": np.zeros((n, 4), np.float32), "reward": np.zeros(n, np.float32),
-            "terminated": np.zeros(n, bool), "truncated": np.zeros(n, bool), "success": np.zeros(n, bool),
-            "logprob": np.zeros(n, np.float32), "value": np.zeros(n, np.float32),
-            "policy_version": np.zeros(n, np.int64), "feature": np.ones((n, svc.feat_dim), np.float32)}
+    cols = _camera_batch(schema, svc.feat_dim, seed=0)
     ref = store.append(cols, feature_key="qwen3vl:tiny:float32@128px")
     table = read_ipc(ref.path)
     feats, _, cached = batch_features(svc, "cached", table, table_arrays(table))
@@ -244,15 +248,7 @@ def test_a_lora_tenant_recomputes_features_through_its_adapter(stack):
     init_tenant(TenantSetup("adapted", spec.model_dump(), schema_to_dict(schema), str(cfg.tenants_dir / "adapted")))
     key = svc.framework.preprocessors["adapted"].compat_key
     store = TrajectoryStore(cfg.tenants_dir / "adapted" / "trajectories", "adapted", schema)
-    rng = np.random.default_rng(1)
-    n = 3
-    cols = {"episode": np.zeros(n, np.int64), "step": np.arange(n, dtype=np.int32),
-            "state": rng.normal(size=(n, schema.proprio_dim)).astype(np.float32),
-            "image.base_camera": rng.integers(0, 256, (n, 64, 64, 3), dtype=np.uint8),
-            "action": np.zeros((n, 4), np.float32), "reward": np.zeros(n, np.float32),
-            "terminated": np.zeros(n, bool), "truncated": np.zeros(n, bool), "success": np.zeros(n, bool),
-            "logprob": np.zeros(n, np.float32), "value": np.zeros(n, np.float32),
-            "policy_version": np.zeros(n, np.int64), "feature": np.ones((n, svc.feat_dim), np.float32)}
+    cols = _camera_batch(schema, svc.feat_dim, seed=1)
     table = read_ipc(store.append(cols, feature_key=key).path)
     _, _, cached = batch_features(svc, "adapted", table, table_arrays(table))
     assert not cached  # same backbone key, pooled-only head: a plain tenant would have read the column

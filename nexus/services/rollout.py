@@ -182,16 +182,6 @@ def collect(tenant: str, env_name: str, output_dir: str, schema: dict, episodes:
     return result
 
 
-def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Episode statistics of several rollout tasks, weighted by their episode counts."""
-    episodes = sum(p["episodes"] for p in parts)
-    if episodes == 0:
-        return {"episodes": 0, "steps": 0, "mean_return": 0.0, "success_rate": 0.0}
-    return {"episodes": episodes, "steps": sum(p["steps"] for p in parts),
-            "mean_return": sum(p["mean_return"] * p["episodes"] for p in parts) / episodes,
-            "success_rate": sum(p["success_rate"] * p["episodes"] for p in parts) / episodes}
-
-
 def write_eval_report(output_dir: str, report: dict[str, Any]) -> str:
     from nexus.data.output_dir import TenantOutputDir, atomic_write_bytes
 
