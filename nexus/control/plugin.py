@@ -52,6 +52,9 @@ class NexusPlugin(SchedulerPlugin):
             "nexus_route": m.route,
             "nexus_engines": m.engines,
             "nexus_wait_ready": m.wait_ready,
+            "nexus_accounting": m.accounting,
+            "nexus_scheduling": m.scheduling,
+            "nexus_set_policy": m.set_policy,
         })
         scheduler.get_task_stream(count=0)  # record task start/stops from the start (dashboard, metering checks)
         for address in scheduler.workers:  # workers that joined before the plugin
