@@ -208,3 +208,20 @@ def test_accounting_counts_unlisted_workers_and_empty_windows():
     got = mon.accounting({"simulator": ["sim-0"]}, mon.t_start, mon.t_start + 2)["services"]["simulator"]
     assert got["utilization"] == pytest.approx(0.5)
     assert got["split_s"] == pytest.approx({"stepping": 0.6, "waiting_for_actions": 0.3, "other": 0.1})
+
+
+def test_running_totals_match_the_span_accounting_for_sequential_slots():
+    mon = MonitoringState()
+    mon.t_start -= 10  # spans of the last 10 s
+    t = mon.t_start
+    for k in range(3):
+        mon.ingest({"kind": "update", "worker": "actor-0", "tenant": "a", "t0": t + k, "t1": t + k + 0.5})
+    mon.ingest({"kind": "inference", "worker": "infer-0", "busy_s": 0.2, "by_tenant": {"a": 0.2},
+                "spans": [(t, t + 0.1, ["a"]), (t + 1, t + 1.1, ["a", "b"])], "sizes": [4, 8]})
+    slots = {"actor": ["actor-0"], "inference": ["infer-0"], "simulator": ["sim-0"]}
+    tot = mon.totals(slots)
+    acc = mon.accounting(slots, t, t + 10)
+    for s in ("actor", "inference"):
+        assert tot["services"][s]["busy_s"] == pytest.approx(acc["services"][s]["busy_s"])
+        assert 0.0 <= tot["services"][s]["utilization"] <= 1.0
+    assert tot["services"]["simulator"]["slots"] == 1 and tot["services"]["simulator"]["busy_s"] == 0.0

@@ -54,6 +54,8 @@ class MonitoringState:
     simulator_split: dict[str, dict[str, float]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # (service, worker) -> busy seconds since the start (status's accounting, without walking the spans)
+    busy_slot: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
     inference_pending: int = 0
     t_start: float = field(default_factory=time.time)
 
@@ -68,6 +70,7 @@ class MonitoringState:
             if msg.get("job"):
                 self.metered_jobs[msg["job"]][service] += seconds
             self.busy[service] += seconds
+            self.busy_slot[(service, str(msg["worker"]))] += seconds
             self.spans.append(Span(service, str(msg["worker"]), msg["tenant"], msg["t0"], msg["t1"],
                                    msg.get("what", kind), float(msg.get("sim_s", 0.0)),
                                    float(msg.get("action_wait_s", 0.0))))
@@ -87,6 +90,7 @@ class MonitoringState:
             for job, s in msg.get("by_job", {}).items():
                 self.metered_jobs[job]["inference"] += float(s)
             for t0, t1, tenants in msg.get("spans", ()):
+                self.busy_slot[("inference", str(msg["worker"]))] += float(t1) - float(t0)
                 self.spans.append(Span("inference", str(msg["worker"]), "+".join(sorted(tenants)), t0, t1, "group"))
             self.group_sizes.extend(msg.get("sizes", ()))
             self.group_waits.extend(msg.get("waits", ()))
@@ -108,6 +112,27 @@ class MonitoringState:
         """Device time and utilization of each service over ``[t0, t1]`` from the recorded spans."""
         return accounting(list(self.spans), slots, self.t_start if t0 is None else t0,
                           time.time() if t1 is None else t1)
+
+    def totals(self, slots: dict[str, list[str]]) -> dict[str, Any]:
+        """The accounting since the service started from running sums (cheap: ``status()`` calls it)."""
+        wall = max(time.time() - self.t_start, 0.0)
+        out: dict[str, Any] = {"t0": self.t_start, "wall_s": wall, "services": {}}
+        dev = busy_all = 0.0
+        for service in SERVICES:
+            workers = set(slots.get(service, [])) | {w for s, w in self.busy_slot if s == service}
+            busy = {w: min(self.busy_slot.get((service, w), 0.0), wall) for w in sorted(workers)}
+            device = len(workers) * wall
+            row: dict[str, Any] = {"slots": len(workers), "device_s": device, "busy_s": sum(busy.values()),
+                                   "busy_per_slot_s": busy,
+                                   "utilization": sum(busy.values()) / device if device > 0 else 0.0}
+            if service == "simulator":
+                row["split_s"] = {"stepping": sum(v.get("sim_s", 0.0) for v in self.simulator_split.values()),
+                                  "waiting_for_actions": sum(v.get("action_wait_s", 0.0)
+                                                             for v in self.simulator_split.values())}
+            out["services"][service] = row
+            dev, busy_all = dev + device, busy_all + row["busy_s"]
+        out["device_s"], out["utilization"] = dev, busy_all / dev if dev > 0 else 0.0
+        return out
 
     def snapshot(self, since: float = 0.0) -> dict[str, Any]:
         return {
