@@ -51,8 +51,10 @@ def test_isolated_tenants_never_overlap_and_accounting_holds(nx):
 
     acc = nx.internal("nexus_accounting", t0=t0, t1=t1)
     assert acc["wall_s"] == pytest.approx(t1 - t0)
+    allocated = {"actor": 1, "inference": 1, "simulator": 2}  # the module's cluster: spans map onto its slots
+    assert {s: r["slots"] for s, r in acc["services"].items()} == allocated, acc
+    assert {s: r["slots"] for s, r in nx.status()["accounting"]["services"].items()} == allocated
     for service, row in acc["services"].items():
-        assert row["slots"] >= 1, service
         assert row["device_s"] == pytest.approx(row["slots"] * acc["wall_s"])
         assert all(0 <= b <= acc["wall_s"] + 1e-6 for b in row["busy_per_slot_s"].values()), row
         assert 0.0 < row["utilization"] <= 1.0, (service, row)

@@ -200,6 +200,8 @@ def test_accounting_busy_never_exceeds_wall_and_utilizations_are_fractions():
 def test_accounting_counts_unlisted_workers_and_empty_windows():
     acc = accounting(_spans(), {"actor": []}, 0.0, 10.0)
     assert acc["services"]["actor"]["slots"] == 1  # seen in the spans: allocated
+    named = accounting(_spans(), {"actor": ["a0"]}, 0.0, 10.0, aliases={"actor-0": "a0"})["services"]["actor"]
+    assert named["slots"] == 1 and named["busy_per_slot_s"] == pytest.approx({"a0": 3.0})  # an address, a name
     empty = accounting(_spans(), {"actor": ["actor-0"]}, 20.0, 20.0)
     assert empty["services"]["actor"]["utilization"] == 0.0 and empty["device_s"] == 0.0
     mon = MonitoringState()

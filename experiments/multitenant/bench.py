@@ -38,6 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HERE = Path(__file__).resolve().parent
 PAPER = {"efficiency": 1.39, "utilization": {"actor": (0.208, 0.413), "inference": (0.281, 0.375)}}
+WORKER_NAMES: dict[str, str] = {}  # worker address -> name (timeline labels)
 TENANTS = {  # name -> (spec fields, job)
     "ms-state": ({"env": "maniskill/pushcube-state", "action_dim": 4, "priority": 1}, "rl"),
     "ms-rgb": ({"env": "maniskill/pickcube-rgb", "action_dim": 4, "priority": 1}, "rl"),
@@ -122,7 +123,7 @@ def draw_timelines(runs: list[dict], path: Path) -> None:
                 tenants = s["tenant"].split("+")
                 c = colors.get(tenants[0], "gray") if len(tenants) == 1 else "black"
                 ax.broken_barh([(a, max(b - a, 0.002))], (y - 0.4, 0.8), facecolors=c, linewidth=0)
-        ax.set_yticks(range(len(rows)), [f"{s} {w}" for s, w in rows])
+        ax.set_yticks(range(len(rows)), [f"{s} {WORKER_NAMES.get(w, w)}" for s, w in rows])
         ax.set_xlim(0, span * 1.02)
         u = run["utilization"]
         ax.set_title(f"{run['mode']} ({run['policy']}): makespan {run['makespan_s']:.0f} s, utilization actor "
@@ -164,6 +165,7 @@ def main() -> None:
     t_bench = time.time()
     with Nexus.local(work / "service", n_sim=args.n_sim, backbone=backbone, scheduler=args.policies.split(",")[0],
                      datapath={"envs_per_producer": args.envs}) as nx:
+        WORKER_NAMES.update({a: str(i.get("name", a)) for a, i in nx.client.scheduler_info()["workers"].items()})
         for name, (kw, _) in TENANTS.items():
             nx.create_tenant(TenantSpec(name=name, hidden_dim=128, seed=len(name), **kw))
         run_mode(nx, "warm-up", policies[args.policies.split(",")[0]], args, warm=True)

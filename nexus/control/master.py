@@ -190,9 +190,13 @@ class Master:
                 "inference": sorted({names.get(m.worker, str(m.worker)) for m in self.pool.serving()}),
                 "simulator": sorted(str(ws.name) for ws in self.scheduler.workers.values() if "SIM" in ws.resources)}
 
+    def worker_aliases(self) -> dict[str, str]:
+        """Worker address -> name: signals name their worker by address, slots by name."""
+        return {addr: str(ws.name) for addr, ws in self.scheduler.workers.items()}
+
     def accounting(self, t0: float | None = None, t1: float | None = None) -> dict[str, Any]:
         """Busy time, device time and utilization per service over ``[t0, t1]`` (default: the service's life)."""
-        return self.monitoring.accounting(self.slots(), t0, t1)
+        return self.monitoring.accounting(self.slots(), t0, t1, self.worker_aliases())
 
     def scheduling(self) -> dict[str, Any]:
         return {"policy": self.config.scheduler_policy.model_dump() if self.config.scheduler_policy else None,

@@ -107,20 +107,24 @@ class MonitoringState:
         per = self.metered_jobs.get(job, {})
         return {s: round(per.get(s, 0.0), 6) for s in SERVICES}
 
-    def accounting(self, slots: dict[str, list[str]], t0: float | None = None,
-                   t1: float | None = None) -> dict[str, Any]:
+    def accounting(self, slots: dict[str, list[str]], t0: float | None = None, t1: float | None = None,
+                   aliases: dict[str, str] | None = None) -> dict[str, Any]:
         """Device time and utilization of each service over ``[t0, t1]`` from the recorded spans."""
         return accounting(list(self.spans), slots, self.t_start if t0 is None else t0,
-                          time.time() if t1 is None else t1)
+                          time.time() if t1 is None else t1, aliases)
 
-    def totals(self, slots: dict[str, list[str]]) -> dict[str, Any]:
+    def totals(self, slots: dict[str, list[str]], aliases: dict[str, str] | None = None) -> dict[str, Any]:
         """The accounting since the service started from running sums (cheap: ``status()`` calls it)."""
         wall = max(time.time() - self.t_start, 0.0)
+        al = aliases or {}
+        busy_slot: dict[tuple[str, str], float] = defaultdict(float)
+        for (service, w), v in self.busy_slot.items():
+            busy_slot[(service, al.get(w, w))] += v
         out: dict[str, Any] = {"t0": self.t_start, "wall_s": wall, "services": {}}
         dev = busy_all = 0.0
         for service in SERVICES:
-            workers = set(slots.get(service, [])) | {w for s, w in self.busy_slot if s == service}
-            busy = {w: min(self.busy_slot.get((service, w), 0.0), wall) for w in sorted(workers)}
+            workers = set(slots.get(service, [])) | {w for s, w in busy_slot if s == service}
+            busy = {w: min(busy_slot.get((service, w), 0.0), wall) for w in sorted(workers)}
             device = len(workers) * wall
             row: dict[str, Any] = {"slots": len(workers), "device_s": device, "busy_s": sum(busy.values()),
                                    "busy_per_slot_s": busy,
@@ -160,16 +164,19 @@ def _union_s(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def accounting(spans: list[Span], slots: dict[str, list[str]], t0: float, t1: float) -> dict[str, Any]:
+def accounting(spans: list[Span], slots: dict[str, list[str]], t0: float, t1: float,
+               aliases: dict[str, str] | None = None) -> dict[str, Any]:
     """The services' own records turned into the paper's accounting over the window ``[t0, t1]``.
 
     ``slots``: service -> the workers allocated to it (actor ranks, inference engines, SIM workers); a
-    worker seen in the spans but not listed is counted as allocated too. Per service: busy seconds per
+    worker seen in the spans but not listed is counted as allocated too; ``aliases`` maps the worker ids
+    spans carry (a worker's address) to the names in ``slots``. Per service: busy seconds per
     slot (union of its spans clipped to the window, so busy <= wall), device time = allocated slots x
     wall, utilization = busy / device time; the simulator's busy time split into stepping, waiting for
     actions and the rest (resets, episode writes), pro rata for spans cut by the window.
     """
     wall = max(t1 - t0, 0.0)
+    al = aliases or {}
     out: dict[str, Any] = {"t0": t0, "t1": t1, "wall_s": wall, "services": {}}
     total_device = total_busy = 0.0
     for service in SERVICES:
@@ -181,7 +188,7 @@ def accounting(spans: list[Span], slots: dict[str, list[str]], t0: float, t1: fl
             a, b = max(sp.t0, t0), min(sp.t1, t1)
             if b <= a:
                 continue
-            per.setdefault(sp.worker, []).append((a, b))
+            per.setdefault(al.get(sp.worker, sp.worker), []).append((a, b))
             if service == "simulator" and sp.t1 > sp.t0:
                 frac = (b - a) / (sp.t1 - sp.t0)
                 stepping += frac * sp.sim_s
