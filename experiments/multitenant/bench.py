@@ -18,7 +18,7 @@ records (``nexus_accounting``: spans per slot): device time = allocated slots x 
 busy / allocated, the simulator's busy time split into stepping vs waiting for actions. Efficiency =
 isolated / multi device time (= makespan ratio: both modes hold the same slots the whole time).
 
-    python experiments/multitenant/bench.py                  # CPU, ~15-20 min on 2 cores
+    python experiments/multitenant/bench.py                  # CPU, ~11 min on 2 cores
     python experiments/multitenant/bench.py --device cuda    # GPU (bf16 backbone), not run here
 """
 
