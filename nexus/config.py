@@ -23,9 +23,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from nexus.errors import SpecError
 
+from nexus import scheduling
+from nexus.scheduling import SchedulerPolicy
+
 ENV_VAR = "NEXUS_SERVICE_CONFIG"
 # Hugging Face ``model_type`` of each backbone family's checkpoints (config.json)
 CHECKPOINT_MODEL_TYPES = {"qwen3vl": ("qwen3_vl",), "paligemma": ("paligemma",)}
+
+# policy field -> (ServiceConfig section or None for a top-level field, field there)
+POLICY_FIELDS: dict[str, tuple[str | None, str]] = {
+    "queue_order": ("dispatch", "queue_order"), "isolated": ("dispatch", "isolated"),
+    "max_concurrent_updates": ("dispatch", "max_concurrent_updates"), "eval_fanout": ("dispatch", "eval_fanout"),
+    "default_max_inflight": ("dispatch", "default_max_inflight"),
+    "default_max_staleness": ("dispatch", "default_max_staleness"),
+    "infer_max_wait_s": (None, "infer_max_wait_s"), "infer_max_batch": (None, "infer_max_batch"),
+    "sync_policy": ("datapath", "sync_policy"), "sync_every": ("datapath", "sync_every"),
+}
 
 
 class BackboneSettings(BaseModel):
@@ -77,6 +90,13 @@ class DispatchSettings(BaseModel):
     max_concurrent_updates: int = Field(1, ge=1, description="training items running at once on the actor group")
     item_attempts: int = Field(2, ge=1, description="runs of an update that raises before its job fails")
     rollout_attempts: int = Field(3, ge=1, description="runs of a failing rollout (same episodes) before its job fails")
+    # set by the scheduling policy (schedulers/*.toml) unless given here
+    queue_order: Literal["fifo", "priority"] = Field("priority", description="training queue order")
+    isolated: bool = Field(False, description="isolated baseline: tenants' jobs one after another")
+    eval_fanout: int = Field(2, ge=1, description="rollout tasks per evaluation job")
+    default_max_inflight: int = Field(2, ge=1, description="TenantSpec.max_inflight when a tenant leaves it unset")
+    default_max_staleness: int = Field(128, ge=0, description="TenantSpec.max_staleness when a tenant leaves it "
+                                       "unset")
 
 
 class ServiceLimits(BaseModel):
@@ -227,6 +247,34 @@ class ServiceConfig(BaseModel):
     def retention(self) -> RetentionSettings:
         return RetentionSettings(keep_last=self.limits.max_versions_kept,
                                  keep_checkpoints=self.limits.max_checkpoints_kept)
+    scheduler: str = Field(scheduling.DEFAULT, description="scheduling policy: a schedulers/ catalog name or a "
+                           "path to a policy .toml; fields given explicitly in this config win over the file's")
+    scheduler_policy: SchedulerPolicy | None = Field(None, description="the effective policy (filled in from "
+                                                     "`scheduler` and the explicit fields; kept so workers "
+                                                     "never re-read the file)")
+
+    @model_validator(mode="after")
+    def _apply_scheduler(self) -> ServiceConfig:
+        """Fill every policy knob the caller did not set from the policy file; record the effective policy."""
+        if self.scheduler_policy is not None:  # a saved config: its fields already hold the policy
+            return self
+        policy = scheduling.load(self.scheduler)
+        effective = {}
+        for pf, (section, field) in POLICY_FIELDS.items():
+            holder = self if section is None else getattr(self, section)
+            if field in holder.model_fields_set:  # explicit: it wins
+                effective[pf] = getattr(holder, field)
+            else:
+                effective[pf] = getattr(policy, pf)
+                if section is None:
+                    setattr(self, field, effective[pf])
+                else:
+                    setattr(self, section, holder.model_copy(update={field: effective[pf]}))
+        if self.dispatch.default_max_inflight > self.limits.max_inflight:
+            raise ValueError(f"scheduler {policy.name!r}: default_max_inflight {self.dispatch.default_max_inflight} "
+                             f"exceeds limits.max_inflight {self.limits.max_inflight}")
+        self.scheduler_policy = policy.model_copy(update=effective)
+        return self
 
     @model_validator(mode="after")
     def _overrides_name_limits(self) -> ServiceConfig:

@@ -40,6 +40,7 @@ class FlowContext:
     rollout_attempts: int
     log: Callable[[JobState, dict[str, Any], int, str], None]  # (job, metrics, step, history kind)
     datapath: DataPathSettings = field(default_factory=DataPathSettings)
+    eval_fanout: int = 2  # rollout tasks per evaluation job (the scheduling policy's eval_fanout)
 
     def sync_rule(self, live_consumers: bool) -> dict[str, Any]:
         """Lazy weight sync (decided on the actor by ``training.should_push``): a tenant's RL job reads
@@ -209,7 +210,7 @@ async def run_eval(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, 
     role = producer_role(js.job_id)
     ctx.health.register(role, "rollout")
     js.progress.update(version=version, episodes=0)
-    n_tasks = min(spec.episodes, 2)
+    n_tasks = min(spec.episodes, max(1, ctx.eval_fanout))
     shares = [spec.episodes // n_tasks + (i < spec.episodes % n_tasks) for i in range(n_tasks)]
 
     async def part(i: int, n: int) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from nexus.config import ServiceLimits
 from nexus.control import flows, tasks
+from nexus.control.admission import Admission
 from nexus.control.validation import check_eval_version, validate_job
 from nexus.errors import Conflict, NotFound
 from nexus.spec import EvalJob, RLJob, SFTJob
@@ -47,6 +48,7 @@ class JobState:
     result: dict[str, Any] | None = None
     error: str | None = None
     t_submit: float = field(default_factory=time.time)
+    t_start: float | None = None  # admitted (isolated mode: later than t_submit)
     t_end: float | None = None
     cancel_requested: bool = False
     finished: asyncio.Event = field(default_factory=asyncio.Event)
@@ -55,7 +57,7 @@ class JobState:
     def view(self) -> dict[str, Any]:
         return {"job": self.job_id, "tenant": self.tenant, "kind": self.spec.kind, "state": self.state,
                 "spec": self.spec.model_dump(), "progress": dict(self.progress), "result": self.result,
-                "error": self.error, "t_submit": self.t_submit, "t_end": self.t_end}
+                "error": self.error, "t_submit": self.t_submit, "t_start": self.t_start, "t_end": self.t_end}
 
     def record(self) -> dict[str, Any]:
         return {k: v for k, v in self.view().items() if k != "progress"} | {"progress": dict(self.progress)}
@@ -79,8 +81,10 @@ class JobManager:
     def __init__(self, registry: TenantRegistry, ctx: flows.FlowContext, actors: ActorGroup, runtime: DaskRuntime,
                  tracker: TrackerLink, monitoring: MonitoringState, event: Callable[[str, dict], None],
                  flush_signals: Callable[[], Awaitable[None]],
-                 limits_for: Callable[[str], ServiceLimits] = lambda _t: ServiceLimits()) -> None:
+                 limits_for: Callable[[str], ServiceLimits] = lambda _t: ServiceLimits(),
+                 isolated: bool = False) -> None:
         self.registry = registry
+        self.admission = Admission(isolated)
         self.limits_for = limits_for
         self.ctx = ctx
         self.actors = actors
@@ -154,7 +158,27 @@ class JobManager:
 
     # -- runner -----------------------------------------------------------------------------------------
     async def _run(self, js: JobState, t: TenantState) -> None:
+        try:  # isolated mode: "queued" until no other tenant's job runs
+            await self.admission.acquire(js.job_id, js.tenant)
+        except asyncio.CancelledError:
+            js.t_end = time.time()
+            js.state, js.error = ("cancelled", "cancelled by request") if js.cancel_requested else (
+                "failed", "cancelled: the service is closing")
+            if t.training_job == js.job_id:
+                t.training_job = None
+            js.finished.set()
+            self._event("job", {"job": js.job_id, "state": js.state, "error": js.error})
+            if not js.cancel_requested:
+                raise
+            return
+        try:
+            await self._run_admitted(js, t)
+        finally:
+            self.admission.release(js.tenant)
+
+    async def _run_admitted(self, js: JobState, t: TenantState) -> None:
         js.state = "running"
+        js.t_start = time.time()
         self._event("job", {"job": js.job_id, "state": "running"})
         try:
             await self._record_start(js, t)

@@ -17,16 +17,26 @@ from nexus.messages import SlotInfo
 from nexus.paths import resolve_output_dir
 
 if TYPE_CHECKING:
-    from nexus.config import ServiceConfig
+    from nexus.config import DispatchSettings, ServiceConfig
     from nexus.control.actors import ActorGroup
     from nexus.control.dispatcher import Dispatcher
     from nexus.control.engines import EnginePool
     from nexus.control.jobs import JobManager
     from nexus.control.tenants import TenantRegistry
+    from nexus.spec import TenantSpec
 
 logger = logging.getLogger("nexus.lifecycle")
 
 CREATE_TIMEOUT_S = 900.0  # includes waiting for a restarting actor
+
+
+def with_policy_defaults(spec: TenantSpec, dispatch: DispatchSettings, cap: int | None = None) -> TenantSpec:
+    """The spec with the scheduling policy's admission defaults where the tenant left them unset (the
+    stored spec then holds the values it runs with, so a restored tenant keeps them)."""
+    inflight = dispatch.default_max_inflight if cap is None else min(dispatch.default_max_inflight, cap)
+    update = {k: v for k, v in (("max_inflight", inflight),
+                                ("max_staleness", dispatch.default_max_staleness)) if getattr(spec, k) is None}
+    return spec.model_copy(update=update) if update else spec
 
 
 class TenantLifecycle:
@@ -44,6 +54,7 @@ class TenantLifecycle:
         """Validate a tenant spec and build its slot; a tenant whose output dir holds state resumes it."""
         spec, schema = validate_tenant(raw)
         limits = self.config.limits_for(spec.name)
+        spec = with_policy_defaults(spec, self.config.dispatch, limits.max_inflight)
         check_tenant_limits(spec, limits)
         existing = self.registry.find(spec.name)
         if existing is not None:
@@ -58,6 +69,7 @@ class TenantLifecycle:
                                         [(o.name, o.output_dir) for o in self.registry])
         t = self.registry.add(TenantState(spec=spec, schema=schema, output_dir=output_dir))
         queue = self.dispatcher.queue
+        assert spec.max_inflight is not None and spec.max_staleness is not None  # with_policy_defaults
         queue.set_limits(spec.name, TenantLimits(spec.max_inflight, spec.max_staleness, spec.priority))
         try:
             info: SlotInfo = await self.actors.run(tasks.INIT_TENANT, lambda r: (t.setup(),),

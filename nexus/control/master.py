@@ -51,7 +51,7 @@ class Master:
         self.monitoring = MonitoringState()
         self.health = HealthManager(HealthPolicy.from_settings(config.health))
         self.registry = TenantRegistry()
-        self.queue = TrainingQueue()
+        self.queue = TrainingQueue(config.dispatch.queue_order)
         self.actors = ActorGroup(self.runtime, config.actor_ranks)
         self.engine_ops = DaskEngineOps(self.runtime, config.model_dump())
         self.pool = EnginePool(self.engine_ops, lambda: [t.setup() for t in self.registry if t.phase == "ready"],
@@ -61,9 +61,11 @@ class Master:
         self.tracker = TrackerLink(self._send_tracker)
         self.tracker.on_error = lambda e: self.health.error("tracker", e)
         ctx = flows.FlowContext(self.dispatcher, self.queue, self.pool, self.health, self.runtime,
-                                config.dispatch.rollout_attempts, log=lambda *a: None, datapath=config.datapath)
+                                config.dispatch.rollout_attempts, log=lambda *a: None, datapath=config.datapath,
+                                eval_fanout=config.dispatch.eval_fanout)
         self.jobs = JobManager(self.registry, ctx, self.actors, self.runtime, self.tracker, self.monitoring,
-                               self._event, self._flush_engine_signals, config.limits_for)
+                               self._event, self._flush_engine_signals, config.limits_for,
+                               isolated=config.dispatch.isolated)
         self.lifecycle = TenantLifecycle(config, self.registry, self.actors, self.pool, self.dispatcher, self.jobs,
                                          self._event)
         self.supervisor = Supervisor(config, self.runtime, self.health, self.actors, self.pool, self.registry,
@@ -180,6 +182,59 @@ class Master:
         await self._flush_engine_signals()
         await asyncio.sleep(0.5)  # the signal travels on the worker's event stream
         return await self.tracker.flush()
+
+    # -- scheduling policy and accounting ----------------------------------------------------------------------
+    def slots(self) -> dict[str, list[str]]:
+        """Workers allocated to each service now (actor ranks, serving engines' workers, SIM workers)."""
+        names = {addr: str(ws.name) for addr, ws in self.scheduler.workers.items()}
+        return {"actor": [str(w) for w in self.actors.workers],
+                "inference": sorted({names.get(m.worker, str(m.worker)) for m in self.pool.serving()}),
+                "simulator": sorted(str(ws.name) for ws in self.scheduler.workers.values() if "SIM" in ws.resources)}
+
+    def worker_aliases(self) -> dict[str, str]:
+        """Worker address -> name: signals name their worker by address, slots by name."""
+        return {addr: str(ws.name) for addr, ws in self.scheduler.workers.items()}
+
+    def accounting(self, t0: float | None = None, t1: float | None = None) -> dict[str, Any]:
+        """Busy time, device time and utilization per service over ``[t0, t1]`` (default: the service's life)."""
+        return self.monitoring.accounting(self.slots(), t0, t1, self.worker_aliases())
+
+    def scheduling(self) -> dict[str, Any]:
+        return {"policy": self.config.scheduler_policy.model_dump() if self.config.scheduler_policy else None,
+                "admission": self.jobs.admission.view(), "queue_order": self.queue.order}
+
+    def set_policy(self, policy: dict[str, Any]) -> dict[str, Any]:
+        """Switch the scheduling policy of a running, idle service (benchmarks compare policies on one
+        cluster). T and B live in the engines: a policy with other values is refused (restart with it)."""
+        from nexus.errors import Conflict
+        from nexus.scheduling import SchedulerPolicy
+
+        try:
+            pol = SchedulerPolicy.model_validate(policy)
+        except Exception as e:
+            raise SpecError(f"invalid scheduler policy: {e}") from None
+        busy = [j.job_id for j in self.jobs.jobs.values() if not j.finished.is_set()]
+        if busy or len(self.queue) or self.dispatcher.running:
+            raise Conflict(f"the policy changes only while no job runs (running or queued: {busy})")
+        cfg = self.config
+        if (pol.infer_max_wait_s, pol.infer_max_batch) != (cfg.infer_max_wait_s, cfg.infer_max_batch):
+            raise SpecError(f"scheduler {pol.name!r}: T={pol.infer_max_wait_s} and B={pol.infer_max_batch} differ "
+                            f"from the engines' (T={cfg.infer_max_wait_s}, B={cfg.infer_max_batch}); start the "
+                            "service with this policy instead")
+        if pol.default_max_inflight > cfg.limits.max_inflight:
+            raise SpecError(f"scheduler {pol.name!r}: default_max_inflight {pol.default_max_inflight} exceeds "
+                            f"limits.max_inflight {cfg.limits.max_inflight}")
+        cfg.dispatch = cfg.dispatch.model_copy(update={
+            "queue_order": pol.queue_order, "isolated": pol.isolated, "eval_fanout": pol.eval_fanout,
+            "max_concurrent_updates": pol.max_concurrent_updates, "default_max_inflight": pol.default_max_inflight,
+            "default_max_staleness": pol.default_max_staleness})
+        cfg.datapath = cfg.datapath.model_copy(update={"sync_policy": pol.sync_policy, "sync_every": pol.sync_every})
+        cfg.scheduler, cfg.scheduler_policy = pol.name, pol
+        self.queue.order = pol.queue_order  # empty queue: no rank to recompute
+        self.dispatcher.policy = DispatchPolicy.from_settings(cfg.dispatch)
+        self.jobs.ctx.eval_fanout, self.jobs.ctx.datapath = pol.eval_fanout, cfg.datapath
+        self.jobs.admission.set_isolated(pol.isolated)
+        return self.scheduling()
 
     # -- new handlers ------------------------------------------------------------------------------------------
     async def cancel(self, job_id: str) -> dict[str, Any]:

@@ -53,6 +53,9 @@ class NexusPlugin(SchedulerPlugin):
             "nexus_engines": m.engines,
             "nexus_wait_ready": m.wait_ready,
             "nexus_export": m.export,
+            "nexus_accounting": m.accounting,
+            "nexus_scheduling": m.scheduling,
+            "nexus_set_policy": m.set_policy,
         })
         scheduler.get_task_stream(count=0)  # record task start/stops from the start (dashboard, metering checks)
         for address in scheduler.workers:  # workers that joined before the plugin

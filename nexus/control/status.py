@@ -64,4 +64,6 @@ def build(m: Master) -> dict[str, Any]:
             "actor": {"ranks": m.actors.world_size, "ready": m.actors.ready, "workers": list(m.actors.workers),
                       "epoch": m.actors.epoch, "running": [i.item_id for i in m.dispatcher.running]},
             "workers": workers, "busy_s": dict(m.monitoring.busy), "actor_busy": len(m.dispatcher.running),
+            "scheduling": m.scheduling(),
+            "accounting": m.monitoring.totals(m.slots(), m.worker_aliases()),  # windows: the nexus_accounting handler
             "config": m.config.model_dump()}

@@ -42,7 +42,7 @@ def check_tenant_limits(spec: TenantSpec, limits: ServiceLimits) -> None:
     """A tenant spec against its quotas (the head's width, its admission cap, priority, seed)."""
     if spec.hidden_dim > limits.max_hidden_dim:
         raise _over("hidden_dim", spec.hidden_dim, "max_hidden_dim", limits.max_hidden_dim)
-    if spec.max_inflight > limits.max_inflight:
+    if spec.max_inflight is not None and spec.max_inflight > limits.max_inflight:
         raise _over("max_inflight", spec.max_inflight, "max_inflight", limits.max_inflight)
     if abs(spec.priority) > limits.max_priority:
         raise _over("|priority|", abs(spec.priority), "max_priority", limits.max_priority)
