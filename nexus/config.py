@@ -21,9 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from nexus.errors import SpecError
-
 from nexus import scheduling
+from nexus.errors import SpecError
 from nexus.scheduling import SchedulerPolicy
 
 ENV_VAR = "NEXUS_SERVICE_CONFIG"
@@ -260,16 +259,16 @@ class ServiceConfig(BaseModel):
             return self
         policy = scheduling.load(self.scheduler)
         effective = {}
-        for pf, (section, field) in POLICY_FIELDS.items():
+        for pf, (section, name) in POLICY_FIELDS.items():
             holder = self if section is None else getattr(self, section)
-            if field in holder.model_fields_set:  # explicit: it wins
-                effective[pf] = getattr(holder, field)
+            if name in holder.model_fields_set:  # explicit: it wins
+                effective[pf] = getattr(holder, name)
             else:
                 effective[pf] = getattr(policy, pf)
                 if section is None:
-                    setattr(self, field, effective[pf])
+                    setattr(self, name, effective[pf])
                 else:
-                    setattr(self, section, holder.model_copy(update={field: effective[pf]}))
+                    setattr(self, section, holder.model_copy(update={name: effective[pf]}))
         if self.dispatch.default_max_inflight > self.limits.max_inflight:
             raise ValueError(f"scheduler {policy.name!r}: default_max_inflight {self.dispatch.default_max_inflight} "
                              f"exceeds limits.max_inflight {self.limits.max_inflight}")

@@ -58,12 +58,21 @@ class Tracker:
             name = self.config.resolved_experiment()
             exp = self._client.get_experiment_by_name(name)
             if exp is None:
-                self._experiment_id = self._client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+                self._experiment_id = self._client.create_experiment(
+                    name, artifact_location=self._artifact_location(), tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
             else:
                 self._experiment_id = exp.experiment_id
                 if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
                     self._client.set_experiment_tag(self._experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return self._client
+
+    def _artifact_location(self) -> str | None:
+        """A local store keeps its artifacts in the service root (MLflow's default, ``./mlruns``, would land
+        in whatever directory the tracker process runs in); a tracking server keeps its own default."""
+        uri = self.config.resolved_tracking_uri()
+        if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
+            return (Path(self.config.root).resolve() / "mlartifacts").as_uri()
+        return None
 
     @property
     def experiment_id(self) -> str:
