@@ -3,14 +3,29 @@
 * scheduler: ``dask scheduler --preload nexus.control.plugin`` (Master + queues, no torch)
 * ``sim-i``: simulator workers, resource ``SIM=1`` each (one simulator process per core)
 * ``actor-0``: the training model service, resource ``ACTOR=1``
-* ``infer-0``: the inference model service (and the MLflow tracker), resource ``INFER=1``
+* ``infer-i``: inference engines (and the MLflow tracker), resource ``INFER=1`` each
+  (``n_infer``, default ``inference_engines``; spare ones let ``scale_inference`` grow the pool)
+* ``gateway``: the tenant gateway (``python -m nexus.gateway``), the only door tenants use
 
-Every process gets the service config through ``NEXUS_SERVICE_CONFIG`` and one torch thread.
+Every worker preloads ``nexus.services.worker_plugin`` (its per-process state and Nexus handlers)
+and runs under a nanny, which restarts its process if it dies (the control plane then rebuilds the
+roles it hosted).
+
+Every process gets the service config through ``NEXUS_SERVICE_CONFIG`` and one torch thread. Every
+listener — scheduler, dashboard, nannies, workers' comm ports and HTTP servers, torch.distributed,
+the gateway — binds to ``ServiceConfig.host`` (127.0.0.1 by default); with ``ServiceConfig.tls`` every
+Dask connection is mutual TLS with certificates generated into ``root/tls`` (``nexus.tls``). Service
+processes run with umask 077: what they write is the service user's only.
+
+A running service holds an exclusive lock on ``<root>/service.lock`` (``flock``, released by the kernel
+however the process ends): a second service on the same root is refused before it touches anything,
+so it can never replace or delete the first one's ``scheduler.json``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import signal
@@ -20,6 +35,14 @@ import time
 from pathlib import Path
 
 from nexus.config import ENV_VAR, ServiceConfig
+from nexus.errors import Conflict
+from nexus.paths import FILE_MODE, harden_process, private_mkdir
+from nexus.tls import ensure_certificates
+
+
+def _cert_hosts(host: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys((host, "127.0.0.1", "localhost")))
+
 
 _DIST_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
@@ -32,16 +55,93 @@ def _die_with_parent() -> None:
         pass
 
 
+LOCK_FILE = "service.lock"
+
+
+def lock_holder(root: str | Path) -> dict | None:
+    """Who holds a service root: the lock file's record (pid, scheduler address) if a live process holds
+    the lock, else None."""
+    path = Path(root) / LOCK_FILE
+    if not path.exists():
+        return None
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return json.loads(path.read_text() or "{}")
+            except json.JSONDecodeError:
+                return {}
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+class RootLock:
+    """An exclusive, non-blocking lock on a service root, held for the service's lifetime."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / LOCK_FILE
+        self._f = None
+
+    def acquire(self) -> None:
+        private_mkdir(self.path.parent)
+        f = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE), "r+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            holder = lock_holder(self.path.parent) or {}
+            raise Conflict(f"service root {self.path.parent} is in use by a running service (pid "
+                           f"{holder.get('pid', '?')}, scheduler {holder.get('address', '?')}); stop it with "
+                           f"`nexus down --root {self.path.parent}` or choose another root") from None
+        self._f = f
+        self.record()
+
+    def record(self, **fields) -> None:
+        if self._f is not None:
+            self._f.seek(0)
+            self._f.truncate()
+            self._f.write(json.dumps({"pid": os.getpid(), **fields}))
+            self._f.flush()
+
+    def release(self) -> None:
+        if self._f is not None:
+            self._f.seek(0)
+            self._f.truncate()
+            fcntl.flock(self._f, fcntl.LOCK_UN)
+            self._f.close()
+            self._f = None
+
+
+def _child_setup() -> None:
+    _die_with_parent()
+    harden_process()
+
+
 class LocalService:
-    def __init__(self, config: ServiceConfig, n_sim: int = 2, dashboard_address: str = "127.0.0.1:0",
-                 memory_limit: str = "6GiB") -> None:
+    def __init__(self, config: ServiceConfig, n_sim: int | None = None, dashboard_address: str | None = None,
+                 memory_limit: str | None = None, n_infer: int | None = None) -> None:
         self.config = config
-        self.n_sim = n_sim
-        self.dashboard_address = dashboard_address
-        self.memory_limit = memory_limit
+        self.n_sim = n_sim or config.cluster.sim_workers
+        self.n_infer = max(config.inference_engines, 1) if n_infer is None else n_infer
+        self.dashboard_address = dashboard_address or config.cluster.dashboard_address or f"{config.host}:0"
+        self.memory_limit = memory_limit or config.cluster.memory_limit
         self.root = Path(config.root).resolve()
         self.procs: list[subprocess.Popen] = []
         self.address: str | None = None
+        self.gateway_url: str | None = None
+        self.tls = None  # TLSFiles once started with config.tls
+        self._lock = RootLock(self.root)
+
+    @property
+    def operator_token(self) -> str:
+        """The gateway's operator token (admin calls), written 0600 under the root at start."""
+        from nexus.gateway.auth import read_operator_token
+
+        return read_operator_token(self.config.gateway_dir)
+
+    def _tls_args(self) -> list[str]:
+        return self.tls.cli_args() if self.tls else []
 
     @property
     def scheduler_file(self) -> Path:
@@ -61,43 +161,85 @@ class LocalService:
         return env
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 (kept open for the child's lifetime)
+        fd = os.open(self.logs / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        log = os.fdopen(fd, "w")  # kept open for the child's lifetime
         self.procs.append(subprocess.Popen([sys.executable, "-m", *args], env={**self._env(), **(env or {})},
                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                           cwd=self.root, preexec_fn=_die_with_parent))
+                                           cwd=self.root, preexec_fn=_child_setup))
 
     def _worker(self, name: str, resources: str) -> None:
         # simulator workers may run vector envs with a process per sub-env: Dask's daemonic worker
         # processes could not start them
         env = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"} if resources.startswith("SIM") else None
+        # --host: the nanny and the worker's comm port; --dashboard-address: the worker's HTTP server
+        # (/health, /metrics), which would otherwise listen on every interface
+        host = self.config.host
         self._spawn(name, ["distributed.cli.dask_worker", "--scheduler-file", str(self.scheduler_file),
                            "--name", name, "--nthreads", "1", "--resources", resources, "--no-dashboard",
-                           "--memory-limit", self.memory_limit, "--death-timeout", "60"], env)
+                           "--host", host, "--dashboard-address", f"{host}:0", *self._tls_args(),
+                           "--memory-limit", self.memory_limit, "--death-timeout", "60",
+                           "--preload", "nexus.services.worker_plugin"], env)
+
+    def _gateway(self) -> None:
+        (self.config.gateway_dir / "gateway.json").unlink(missing_ok=True)
+        self._spawn("gateway", ["nexus.gateway", "--config", str(self.root / "service.json")])
+
+    def _wait_gateway(self, t0: float, timeout: float) -> None:
+        from nexus.gateway.auth import read_gateway_url
+
+        gw = self.procs[-1] if self.procs else None
+        while True:
+            url = read_gateway_url(self.config.gateway_dir)
+            if url:
+                self.gateway_url = url
+                return
+            if gw is None or gw.poll() is not None or time.time() - t0 > timeout:
+                self.stop()
+                raise RuntimeError(f"the gateway did not start; see {self.logs / 'gateway.log'}")
+            time.sleep(0.1)
 
     def start(self, timeout: float = 120) -> LocalService:
-        self.logs.mkdir(parents=True, exist_ok=True)
+        private_mkdir(self.root)
+        os.chmod(self.root, 0o700)
+        self._lock.acquire()  # before anything in the root changes
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> LocalService:
+        private_mkdir(self.logs)
+        if self.config.tls:
+            self.tls = ensure_certificates(self.config.tls_dir, hosts=_cert_hosts(self.config.host))
         self.config.save(self.root / "service.json")
-        self.scheduler_file.unlink(missing_ok=True)
-        self._spawn("scheduler", ["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
+        self.scheduler_file.unlink(missing_ok=True)  # a stale one: the lock says no live service owns it
+        protocol = ["--protocol", "tls"] if self.tls else []
+        self._spawn("scheduler", ["distributed.cli.dask_scheduler", "--host", self.config.host, "--port", "0",
+                                  *protocol, *self._tls_args(),
                                   "--dashboard-address", self.dashboard_address,
                                   "--scheduler-file", str(self.scheduler_file),
                                   "--preload", "nexus.control.plugin"])
         t0 = time.time()
         while not self.scheduler_file.exists():
             if self.procs[0].poll() is not None or time.time() - t0 > timeout:
-                self.stop()
                 raise RuntimeError(f"the scheduler did not start; see {self.logs / 'scheduler.log'}")
             time.sleep(0.1)
         self.address = json.loads(self.scheduler_file.read_text())["address"]
+        self._lock.record(address=self.address)
         for i in range(self.n_sim):
             self._worker(f"sim-{i}", "SIM=1")
         self._worker("actor-0", "ACTOR=1")
-        self._worker("infer-0", "INFER=1")
+        for i in range(self.n_infer):
+            self._worker(f"infer-{i}", "INFER=1")
+        self._gateway()
+        self._wait_gateway(t0, timeout)
         return self
 
     @property
     def n_workers(self) -> int:
-        return self.n_sim + 2
+        return self.n_sim + 1 + self.n_infer
 
     def stop(self) -> None:
         for p in reversed(self.procs):  # workers first, scheduler last
@@ -111,7 +253,32 @@ class LocalService:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        if self.procs:  # only the service that started the scheduler removes its file
+            self.scheduler_file.unlink(missing_ok=True)
         self.procs.clear()
+        self._lock.release()
+
+    def listening(self) -> list[tuple[int, str, str, int]]:
+        """(pid, process, ip, port) of every listening socket of the service's processes (and children)."""
+        import psutil
+
+        out = []
+        for p in self.procs:
+            try:
+                root = psutil.Process(p.pid)
+                family = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for q in family:
+                try:
+                    conns = q.net_connections(kind="inet")
+                    name = " ".join(q.cmdline()[1:4])
+                except psutil.NoSuchProcess:
+                    continue
+                for c in conns:
+                    if c.status == psutil.CONN_LISTEN or (c.type == 2 and not c.raddr):  # TCP listen, UDP bound
+                        out.append((q.pid, name, c.laddr.ip, c.laddr.port))
+        return out
 
     def __enter__(self) -> LocalService:
         return self.start()

@@ -2,42 +2,301 @@
 
 The file's path travels in the environment variable ``NEXUS_SERVICE_CONFIG`` (set by
 ``nexus.cluster`` for the processes it starts, or by an operator for CLI-started workers).
+
+Users write the same settings as TOML (``nexus up --config service.toml``, ``Nexus.local(config=...)``),
+and tenants and jobs as TOML too (``nexus submit``, ``Nexus.submit``); ``--set key=value`` overrides any
+field by its dotted path. Every file error is a :class:`nexus.errors.SpecError` naming the file and field,
+the same error class and messages the API raises for the same spec given as a dict.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from nexus import scheduling
+from nexus.errors import SpecError
+from nexus.scheduling import SchedulerPolicy
 
 ENV_VAR = "NEXUS_SERVICE_CONFIG"
+# Hugging Face ``model_type`` of each backbone family's checkpoints (config.json)
+CHECKPOINT_MODEL_TYPES = {"qwen3vl": ("qwen3_vl",), "paligemma": ("paligemma",)}
+
+# policy field -> (ServiceConfig section or None for a top-level field, field there)
+POLICY_FIELDS: dict[str, tuple[str | None, str]] = {
+    "queue_order": ("dispatch", "queue_order"), "isolated": ("dispatch", "isolated"),
+    "max_concurrent_updates": ("dispatch", "max_concurrent_updates"), "eval_fanout": ("dispatch", "eval_fanout"),
+    "default_max_inflight": ("dispatch", "default_max_inflight"),
+    "default_max_staleness": ("dispatch", "default_max_staleness"),
+    "infer_max_wait_s": (None, "infer_max_wait_s"), "infer_max_batch": (None, "infer_max_batch"),
+    "sync_policy": ("datapath", "sync_policy"), "sync_every": ("datapath", "sync_every"),
+}
 
 
 class BackboneSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     family: str = "qwen3vl"
     size: str = "tiny"
-    local_path: str | None = None
+    local_path: str | None = Field(None, description="a Hugging Face checkpoint directory (from_pretrained); "
+                                   "resolved to an absolute path, since service processes run elsewhere")
     image_size: int = Field(64, ge=16)
     dtype: str = "float32"
     device: str = "cpu"
+
+    @model_validator(mode="after")
+    def _checkpoint_dir(self) -> BackboneSettings:
+        """A checkpoint directory must exist and hold a model of the family (never a hub name)."""
+        if self.local_path is None:
+            return self
+        path = Path(self.local_path).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"backbone local_path {self.local_path!r} is not a Hugging Face checkpoint "
+                             "directory (no config.json there)")
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        expected = CHECKPOINT_MODEL_TYPES.get(self.family)
+        if expected is not None and model_type not in expected:
+            fits = [f for f, types in CHECKPOINT_MODEL_TYPES.items() if model_type in types]
+            raise ValueError(f"backbone checkpoint {str(path)!r} is a {model_type!r} model, not a {self.family!r} "
+                             "backbone" + (f" (use family {fits[0]!r})" if fits else ""))
+        self.local_path = str(path)
+        return self
+
+
+class HealthSettings(BaseModel):
+    """Timeouts and restart budgets of the health manager (``nexus.control.health``).
+
+    Every worker sends a heartbeat each ``nexus.messages.HEARTBEAT_S`` (1 s) listing the roles it hosts."""
+
+    model_config = ConfigDict(extra="forbid")
+    suspect_after_s: float = Field(10.0, gt=0, description="no heartbeat this long: the role is suspect")
+    fail_after_s: float = Field(60.0, gt=0, description="no heartbeat this long: failed, its worker is restarted")
+    producer_stall_s: float = Field(300.0, gt=0, description="a rollout/dataset producer without progress: suspect")
+    restart_budget: int = Field(5, ge=0, description="in-place restarts of one role allowed within budget_window_s")
+    budget_window_s: float = Field(600.0, gt=0)
+
+
+class DispatchSettings(BaseModel):
+    """The training-queue dispatcher's policy (``nexus.control.dispatcher.DispatchPolicy``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_concurrent_updates: int = Field(1, ge=1, description="training items running at once on the actor group")
+    item_attempts: int = Field(2, ge=1, description="runs of an update that raises before its job fails")
+    rollout_attempts: int = Field(3, ge=1, description="runs of a failing rollout (same episodes) before its job fails")
+    # set by the scheduling policy (schedulers/*.toml) unless given here
+    queue_order: Literal["fifo", "priority"] = Field("priority", description="training queue order")
+    isolated: bool = Field(False, description="isolated baseline: tenants' jobs one after another")
+    eval_fanout: int = Field(2, ge=1, description="rollout tasks per evaluation job")
+    default_max_inflight: int = Field(2, ge=1, description="TenantSpec.max_inflight when a tenant leaves it unset")
+    default_max_staleness: int = Field(128, ge=0, description="TenantSpec.max_staleness when a tenant leaves it "
+                                       "unset")
+
+
+class ServiceLimits(BaseModel):
+    """Quotas and limits of one tenant (service-wide defaults; ``ServiceConfig.tenant_limits`` overrides).
+
+    A request over one of them is refused with :class:`nexus.errors.LimitExceeded` naming the field and
+    the value; nothing is allocated before the check.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_tenants: int = Field(32, ge=1, description="tenants of the whole service")
+    max_hidden_dim: int = Field(4096, ge=8, description="width of a tenant's action module")
+    max_head_bytes: int = Field(2 * 2**30, ge=1, description="actor memory estimate of one tenant's slot")
+    actor_memory_fraction: float = Field(0.7, gt=0, le=0.95,
+                                         description="share of the actor worker's memory limit slots may use "
+                                                     "(Dask restarts a worker at 0.95)")
+    max_sft_steps: int = Field(100_000, ge=1)
+    max_batch_size: int = Field(1024, ge=1, description="SFT batch size")
+    max_rl_updates: int = Field(10_000, ge=1)
+    max_episodes_per_batch: int = Field(64, ge=1)
+    max_collectors: int = Field(8, ge=1)
+    max_eval_episodes: int = Field(500, ge=1)
+    max_update_epochs: int = Field(32, ge=1, description="PPO epochs over one RL batch")
+    max_concurrent_evals: int = Field(2, ge=1, description="evaluation jobs of one tenant queued or running")
+    max_priority: int = Field(10, ge=0, description="|TenantSpec.priority| (priorities share one actor)")
+    max_seed: int = Field(600, ge=0, description="episode seeds derived from it stay below 2**32 (simulators)")
+    max_inflight: int = Field(8, ge=1, description="cap of TenantSpec.max_inflight")
+    max_queued_ops: int = Field(8, ge=1, description="low-level calls of one tenant waiting at the gateway")
+    max_batch_rows: int = Field(4096, ge=1, description="samples in one forward_backward batch")
+    max_instruction_chars: int = Field(2000, ge=1)
+    max_versions_kept: int = Field(50, ge=0, description="newest policy versions whose weights stay on disk "
+                                   "(0: all; the initial and every evaluated version are kept too)")
+    max_checkpoints_kept: int = Field(3, ge=1, description="DeepSpeed checkpoints kept per tenant")
+    max_storage_bytes: int = Field(8 * 2**30, ge=1, description="bytes of a tenant's output dir")
+    max_request_bytes: int = Field(64 * 2**20, ge=1024, description="body of one gateway request")
+
+
+class DataPathSettings(BaseModel):
+    """Knobs of the data path (producers, inference grouping, feature cache, weight sync).
+
+    Every knob is passed explicitly to the worker-side code that uses it (rollout producers, the
+    inference engine, the update), so a scheduling policy can set any of them.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    envs_per_producer: int = Field(4, ge=1, description="K: envs one rollout task steps together (at most "
+                                   "its episodes; a catalog env's num_envs is a minimum)")
+    producer_waves: int = Field(1, ge=1, description="requests a producer keeps in flight: its K envs in this "
+                                "many lockstep waves, one stepping while another waits for actions (1: all "
+                                "K actions in one request)")
+    producer_vector_mode: Literal["lockstep", "async"] = Field(
+        "lockstep", description="lockstep: K envs in the task's process; async: a gymnasium AsyncVectorEnv per "
+        "wave (a process per env)")
+    fire_when_all_waiting: bool = Field(True, description="fire a group once every live producer is waiting "
+                                        "for actions (no wait T when nobody else could join)")
+    producer_lease_s: float = Field(5.0, gt=0, description="a producer silent this long no longer holds "
+                                    "groups back")
+    expect_arrivals: bool = Field(True, description="with fire_when_all_waiting: a producer not expected back "
+                                  "within T (its usual answer -> next request gap) does not hold a group back")
+    cache_features: bool = Field(True, description="store the rollout's pooled backbone features with the "
+                                 "trajectory; the PPO update reads them instead of re-running the backbone")
+    feature_cache_max_dim: int = Field(16384, ge=0, description="pooled features wider than this are "
+                                       "recomputed, not stored (bounds the store's size per step)")
+    sync_policy: Literal["lazy", "eager"] = Field(
+        "lazy", description="lazy: a new head goes to inference only when something will use it (an RL "
+        "job's rollouts, every sync_every versions, the job's end); eager: every version")
+    sync_every: int = Field(0, ge=0, description="lazy sync: also push every N versions (0: never)")
+
+
+class ClusterSettings(BaseModel):
+    """The embedded local deployment (``nexus up``, ``Nexus.local``): worker processes on this machine."""
+
+    model_config = ConfigDict(extra="forbid")
+    sim_workers: int = Field(2, ge=1, description="simulator workers (resource SIM=1 each)")
+    dashboard_address: str | None = Field(
+        None, description="Dask dashboard host:port; default: 127.0.0.1:8787 for `nexus up`, a free port otherwise")
+    memory_limit: str = Field("6GiB", description="per worker process (Dask's --memory-limit)")
+
+
+class RetentionSettings(BaseModel):
+    """Which policy versions keep their weights file (``weights/vNNNNNN.pt``) in a tenant's output dir.
+
+    The user-facing spelling of two service-wide limits (one mechanism: ``TenantOutputDir.prune``):
+    ``keep_last`` is ``limits.max_versions_kept`` and ``keep_checkpoints`` is ``limits.max_checkpoints_kept``;
+    ``tenant_limits`` still override them per tenant."""
+
+    model_config = ConfigDict(extra="forbid")
+    keep_last: int = Field(50, ge=0, description="the newest N versions (0: keep every version)")
+    keep_checkpoints: int = Field(3, ge=1, description="the newest N DeepSpeed checkpoints")
+    # always kept besides the newest N: the initial version and every version an evaluation pinned (from the
+    # moment it starts), so reports and MLflow runs stay reproducible
 
 
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     root: str = Field(description="service folder: tenants' output dirs, MLflow store, logs")
+    host: str = Field("127.0.0.1", description="address every service process listens on (Dask, gateway, "
+                                               "torch.distributed); loopback unless the service spans hosts")
+    tls: bool = Field(False, description="Dask comms over mutual TLS, certificates generated under root/tls")
+    gateway_port: int = Field(0, ge=0, le=65535, description="tenant gateway port (0: any free port)")
+    open_registration: bool = Field(True, description="anyone reaching the gateway may create a tenant "
+                                                      "(False: the operator token is needed)")
+    output_base: str | None = Field(None, description="folder inside which a spec's output_dir may point; "
+                                                      "unset: every tenant lives in root/tenants/<name>")
+    limits: ServiceLimits = ServiceLimits()
+    tenant_limits: dict[str, dict[str, int | float]] = Field(default_factory=dict,
+                                                       description="per-tenant overrides of `limits`")
     backbone: BackboneSettings = BackboneSettings()
     infer_max_wait_s: float = Field(0.005, ge=0, description="inference queue: max wait T")
     infer_max_batch: int = Field(8, ge=1, description="inference queue: target group size B")
     tracking_uri: str | None = Field(None, description="MLflow URI; default sqlite in root")
     experiment: str | None = Field(None, description="MLflow experiment; default: one per service root")
-    checkpoint_every: int = Field(0, ge=0, description="DeepSpeed checkpoint every N versions (0: job end)")
+    checkpoint_every: int = Field(1, ge=0, description="DeepSpeed checkpoint every N versions, saved before the "
+                                  "version is published (0: at job end only)")
+    inference_engines: int = Field(1, ge=1, description="inference engines at start (Nexus.scale_inference changes it)")
+    actor_ranks: int = Field(1, ge=1, description="ranks of the actor group (workers with resource ACTOR)")
+    health: HealthSettings = HealthSettings()
+    dispatch: DispatchSettings = DispatchSettings()
+    datapath: DataPathSettings = DataPathSettings()
+    cluster: ClusterSettings = ClusterSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retention_sets_limits(cls, data: Any) -> Any:
+        """``[retention]`` is written into ``limits`` (the one place retention is read from)."""
+        if not isinstance(data, dict) or "retention" not in data:
+            return data
+        data = dict(data)
+        raw = data.pop("retention")
+        try:
+            r = RetentionSettings.model_validate(raw)
+        except ValidationError as e:
+            raise ValueError("; ".join(f"retention.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
+                                       for err in e.errors())) from None
+        limits = data.get("limits")
+        limits = limits.model_dump() if isinstance(limits, ServiceLimits) else dict(limits or {})
+        for key, name in (("max_versions_kept", "keep_last"), ("max_checkpoints_kept", "keep_checkpoints")):
+            if name not in r.model_fields_set:
+                continue
+            if key in limits and limits[key] != getattr(r, name):
+                raise ValueError(f"retention.{name}={getattr(r, name)} and limits.{key}={limits[key]} "
+                                 "disagree (they are one setting); set one of them")
+            limits[key] = getattr(r, name)
+        data["limits"] = limits
+        return data
+
+    @property
+    def retention(self) -> RetentionSettings:
+        return RetentionSettings(keep_last=self.limits.max_versions_kept,
+                                 keep_checkpoints=self.limits.max_checkpoints_kept)
+    scheduler: str = Field(scheduling.DEFAULT, description="scheduling policy: a schedulers/ catalog name or a "
+                           "path to a policy .toml; fields given explicitly in this config win over the file's")
+    scheduler_policy: SchedulerPolicy | None = Field(None, description="the effective policy (filled in from "
+                                                     "`scheduler` and the explicit fields; kept so workers "
+                                                     "never re-read the file)")
+
+    @model_validator(mode="after")
+    def _apply_scheduler(self) -> ServiceConfig:
+        """Fill every policy knob the caller did not set from the policy file; record the effective policy."""
+        if self.scheduler_policy is not None:  # a saved config: its fields already hold the policy
+            return self
+        policy = scheduling.load(self.scheduler)
+        effective = {}
+        for pf, (section, name) in POLICY_FIELDS.items():
+            holder = self if section is None else getattr(self, section)
+            if name in holder.model_fields_set:  # explicit: it wins
+                effective[pf] = getattr(holder, name)
+            else:
+                effective[pf] = getattr(policy, pf)
+                if section is None:
+                    setattr(self, name, effective[pf])
+                else:
+                    setattr(self, section, holder.model_copy(update={name: effective[pf]}))
+        if self.dispatch.default_max_inflight > self.limits.max_inflight:
+            raise ValueError(f"scheduler {policy.name!r}: default_max_inflight {self.dispatch.default_max_inflight} "
+                             f"exceeds limits.max_inflight {self.limits.max_inflight}")
+        self.scheduler_policy = policy.model_copy(update=effective)
+        return self
+
+    @model_validator(mode="after")
+    def _overrides_name_limits(self) -> ServiceConfig:
+        for over in self.tenant_limits.values():
+            ServiceLimits(**{**self.limits.model_dump(), **over})  # unknown or invalid fields fail here
+        return self
+
+    def limits_for(self, tenant: str) -> ServiceLimits:
+        over = self.tenant_limits.get(tenant)
+        return ServiceLimits(**{**self.limits.model_dump(), **over}) if over else self.limits
 
     @property
     def tenants_dir(self) -> Path:
         return Path(self.root) / "tenants"
+
+    @property
+    def tls_dir(self) -> Path:
+        return Path(self.root) / "tls"
+
+    @property
+    def gateway_dir(self) -> Path:
+        """Gateway-owned state: token hashes, the operator token, the gateway's URL (all 0600)."""
+        return Path(self.root) / "gateway"
 
     def resolved_tracking_uri(self) -> str:
         return self.tracking_uri or f"sqlite:///{Path(self.root).resolve() / 'mlflow.db'}"
@@ -47,8 +306,9 @@ class ServiceConfig(BaseModel):
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.model_dump_json(indent=2))
+        from nexus.paths import private_write_bytes
+
+        private_write_bytes(path, self.model_dump_json(indent=2).encode())
         return path
 
     @classmethod
@@ -57,3 +317,156 @@ class ServiceConfig(BaseModel):
         if not path:
             raise RuntimeError(f"no service config: set {ENV_VAR} to the JSON file written by nexus.cluster")
         return cls.model_validate(json.loads(Path(path).read_text()))
+
+
+# ------------------------------------------------------------------------------------------------ files
+def describe_validation_error(e: ValidationError) -> str:
+    """A pydantic error as one line: ``field.path: message; ...``."""
+    return "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'spec'}: {err['msg']}" for err in e.errors())
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise SpecError(f"{path}: is a directory, not a TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{path}: invalid TOML: {e}") from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value); the value is read as a TOML value (numbers, booleans, strings
+    in quotes, arrays), and as a plain string when it is not one (``root=runs/x``)."""
+    key, sep, value = text.partition("=")
+    path = key.strip().split(".")
+    if not sep or not all(path):
+        raise SpecError(f"--set {text!r}: expected key=value, e.g. backbone.family=paligemma")
+    try:
+        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value.strip()
+    return path, parsed
+
+
+def apply_overrides(doc: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """A copy of ``doc`` with every ``key.path=value`` set (tables created as needed)."""
+    out = json.loads(json.dumps(doc))  # deep copy of plain TOML data
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for i, part in enumerate(path[:-1]):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SpecError(f"--set {text!r}: {'.'.join(path[:i + 1])} is a value, not a table")
+        node[path[-1]] = value
+    return out
+
+
+def load_service_config(path: str | Path | None = None, overrides: Iterable[str] = (),
+                        **fields: Any) -> ServiceConfig:
+    """Service settings: defaults < the TOML file < ``fields`` (keyword arguments) < ``--set`` overrides.
+
+    A relative ``root`` is taken from the current directory and made absolute.
+    """
+    doc = read_toml(path) if path is not None else {}
+    doc = _merge(doc, {k: v for k, v in fields.items() if v is not None})
+    doc = apply_overrides(doc, overrides)
+    doc.setdefault("root", "runs/service")
+    where = f"{path}: " if path is not None else ""
+    try:
+        cfg = ServiceConfig.model_validate(doc)
+    except ValidationError as e:
+        raise SpecError(f"{where}invalid service config: {describe_validation_error(e)}") from None
+    return cfg.model_copy(update={"root": str(Path(cfg.root).expanduser().resolve())})
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        elif isinstance(v, BaseModel):
+            out[k] = _merge(out.get(k, {}) if isinstance(out.get(k), dict) else {}, v.model_dump(exclude_unset=True))
+        else:
+            out[k] = v
+    return out
+
+
+@dataclass
+class Submission:
+    """What ``nexus submit FILE...`` sends: at most one tenant spec and the jobs to run on it, as the raw dicts
+    the API sends (validated by the service's own validation, so files and API fail alike)."""
+
+    tenant: dict[str, Any] | None = None
+    tenant_name: str | None = None  # a job-only submission names an existing tenant
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str | None:
+        return self.tenant.get("name") if self.tenant else self.tenant_name
+
+
+def load_submission(paths: Iterable[str | Path], overrides: Iterable[str] = (),
+                    tenant: str | None = None) -> Submission:
+    """Tenant and job files -> one :class:`Submission`.
+
+    A file holds a tenant (``TenantSpec`` fields at top level, or a ``[tenant]`` table), a job (``kind = ...``
+    at top level, or a ``[job]`` table), several jobs (``[[jobs]]``), or a tenant with its jobs. A job-only
+    file may name its tenant with a top-level ``tenant = "name"``, or the caller with ``tenant`` (an existing
+    tenant). Overrides address ``tenant.<field>`` and ``job.<field>`` (every job of the submission).
+    """
+    sub = Submission(tenant_name=tenant)
+    for path in paths:
+        doc = read_toml(path)
+        sub.sources.append(str(path))
+        tenant = doc.pop("tenant", None)
+        if isinstance(tenant, str):
+            sub.tenant_name, tenant = sub.tenant_name or tenant, None
+        jobs = []
+        if "job" in doc:
+            jobs.append(_table(doc.pop("job"), path, "job"))
+        if "jobs" in doc:
+            value = doc.pop("jobs")
+            if not isinstance(value, list):
+                raise SpecError(f"{path}: 'jobs' must be an array of tables ([[jobs]])")
+            jobs += [_table(j, path, "jobs") for j in value]
+        if doc:  # top-level fields: a job if it says its kind, else a tenant
+            if "kind" in doc:
+                jobs.insert(0, doc)
+            elif tenant is None:
+                tenant = doc
+            else:
+                raise SpecError(f"{path}: fields {sorted(doc)} outside the [tenant] table")
+        if tenant is not None:
+            if sub.tenant is not None:
+                raise SpecError(f"{path}: a second tenant (the first came from {sub.sources[0]}); submit one "
+                                "tenant at a time")
+            sub.tenant = _table(tenant, path, "tenant")
+        sub.jobs += jobs
+    overrides = list(overrides)
+    for text in overrides:
+        if not text.startswith(("tenant.", "job.")):
+            raise SpecError(f"--set {text!r}: a submission's overrides start with 'tenant.' or 'job.'")
+    for_tenant = [o for o in overrides if o.startswith("tenant.")]
+    for_jobs = [o for o in overrides if o.startswith("job.")]
+    if for_tenant:
+        if sub.tenant is None:
+            raise SpecError(f"--set {for_tenant[0]!r}: the submission has no tenant file")
+        sub.tenant = apply_overrides({"tenant": sub.tenant}, for_tenant)["tenant"]
+    if for_jobs:
+        if not sub.jobs:
+            raise SpecError(f"--set {for_jobs[0]!r}: the submission has no job")
+        sub.jobs = [apply_overrides({"job": j}, for_jobs)["job"] for j in sub.jobs]
+    if sub.name is None:
+        raise SpecError("no tenant: give a tenant file, or a job file with tenant = \"name\" (or --tenant)")
+    return sub
+
+
+def _table(value: Any, path: str | Path, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SpecError(f"{path}: {key!r} must be a table")
+    return value

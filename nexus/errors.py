@@ -72,3 +72,26 @@ class JobFailed(NexusError, RuntimeError):
 
     http_status = 409
     code = "job_failed"
+
+
+class RoleLost(Unavailable):
+    """A role (actor rank, inference engine, tracker) died or is restarting; the work it held is retried."""
+
+    code = "role_lost"
+
+
+class Draining(Unavailable):
+    """An inference engine being removed refuses new requests; the caller asks for the tenant's route again."""
+
+    code = "draining"
+class NotSupported(NexusError):
+    """A call this service does not offer (a handler another version of the service has)."""
+
+    http_status = 501
+    code = "not_supported"
+
+
+def error_class(name: str) -> type[NexusError]:
+    """The NexusError subclass called ``name`` (what the gateway reports), NexusError if unknown."""
+    cls = globals().get(name)
+    return cls if isinstance(cls, type) and issubclass(cls, NexusError) else NexusError

@@ -15,7 +15,8 @@ RL_ACTION_HEADS = frozenset({"oft"})
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN / inf are refused in every float field (a NaN lr or init_log_std would poison a slot silently)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class PPOConfig(_Spec):
@@ -30,6 +31,37 @@ class PPOConfig(_Spec):
     minibatch_size: int = Field(64, ge=1)
     norm_adv: bool = True
     target_kl: float | None = Field(None, gt=0, description="end an update's epochs once approx KL exceeds it")
+
+
+# The backbone's text-decoder projections (same names in Qwen3-VL and Gemma/PaliGemma) that may carry a
+# tenant's LoRA adapter. Every decoder layer sees every prefix token (image tokens included), so these
+# adapt the visual features the head reads; the vision towers themselves are not adapted (their rows
+# are image patches, not samples).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Spec):
+    """A tenant's low-rank adapter on the shared backbone (LoRA: W x + (alpha / rank) B A x)."""
+
+    rank: int = Field(8, ge=1, le=256)
+    alpha: float = Field(16.0, gt=0, description="scaling numerator: the update is scaled by alpha / rank")
+    target_modules: tuple[str, ...] = Field(("q_proj", "v_proj"), min_length=1,
+                                            description=f"text-decoder projections, any of {LORA_TARGETS}")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+
+    @model_validator(mode="after")
+    def _known_targets(self) -> LoraConfig:
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(f"unknown LoRA target modules {unknown}: the backbone's adaptable projections are "
+                             f"{list(LORA_TARGETS)}")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"LoRA target_modules repeat a name: {list(self.target_modules)}")
+        return self
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
 
 
 class TenantSpec(_Spec):
@@ -48,10 +80,18 @@ class TenantSpec(_Spec):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0, description="max gradient norm of every optimizer step")
     priority: int = 0
-    max_inflight: int = Field(2, ge=1, description="training items admitted at once (queued + running)")
-    max_staleness: int = Field(128, ge=0, description="RL batches lagging more versions are dropped")
-    seed: int = 0
-    output_dir: str | None = None
+    # None: the service's scheduling policy decides (schedulers/*.toml: default_max_inflight 2 and
+    # default_max_staleness 128 in the shipped files, the values these fields had before)
+    max_inflight: int | None = Field(None, ge=1, description="training items admitted at once (queued + running); "
+                                     "unset: the scheduler's default_max_inflight")
+    max_staleness: int | None = Field(None, ge=0, description="RL batches lagging more versions are dropped; "
+                                      "unset: the scheduler's default_max_staleness")
+    seed: int = Field(0, ge=0, description="simulator episode seeds derive from it (ServiceLimits.max_seed)")
+    output_dir: str | None = Field(None, description="default: <root>/tenants/<name>; elsewhere only inside the "
+                                                     "service's output_base")
+    lora: LoraConfig | None = Field(None, description="a LoRA adapter on the shared backbone (off by default)")
+    init_from: str | None = Field(None, description="an exported policy directory to initialise the head "
+                                  "(and adapter) from, when the tenant has no checkpoint yet")
 
     @model_validator(mode="after")
     def _needs_a_source(self) -> TenantSpec:

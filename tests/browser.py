@@ -9,7 +9,9 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import os
 import re
+import signal
 import subprocess
 import tempfile
 import time
@@ -33,14 +35,18 @@ DEEP_TEXT = """(function text(n) {
 
 def screenshot_when(url: str, expected: list[str], out: Path, timeout_s: float = 60.0) -> str:
     """Open ``url``; once its text contains every ``expected`` string, save a PNG; return the text."""
-    with tempfile.TemporaryDirectory() as profile:
+    # chromium's helper processes may still write to the profile right after the browser is killed
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen(["chromium", f"--user-data-dir={profile}", *FLAGS], stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, start_new_session=True)
         try:
             ws_url = _devtools_url(proc, timeout_s)
             return IOLoop.current().run_sync(lambda: _drive(ws_url, url, expected, out, timeout_s))
         finally:
-            proc.kill()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the browser and its helpers
+            except ProcessLookupError:
+                pass
             proc.wait()
 
 
@@ -87,7 +93,10 @@ async def _drive(browser_ws: str, url: str, expected: list[str], out: Path, time
         text = res["result"].get("value") or ""
         if all(e in text for e in expected):
             await asyncio.sleep(1.0)  # let the plots draw their first data
-            png = await call("Page.captureScreenshot", session, format="png")
+            size = (await call("Page.getLayoutMetrics", session))["cssContentSize"]
+            clip = {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}
+            png = await call("Page.captureScreenshot", session, format="png", captureBeyondViewport=True,
+                             clip=clip)  # the whole page, not only the window
             out.write_bytes(base64.b64decode(png["data"]))
             conn.close()
             return text

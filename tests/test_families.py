@@ -323,7 +323,7 @@ def test_inference_engine_serves_every_family(tiny_backbone, tiny_paligemma, tmp
     group = []
     for name, (_, schema) in _tenants(fw).items():
         observations, _ = SyntheticTenant(schema).batch(2, int(rng.integers(1 << 30)))
-        group += [_Request(name, o, None, True, job=None, future=None) for o in observations]  # type: ignore[arg-type]
+        group += [_Request(name, o, None, True, job=None) for o in observations]
     outs = engine._forward(group)
     for r, out in zip(group, outs, strict=True):
         policy = policies[r.tenant]

@@ -91,7 +91,8 @@ def test_cli_status_logs_and_report(run, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "obs-rl" in out and "actor s" in out
     assert cli(["logs", "obs-sft", "--root", root]) == 0
-    assert "loss" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "-- train (20 rows)" in out and "-- eval (1 rows)" in out and "loss" in out
     assert cli(["report", "obs-rl", "--root", root, "--out", str(tmp_path)]) == 0
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert pngs == ["obs-rl-curves.png", "obs-rl-utilization.png"]
@@ -99,12 +100,18 @@ def test_cli_status_logs_and_report(run, tmp_path, capsys):
 
 
 def test_nexus_page_renders_live_tenants_in_headless_chromium(run):
+    from nexus.control.dashboard import GROUPED_LABEL
     from tests.browser import screenshot_when
 
-    nx, _, _ = run
+    nx, jobs, _ = run
     assert shutil.which("chromium"), "Debian's chromium is missing: `make test` installs it"
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "nexus-page.png"
-    text = screenshot_when(nx.dashboard_link.replace("/status", "/nexus"), ["obs-rl", "obs-sft"], shot)
-    assert "Utilization timeline" in text or "JoyNexus" in text
+    # the page shows the jobs table (every job id, with progress) and the timeline's legend as text
+    expected = ["obs-rl", "obs-sft", "Jobs", "Health", "Legend", *(j.id for j in jobs), "20/20 steps"]
+    text = screenshot_when(nx.dashboard_link.replace("/status", "/nexus"), expected, shot)
+    assert GROUPED_LABEL in text  # the shared-forward colour is explained (the eval and RL grouped)
+    for name in ("sim-0", "sim-1", "actor-0", "infer-0"):  # health rows by worker name, not address
+        assert name in text
+    assert "Workers" in text and "Status" in text  # the dashboard's navigation bar
     assert shot.stat().st_size > 20_000  # a rendered page, not a blank one

@@ -64,8 +64,8 @@ def test_jobs_tracked_on_a_remote_server(tmp_path, mlflow_server, capsys):
     assert [r.data.tags["nexus.job"] for r in runs] == [job.id]
     run = runs[0]
     assert run.info.status == "FINISHED" and run.data.params["name"] == "remote"
-    assert run.data.metrics["metered_actor_s"] > 0 and "loss" in run.data.metrics
-    history = client.get_metric_history(run.info.run_id, "loss")
+    assert run.data.metrics["system/metered_actor_s"] > 0 and "train/loss" in run.data.metrics
+    history = client.get_metric_history(run.info.run_id, "train/loss")
     assert sorted(m.step for m in history) == [1, 2, 3]  # steps are policy versions
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"manifest.json", "result.json", "plots"} <= artifacts
+    assert {"manifest.json", "result.json", "plots", "weights"} <= artifacts

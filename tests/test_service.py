@@ -142,11 +142,14 @@ def test_low_level_api_futures(nx):
 def test_mlflow_one_run_per_job(nx):
     from mlflow.tracking import MlflowClient
 
+    from nexus.services.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
+
     nx.flush()
     st = nx.status()
     jobs = [j for j in st["jobs"] if j["state"] in ("done", "failed")]
     client = MlflowClient(tracking_uri=f"sqlite:///{st['config']['root']}/mlflow.db")
     exp = client.get_experiment_by_name(ServiceConfig(**st["config"]).resolved_experiment())
+    assert exp.tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND  # MLflow 3 shows a training view, not GenAI
     runs = client.search_runs([exp.experiment_id], max_results=1000)
     by_job = {}
     for r in runs:
@@ -156,13 +159,34 @@ def test_mlflow_one_run_per_job(nx):
         run = by_job[j["job"]][0]
         assert run.data.params["name"] == j["tenant"]
         assert run.info.status == ("FINISHED" if j["state"] == "done" else "FAILED")
+        # the run lasts as long as the job did (submitted -> ended), within 10 %
+        wall = j["t_end"] - j["t_submit"]
+        assert (run.info.end_time - run.info.start_time) / 1000 == pytest.approx(wall, rel=0.1, abs=0.05), j["job"]
+        assert not [k for k in run.data.metrics if "/" not in k], run.data.metrics.keys()  # all namespaced
+        for key in run.data.metrics:  # one point per step, steps growing in logging order: no zig-zag
+            steps = [m.step for m in sorted(client.get_metric_history(run.info.run_id, key),
+                                            key=lambda m: m.timestamp)]
+            assert steps == sorted(set(steps)), (j["job"], key, steps)
     sft_runs = [by_job[j["job"]][0] for j in jobs if j["kind"] == "sft"]
-    assert any("loss" in r.data.metrics for r in sft_runs)
-    # the evaluation of sft-a is nested under sft-a's training run
-    evals = [by_job[j["job"]][0] for j in jobs if j["kind"] == "eval" and j["tenant"] == "sft-a"]
-    parents = {r.data.tags.get("mlflow.parentRunId") for r in evals}
+    assert any("train/loss" in r.data.metrics for r in sft_runs)
+    rl_runs = [by_job[j["job"]][0] for j in jobs if j["kind"] == "rl"]
+    assert rl_runs and all({"rollout/return", "rollout/policy_version", "train/loss", "system/update_s"}
+                           <= set(r.data.metrics) for r in rl_runs)
+    # the evaluation of sft-a is nested under sft-a's training run, and carries the weights it evaluated
+    evals = [(j, by_job[j["job"]][0]) for j in jobs if j["kind"] == "eval" and j["tenant"] == "sft-a"]
+    parents = {r.data.tags.get("mlflow.parentRunId") for _, r in evals}
     assert parents and parents <= {by_job[j["job"]][0].info.run_id for j in jobs
                                    if j["tenant"] == "sft-a" and j["kind"] == "sft"}
+    for j, r in evals:
+        version = j["result"]["version"]
+        assert "eval/success_rate" in r.data.metrics and r.data.tags["nexus.version"] == str(version)
+        weights = [a.path for a in client.list_artifacts(r.info.run_id, "weights")]
+        assert weights == [f"weights/v{version:06d}.pt"], (version, weights)
+    for j in jobs:  # a training run carries the version it produced
+        if j["kind"] in ("sft", "rl") and j["state"] == "done":
+            run = by_job[j["job"]][0]
+            weights = [a.path for a in client.list_artifacts(run.info.run_id, "weights")]
+            assert weights == [f"weights/v{j['result']['version']:06d}.pt"], weights
 
 
 def test_predict_observation_goes_direct_to_engine(nx):

@@ -1,57 +1,136 @@
 """The tenant's Python API.
 
+``Nexus("http://host:port", token=...)`` talks to a service's tenant gateway (HTTP, bearer tokens;
+``nexus.client.http``); ``Nexus.local()`` starts a service and hands back a gateway client holding the
+operator token and, as tenants are created, their tokens. ``Nexus("tcp://…")`` is the service-internal
+Dask connection (code execution on the service: for its own processes and tests, never for tenants).
+
 High level: connect to a service (or start a local one), create a tenant from a spec, submit an
 SFT / RL / Eval job, stream its progress, wait for its result.
 
 Low level, Tinker-style: ``forward_backward(batch, loss)``, ``optim_step()``, ``save_weights()``
-and ``predict_action(obs, version=...)``, each returning a future. A tenant's low-level calls run
-in the order they were made; each datum is self-contained (observations + actions).
+and ``predict_action(obs, version=...)``, each returning a :class:`~nexus.client.futures.NexusFuture`
+(``.result()`` or ``await``). A tenant's training calls run in the order they were made; each datum is
+self-contained (observations + actions).
+
+Everything can come from files too: ``Nexus.local(config="service.toml")``, ``nx.submit("tenant.toml",
+"job.toml")``, ``nx.create_tenant("tenant.toml")``, ``tenant.submit("job.toml")`` (see ``nexus.config``).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nexus.config import ServiceConfig
-from nexus.errors import JobFailed, NotFound
+from nexus.client.futures import NexusFuture
+from nexus.config import ServiceConfig, load_service_config, load_submission, read_toml
+from nexus.errors import Conflict, Forbidden, JobFailed, NotFound, SpecError, Unavailable
 from nexus.features import Observation
 from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec
+
+PathLike = str | Path
+TERMINAL = ("done", "failed", "cancelled")
 
 
 class Nexus:
     """A connection to a JoyNexus service."""
 
-    def __init__(self, address: str, *, service: Any = None, timeout: float = 120) -> None:
-        from distributed import Client
-
+    def __init__(self, address: str, *, token: str | None = None, service: Any = None, timeout: float = 120,
+                 security: Any = None) -> None:
         self.service = service
-        self.client = Client(address, timeout=timeout, set_as_default=False)
-        self._engine = None
+        self.transport = None  # HttpTransport when talking to the gateway
+        self._client = None
+        self._predictor = None
+        self._predicts: ThreadPoolExecutor | None = None
+        if address.startswith(("http://", "https://")):
+            from nexus.client.http import HttpTransport
+
+            self.transport = HttpTransport(address, token=token, timeout=timeout)
+        else:
+            from distributed import Client
+
+            probe_scheduler(address, min(timeout, 30), security)  # a dead address fails fast, not after minutes
+            self._client = Client(address, timeout=timeout, set_as_default=False, security=security)
 
     @classmethod
-    def local(cls, root: str | Path = "runs/local", n_sim: int = 2, dashboard_address: str = "127.0.0.1:0",
-              **config: Any) -> Nexus:
-        """Start the embedded default: a local Dask cluster running the Nexus service."""
+    def local(cls, root: PathLike | None = None, n_sim: int | None = None, dashboard_address: str | None = None,
+              n_infer: int | None = None, *, config: ServiceConfig | PathLike | None = None,
+              overrides: Iterable[str] = (), **fields: Any) -> Nexus:
+        """Start the embedded default: a local Dask cluster running the Nexus service, and return a gateway
+        client holding the operator token (``nx.client``: the internal Dask connection).
+
+        Settings: ``config`` (a :class:`ServiceConfig` or a TOML file, as ``nexus up --config``), then
+        ``root`` and any ``ServiceConfig`` field as keyword arguments, then ``overrides`` (``"key.path=value"``,
+        as ``--set``). Without any, the root is ``runs/local``. ``n_infer``: INFER workers (default:
+        ``inference_engines``); spare ones let the pool grow.
+        """
         from nexus.cluster import LocalService
 
-        service = LocalService(ServiceConfig(root=str(Path(root).resolve()), **config), n_sim=n_sim,
-                               dashboard_address=dashboard_address).start()
+        if isinstance(config, ServiceConfig):
+            config = config.model_dump(exclude_unset=True)
+            cfg = load_service_config(None, overrides, **{"root": "runs/local", **config, **_given(root=root),
+                                                         **fields})
+        else:
+            defaults = {} if config is not None and "root" in read_toml(config) else {"root": "runs/local"}
+            cfg = load_service_config(config, overrides, **{**defaults, **_given(root=root), **fields})
+        service = LocalService(cfg, n_sim=n_sim, dashboard_address=dashboard_address, n_infer=n_infer).start()
         try:
-            nx = cls(service.address, service=service)
-            nx.client.wait_for_workers(service.n_workers, timeout=180)
+            nx = cls(service.gateway_url, token=service.operator_token, service=service)
+            nx._wait_for_workers(service.n_workers, timeout=180)
+            nx.wait_ready()
         except BaseException:
             service.stop()
             raise
         return nx
 
+    def wait_ready(self, timeout: float = 300) -> dict[str, Any]:
+        """Wait until the actor group, an inference engine and the tracker serve (and a restarted
+        service has rediscovered its tenants)."""
+        if self.transport is not None and self.service is None:
+            return self.transport.call("nexus_wait_ready", timeout=timeout)
+        return self.internal("nexus_wait_ready", timeout=timeout)
+
+    def _wait_for_workers(self, n: int, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while len(self.status().get("workers", [])) < n:
+            if time.time() > deadline:
+                raise TimeoutError(f"fewer than {n} workers joined the service within {timeout} s")
+            time.sleep(0.2)
+
+    @property
+    def client(self):
+        """The Dask client: service-internal access (the process that started the service, tests)."""
+        if self._client is None:
+            if self.service is None:
+                raise Forbidden("no Dask access through the gateway: the gateway is the tenants' only door")
+            from distributed import Client
+
+            from nexus.tls import security
+
+            self._client = Client(self.service.address, timeout=60, set_as_default=False,
+                                  security=security(self.service.config))
+        return self._client
+
+    @property
+    def tokens(self) -> dict[str, str]:
+        """The tenant tokens this client holds (from create_tenant)."""
+        return dict(self.transport.tokens) if self.transport else {}
+
     # -- plumbing --------------------------------------------------------------------------
     def call(self, handler: str, **kwargs: Any) -> Any:
-        """Call a Nexus handler on the scheduler (its errors are raised here)."""
+        """A Nexus operation by its handler name: a gateway route, or the scheduler handler itself."""
+        if self.transport is not None:
+            return self.transport.call(handler, **kwargs)
+        kwargs.pop("owner", None)
+        return self.client.sync(getattr(self.client.scheduler, handler), **kwargs)
+
+    def internal(self, handler: str, **kwargs: Any) -> Any:
+        """A scheduler handler over the service-internal Dask connection (operators, tests)."""
         return self.client.sync(getattr(self.client.scheduler, handler), **kwargs)
 
     @property
@@ -59,7 +138,12 @@ class Nexus:
         return self.client.dashboard_link
 
     def close(self) -> None:
-        self.client.close()
+        if self.transport is not None:
+            self.transport.close()
+        if self._predicts is not None:
+            self._predicts.shutdown(wait=False, cancel_futures=True)
+        if self._client is not None:
+            self._client.close()
         if self.service is not None:
             self.service.stop()
 
@@ -70,12 +154,30 @@ class Nexus:
         self.close()
 
     # -- tenants and jobs ------------------------------------------------------------------
-    def create_tenant(self, spec: TenantSpec | dict[str, Any]) -> Tenant:
-        raw = spec.model_dump() if isinstance(spec, TenantSpec) else dict(spec)
+    def create_tenant(self, spec: TenantSpec | dict[str, Any] | PathLike, overrides: Iterable[str] = ()) -> Tenant:
+        """Create (or re-attach to) a tenant from a spec, a dict or a TOML file (``overrides``: ``tenant.*``
+        keys for a file)."""
+        if isinstance(spec, str | Path):
+            sub = load_submission([spec], overrides)
+            if sub.tenant is None:
+                raise SpecError(f"{spec}: no tenant in this file")
+            raw = sub.tenant
+        else:
+            raw = spec.model_dump() if isinstance(spec, TenantSpec) else dict(spec)
         info = self.call("nexus_create_tenant", spec=raw)
         return Tenant(self, info["tenant"], info)
 
-    def tenant(self, name: str) -> Tenant:
+    def submit(self, *files: PathLike, overrides: Iterable[str] = (), tenant: str | None = None) -> list[Job]:
+        """Tenant and job files (``nexus submit``): create the tenant they describe (or use ``tenant``,
+        an existing one) and submit their jobs in file order."""
+        sub = load_submission(files, overrides, tenant)
+        t = self.create_tenant(sub.tenant) if sub.tenant is not None else self.tenant(sub.name)
+        return [t.submit(j) for j in sub.jobs]
+
+    def tenant(self, name: str, token: str | None = None) -> Tenant:
+        """A handle on an existing tenant (``token``: its secret, when this client does not hold it yet)."""
+        if token is not None and self.transport is not None:
+            self.transport.tokens[name] = token
         for t in self.status()["tenants"]:
             if t["tenant"] == name:
                 return Tenant(self, name, t)
@@ -91,63 +193,210 @@ class Nexus:
         """Wait until tracking (MLflow) has written everything sent so far."""
         self.call("nexus_flush")
 
-    def engine(self):
-        """The inference engine actor (for direct, low-latency action requests)."""
-        if self._engine is None:
-            from distributed.actor import Actor
+    def engine(self, index: int = 0):
+        """The ``index``-th serving inference engine (``engine(0).engine_stats().result()``)."""
+        from nexus.messages import EngineEndpoint
+        from nexus.services.engine_client import EngineHandle
 
-            published = self.client.get_dataset("nexus-inference-engine").result()
-            with self.client.as_current():  # the proxy binds to this connection, not a global client
-                self._engine = Actor(published._cls, published._address, published.key)
-        return self._engine
+        engines = self.internal("nexus_engines")
+        if index >= len(engines):
+            raise NotFound(f"no inference engine {index}: {len(engines)} serve")
+        return EngineHandle(self.client, EngineEndpoint.from_dict(engines[index]))
+
+    def predictor(self):
+        """Action requests routed to each tenant's engine, re-routed when an engine drains or is lost."""
+        if self._predictor is None:
+            from nexus.services.engine_client import EngineClient
+
+            self._predictor = EngineClient(self.client)
+        return self._predictor
+
+    # -- lifecycle and elasticity --------------------------------------------------------------------
+    def delete_tenant(self, name: str, keep_output: bool = True) -> dict[str, Any]:
+        """Cancel the tenant's jobs, remove its slot, routes and queue entries; keep its output dir unless
+        ``keep_output=False``."""
+        return self.call("nexus_delete_tenant", tenant=name, keep_output=keep_output)
+
+    def scale_inference(self, n: int) -> dict[str, Any]:
+        """Grow or shrink the inference pool to ``n`` engines (synced before joining, drained before
+        leaving; a scale-up that fails part way is rolled back). Returns the pool's view."""
+        return self.call("nexus_scale_inference", n=n)
+
+
+def probe_scheduler(address: str, timeout: float, security: Any = None) -> dict[str, Any]:
+    """Ask ``address`` who it is, with a hard deadline: a dead address, or a port that is not a Dask scheduler
+    (e.g. the dashboard's), fails within ``timeout`` seconds with :class:`Unavailable` instead of hanging."""
+    import asyncio
+
+    async def identity() -> dict[str, Any]:
+        from distributed.comm import connect
+
+        args = security.get_connection_args("client") if security is not None else {}
+        comm = await asyncio.wait_for(connect(address, timeout=timeout, **args), timeout)
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await asyncio.wait_for(comm.read(), timeout)
+        finally:
+            comm.abort()
+
+    def probe() -> dict[str, Any]:
+        return asyncio.run(asyncio.wait_for(identity(), timeout + 1))
+
+    try:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the usual case (scripts, the CLI): no event loop in this thread
+            ident = probe()
+        else:  # called from async code (e.g. a notebook): probe on a helper thread
+            ident = _on_daemon_thread(probe)
+    except (OSError, TimeoutError, ValueError) as e:
+        reason = "no answer" if isinstance(e, TimeoutError) else " ".join(str(e).split())
+        raise Unavailable(f"could not reach a Dask scheduler at {address} within {timeout:g} s ({reason})") from None
+    if not isinstance(ident, dict) or ident.get("type") != "Scheduler":
+        kind = ident.get("type") if isinstance(ident, dict) else type(ident).__name__
+        raise Unavailable(f"{address} is a {kind}, not a Dask scheduler")
+    return ident
+
+
+def _on_daemon_thread(fn):
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True, name="nexus-probe")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _given(**kw: Any) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in kw.items() if v is not None}
+
+
+# the counter that measures a job's progress, and the metrics worth a line, per job kind
+COUNTERS = {"sft": "steps", "rl": "updates", "eval": "episodes"}
+HEADLINE = {"sft": ("loss", "heldout_action_mse"), "rl": ("return", "success_rate"), "eval": ("success_rate",
+                                                                                               "return")}
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """One look at a job: ``print(p)`` gives a line such as
+    ``pick-sft-sft-3  running  120/300 steps  v120  loss 0.083  heldout_action_mse 0.12  (41 s)``."""
+
+    job: str
+    tenant: str
+    kind: str
+    state: str
+    done: int
+    total: int
+    version: int | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    error: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def unit(self) -> str:
+        return COUNTERS.get(self.kind, "steps")
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.total if self.total else 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> JobProgress:
+        kind = info["kind"]
+        p = {**info.get("progress", {}), **(info.get("result") or {})}
+        unit = COUNTERS.get(kind, "steps")
+        total = int(info.get("spec", {}).get(unit, 0))
+        done = total if info["state"] == "done" and kind == "eval" else int(p.get(unit, 0) or 0)
+        metrics = {k: float(p[k]) for k in HEADLINE.get(kind, ()) if isinstance(p.get(k), int | float)}
+        end = info.get("t_end") or time.time()
+        return cls(job=info["job"], tenant=info["tenant"], kind=kind, state=info["state"], done=done, total=total,
+                   version=p.get("version"), metrics=metrics, elapsed_s=max(0.0, end - info.get("t_submit", end)),
+                   error=info.get("error"), raw=info)
+
+    def __str__(self) -> str:
+        parts = [self.job, self.state, f"{self.done}/{self.total} {self.unit}"]
+        if self.version is not None:
+            parts.append(f"v{self.version}")
+        parts += [f"{k} {v:.3g}" for k, v in self.metrics.items()]
+        parts.append(f"({self.elapsed_s:.0f} s)")
+        if self.error:
+            parts.append(f"error: {self.error}")
+        return "  ".join(parts)
 
 
 class Job:
-    def __init__(self, nexus: Nexus, job_id: str) -> None:
-        self.nexus, self.id = nexus, job_id
+    def __init__(self, nexus: Nexus, job_id: str, tenant: str | None = None) -> None:
+        self.nexus, self.id, self.tenant = nexus, job_id, tenant
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
 
     def info(self) -> dict[str, Any]:
-        return self.nexus.call("nexus_job", job_id=self.id)
+        """The service's full view of the job (spec, state, progress, result, error, metering)."""
+        return self.nexus.call("nexus_job", job_id=self.id, owner=self.tenant)
 
-    def stream(self, poll_s: float = 0.5) -> Iterator[dict[str, Any]]:
-        """Yield the job's state each time its progress changes, until it ends."""
+    def progress(self) -> JobProgress:
+        return JobProgress.from_info(self.info())
+
+    def stream(self, poll_s: float = 0.5) -> Iterator[JobProgress]:
+        """Yield a :class:`JobProgress` each time the job's state or progress changes, until it ends."""
+        if self.nexus.transport is not None:  # the gateway's stream sends a view at each change
+            for info in self.nexus.transport.stream(self.id, self.tenant, poll_s):
+                yield JobProgress.from_info(info)
+            return
         last = None
         while True:
-            info = self.info()
-            key = (info["state"], repr(sorted(info["progress"].items())))
+            p = self.progress()
+            key = (p.state, p.done, p.version, tuple(sorted(p.metrics.items())))
             if key != last:
                 last = key
-                yield info
-            if info["state"] in ("done", "failed"):
+                yield p
+            if p.finished:
                 return
             time.sleep(poll_s)
+
+    def cancel(self) -> dict[str, Any]:
+        """Stop the job and free everything it holds; returns its final info (state ``cancelled``)."""
+        return self.nexus.call("nexus_cancel", job_id=self.id, owner=self.tenant)
 
     def follow(self, console: Any = None, poll_s: float = 0.5) -> dict[str, Any]:
         """Wait for the job with a progress bar (steps, updates or episodes); returns its result."""
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        info = self.info()
-        counter = {"sft": "steps", "rl": "updates", "eval": "episodes"}[info["kind"]]
-        total = info["spec"][counter]
-        with Progress(TextColumn(f"{self.id} ({counter})"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        first = self.progress()
+        with Progress(TextColumn(f"{self.id} ({first.unit})"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TextColumn("{task.fields[metric]}"), TimeElapsedColumn(), console=console) as bar:
-            task = bar.add_task(self.id, total=total, metric="")
-            for info in self.stream(poll_s):
-                p = {**info["progress"], **(info["result"] or {})}
-                metric = next((f"{k} {p[k]:.3f}" for k in ("loss", "return", "success_rate") if k in p), "")
-                done = total if info["state"] == "done" and counter == "episodes" else p.get(counter, 0)
-                bar.update(task, completed=done, metric=metric)
+            task = bar.add_task(self.id, total=first.total, metric="")
+            for p in self.stream(poll_s):
+                metric = "  ".join(f"{k} {v:.3f}" for k, v in p.metrics.items())
+                bar.update(task, completed=p.done, metric=metric)
         return self.result()
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         deadline = None if timeout is None else time.time() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.time())
-            info = self.nexus.call("nexus_wait", job_id=self.id, timeout=min(left or 30.0, 30.0))
+            info = self.nexus.call("nexus_wait", job_id=self.id, timeout=min(left or 30.0, 30.0), owner=self.tenant)
             if info["state"] == "done":
                 return info["result"]
-            if info["state"] == "failed":
-                raise JobFailed(f"job {self.id} failed: {info['error']}")
+            if info["state"] in TERMINAL:
+                raise JobFailed(f"job {self.id} {info['state']}: {info['error']}")
             if deadline is not None and time.time() >= deadline:
                 raise TimeoutError(f"job {self.id} still {info['state']} after {timeout} s")
 
@@ -161,9 +410,32 @@ class Tenant:
     def version(self) -> int:
         return self.nexus.tenant(self.name).info["version"]
 
-    def submit(self, job: SFTJob | RLJob | EvalJob | dict[str, Any]) -> Job:
-        raw = job.model_dump() if not isinstance(job, dict) else job
-        return Job(self.nexus, self.nexus.call("nexus_submit", tenant=self.name, job=raw))
+    @property
+    def token(self) -> str | None:
+        """This tenant's secret (gateway transport): keep it to reconnect, ``Nexus(url, token=...)``."""
+        return self.nexus.tokens.get(self.name)
+
+    def files(self) -> list[dict[str, Any]]:
+        """The files of the tenant's output dir (path, bytes), through the gateway."""
+        return self.nexus.transport.files(self.name)
+
+    def read_file(self, path: str) -> bytes:
+        """One file of the tenant's output dir (e.g. ``manifest.json``, ``weights/v000003.pt``)."""
+        return self.nexus.transport.read_file(self.name, path)
+
+    def __repr__(self) -> str:
+        return f"Tenant({self.name!r})"
+
+    def submit(self, job: SFTJob | RLJob | EvalJob | dict[str, Any] | PathLike, overrides: Iterable[str] = ()) -> Job:
+        """Submit a job: a spec, a dict or a TOML job file (``overrides``: ``job.*`` keys for a file)."""
+        if isinstance(job, str | Path):
+            sub = load_submission([job], overrides, self.name)
+            if len(sub.jobs) != 1 or sub.tenant is not None:
+                raise SpecError(f"{job}: expected exactly one job and no tenant (nexus.submit takes several)")
+            raw = sub.jobs[0]
+        else:
+            raw = job.model_dump() if not isinstance(job, dict) else job
+        return Job(self.nexus, self.nexus.call("nexus_submit", tenant=self.name, job=raw), self.name)
 
     def sft(self, **kw: Any) -> Job:
         return self.submit(SFTJob(**kw))
@@ -175,7 +447,7 @@ class Tenant:
         return self.submit(EvalJob(**kw))
 
     # -- low level (futures) ---------------------------------------------------------------
-    def forward_backward(self, batch: dict[str, Any], loss: str = "sft") -> Future:
+    def forward_backward(self, batch: dict[str, Any], loss: str = "sft") -> NexusFuture[dict[str, Any]]:
         """Accumulate gradients of ``loss`` on a self-contained batch.
 
         ``batch``: ``observations`` (list of :class:`Observation`), ``actions`` [N, A]; for
@@ -183,6 +455,9 @@ class Tenant:
         (``loss="grpo"``: see ``nexus.services.training._run_op`` for its fields)
         (a PPOConfig dict). The batch goes to a worker directly; the scheduler sees its name only.
         """
+        if self.nexus.transport is not None:  # to the gateway, which sends it to the actor worker directly
+            return NexusFuture.run(self._ops, self.nexus.transport.forward_backward, self.name, batch, loss)
+
         def run() -> dict[str, Any]:
             client = self.nexus.client
             name = f"nexus-op-{self.name}-{uuid.uuid4().hex[:12]}"
@@ -196,15 +471,73 @@ class Tenant:
                 if name in client.list_datasets():
                     client.unpublish_dataset(name)
 
-        return self._ops.submit(run)
+        return NexusFuture.run(self._ops, run)
 
-    def optim_step(self) -> Future:
-        return self._ops.submit(self.nexus.call, "nexus_op", tenant=self.name, verb="optim_step")
+    def optim_step(self) -> NexusFuture[dict[str, Any]]:
+        return NexusFuture.run(self._ops, self.nexus.call, "nexus_op", tenant=self.name, verb="optim_step")
 
-    def save_weights(self) -> Future:
+    def save_weights(self) -> NexusFuture[int]:
         """Publish the current head as a new policy version; the future gives the version."""
-        return self._ops.submit(lambda: self.nexus.call("nexus_op", tenant=self.name, verb="save_weights")["version"])
+        return NexusFuture.run(self._ops,
+                               lambda: self.nexus.call("nexus_op", tenant=self.name, verb="save_weights")["version"])
 
-    def predict_action(self, obs: Observation, version: int | None = None, deterministic: bool = True):
-        """An action from the inference engine (grouped with other tenants' requests)."""
-        return self.nexus.engine().predict(self.name, obs, version, deterministic)
+    def export(self, version: int | None = None, path: str | Path | None = None, *,
+               server_path: str | None = None) -> dict[str, Any]:
+        """Export policy version ``version`` (None: the current one) as a self-contained directory: head and
+        adapter weights in safetensors, the backbone reference, preprocessor config, normalization stats and
+        a JSON manifest. ``nexus.policy.load(dir)`` runs it without a service.
+
+        The service writes it into the tenant's output dir (``exports/vNNNNNN/``, kept there; the
+        gateway serves its files). ``path``: a local directory (missing or empty) to download it into,
+        every file checked against the manifest's sha256. ``server_path``: write it there on the
+        service's file system instead (tenant tokens: only inside their output dir). Returns the export's
+        summary: ``path`` (on the service), ``relative_path``, ``version``, ``files`` and, when downloaded,
+        ``local_path``."""
+        if self.nexus.transport is None:  # service-internal: the same file system, written in place
+            return self.nexus.call("nexus_export", tenant=self.name, version=version,
+                                   path=str(Path(server_path or path).resolve()) if (server_path or path) else None)
+        local = None if path is None else Path(path).resolve()
+        if local is not None and local.exists() and (not local.is_dir() or any(local.iterdir())):
+            raise Conflict(f"export target {str(local)!r} exists and is not an empty directory")
+        info = self.nexus.call("nexus_export", tenant=self.name, version=version, path=server_path)
+        if local is not None:
+            if info.get("relative_path") is None:
+                raise Forbidden(f"the export at {info['path']!r} lies outside the tenant's output dir: "
+                                "the gateway cannot serve it")
+            info["local_path"] = str(self._download(info["relative_path"], info["files"], local))
+        return info
+
+    def _download(self, folder: str, files: list[str], target: Path) -> Path:
+        """The export's files from the gateway into ``target`` (atomically: a temporary sibling renamed)."""
+        import shutil
+
+        from nexus import policy as policy_format
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".{target.name}.download-{uuid.uuid4().hex[:8]}"
+        try:
+            for name in files:
+                if name.startswith("/") or ".." in name.split("/"):
+                    raise Forbidden(f"export file name {name!r} leaves the export directory")
+                dest = tmp / name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(self.read_file(f"{folder}/{name}"))
+            policy_format.read_manifest(tmp, verify_files=True)  # every file as the service wrote it
+            if target.exists():
+                target.rmdir()  # empty (checked before)
+            tmp.rename(target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target
+
+    def predict_action(self, obs: Observation, version: int | None = None,
+                       deterministic: bool = True) -> NexusFuture[dict[str, Any]]:
+        """An action from the tenant's inference engine (grouped with other tenants' requests); the future
+        gives ``{"action": array, "version": int, ...}``. Not ordered behind this tenant's training calls."""
+        if self.nexus.transport is not None:
+            if self.nexus._predicts is None:
+                self.nexus._predicts = ThreadPoolExecutor(4, thread_name_prefix="nexus-predict")
+            return NexusFuture.run(self.nexus._predicts, self.nexus.transport.predict, self.name, obs, version,
+                                   deterministic)
+        return NexusFuture.of(self.nexus.predictor().predict(self.name, obs, version, deterministic))

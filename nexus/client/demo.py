@@ -1,9 +1,14 @@
-"""The main demo: four tenants share one service at the same time.
+"""The main demo: four tenants share one service at the same time, and two of them visibly learn.
 
-* ``push-rl``  — RL (PPO) on ManiSkill PushCube, state observations
-* ``pick-rgb`` — RL (PPO) on ManiSkill PickCube with an rgb camera
-* ``pick-sft`` — SFT on recorded scripted PickCube demonstrations (``datasets/pickcube-scripted``)
-* an evaluation of ``pick-sft`` that pins the version current at its start while SFT goes on
+Tenants and their training jobs come from the files in ``configs/demo/`` (the same files ``nexus submit``
+takes):
+
+* ``pick-sft`` — SFT of a π-style flow-matching expert on scripted PickCube demonstrations; an evaluation
+  pins its version at the start (the untrained policy) while SFT runs, another evaluates the final version
+* ``push-rl``  — PPO on ManiSkill PushCube (state); its rollout return rises, a final evaluation scores it
+* ``pick-rgb`` — a few PPO updates on PickCube from a 64 px camera (the camera path, sharing the backbone)
+
+It ends with a table of what was learned — before, after, and what a good number is.
 """
 
 from __future__ import annotations
@@ -16,40 +21,24 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from nexus.client.api import Job, Nexus
-from nexus.spec import TenantSpec
+from nexus.client.api import Job, JobProgress, Nexus
+from nexus.config import load_submission
+from nexus.history import by_kind, per_version
 
-TENANTS = [
-    TenantSpec(name="push-rl", env="maniskill/pushcube-state", action_dim=4, lr=3e-4, max_inflight=2, seed=1),
-    TenantSpec(name="pick-rgb", env="maniskill/pickcube-rgb", action_dim=4, lr=3e-4, max_inflight=2, seed=2),
-    TenantSpec(name="pick-sft", dataset="pickcube-scripted", env="maniskill/pickcube-state", action_dim=4,
-               lr=1e-3, max_inflight=2, seed=3),
-]
-
-
-def _fmt(x: Any, nd: int = 3) -> str:
-    return f"{x:.{nd}f}" if isinstance(x, float) else ("-" if x is None else str(x))
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "demo"
+FILES = {"pick-sft": "pick-sft.toml", "push-rl": "push-rl.toml", "pick-rgb": "pick-rgb.toml"}
+EVAL_EPISODES = 20  # the trained versions
+BEFORE_EPISODES = 10  # the untrained head (its success is 0: fewer episodes leave the cores to training)
 
 
-def job_row(info: dict[str, Any]) -> list[str]:
-    p = {**info["progress"], **(info["result"] or {})}
-    steps = p.get("episodes") if info["kind"] == "eval" else p.get("steps", p.get("updates"))
-    metric = {"sft": ("loss", p.get("loss")), "rl": ("return", p.get("return")),
-              "eval": ("success", p.get("success_rate"))}[info["kind"]]
-    extra = (f"held-out mse {_fmt(p.get('heldout_action_mse'))}" if info["kind"] == "sft" else
-             f"success {_fmt(p.get('success_rate'))}" if info["kind"] == "rl" else
-             f"episodes {p.get('episodes', '-')}, versions seen {p.get('versions_seen', '-')}")
-    return [info["tenant"], info["kind"], info["job"], info["state"], _fmt(steps), _fmt(p.get("version")),
-            f"{metric[0]} {_fmt(metric[1])}", extra, _fmt(p.get("dropped_stale", 0 if info["kind"] == "rl" else "-"))]
-
-
-def table(infos: list[dict[str, Any]], title: str) -> Table:
+def progress_table(progress: list[JobProgress], title: str) -> Table:
     t = Table(title=title)
-    for col in ("tenant", "job", "id", "state", "steps", "version", "loss / return / success", "more",
-                "dropped stale"):
+    for col in ("tenant", "job", "state", "progress", "version", "latest metrics", "elapsed s"):
         t.add_column(col)
-    for info in infos:
-        t.add_row(*job_row(info))
+    for p in progress:
+        metrics = "  ".join(f"{k} {v:.3f}" for k, v in p.metrics.items()) or "-"
+        t.add_row(p.tenant, p.job, p.state + (f": {p.error}" if p.error else ""), f"{p.done}/{p.total} {p.unit}",
+                  "-" if p.version is None else str(p.version), metrics, f"{p.elapsed_s:.0f}")
     return t
 
 
@@ -66,41 +55,121 @@ def metering_table(status: dict[str, Any]) -> Table:
     return t
 
 
-def run_demo(root: str = "runs/demo", rl_updates: int = 24, sft_steps: int = 300, eval_episodes: int = 8) -> list[dict]:
-    console = Console() if Console().is_terminal else Console(width=150)
+def _fmt(x: Any, nd: int = 2) -> str:
+    return f"{x:.{nd}f}" if isinstance(x, int | float) else "-"
+
+
+def learned_rows(logs: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """[tenant, measure, before, after, good is] from the tenants' job histories."""
+    rows = []
+    sft = logs.get("pick-sft")
+    if sft:
+        hist = [h for j in sft["jobs"] for h in j["history"]]
+        evals = sorted((h for h in by_kind(hist).get("eval", [])), key=lambda h: h["step"])
+        if evals:
+            first, last = evals[0], evals[-1]
+            rows.append(["pick-sft", "eval success rate (deterministic episodes)",
+                         f"{_fmt(first['success_rate'])} (v{first['step']}, {int(first.get('episodes', 0))} ep.)",
+                         f"[b]{_fmt(last['success_rate'])}[/b] (v{last['step']}, {int(last.get('episodes', 0))} ep.)",
+                         "1.00 = the scripted expert; π after 1500 steps in one process: 0.40-0.70"])
+        train = [h for h in by_kind(hist).get("train", []) if "heldout_action_mse" in h]
+        if train:
+            rows.append(["pick-sft", "held-out action MSE (after step 1 → last)",
+                         _fmt(train[0]["heldout_action_mse"], 3),
+                         _fmt(train[-1]["heldout_action_mse"], 3),
+                         "lower; predicting zeros 0.41, π in one process 0.08"])
+    rl = logs.get("push-rl")
+    if rl:
+        hist = [h for j in rl["jobs"] for h in j["history"]]
+        agg = per_version(by_kind(hist).get("rollout", []), "return")
+        if len(agg) >= 2:
+            k = max(1, len(agg) // 4)
+            before = sum(a[1] for a in agg[:k]) / k
+            after = sum(a[1] for a in agg[-k:]) / k
+            rows.append(["push-rl", f"rollout return, first vs last {k} versions", _fmt(before, 1),
+                         f"[b]{_fmt(after, 1)}[/b]", "higher; max 50; PPO baseline 3.4 → 13.8 in 15 CPU min"])
+        succ = per_version(by_kind(hist).get("rollout", []), "success_rate")
+        if len(succ) >= 2:
+            k = max(1, len(succ) // 4)
+            rows.append(["push-rl", f"rollout success, first vs last {k} versions",
+                         _fmt(sum(a[1] for a in succ[:k]) / k), _fmt(sum(a[1] for a in succ[-k:]) / k),
+                         "0-1; PPO baseline 0.07 → 0.53 in 15 CPU min"])
+        evals = [h for h in by_kind(hist).get("eval", [])]
+        if evals:
+            rows.append(["push-rl", "eval success rate (deterministic episodes)", "-",
+                         f"{_fmt(evals[-1]['success_rate'])} (v{evals[-1]['step']}, "
+                         f"{int(evals[-1].get('episodes', 0))} ep.)",
+                         "0-1; PPO baseline 0.25-0.4 after 30k env steps"])
+    return rows
+
+
+def learned_table(logs: dict[str, dict[str, Any]]) -> Table:
+    t = Table(title="What the tenants learned")
+    for col in ("tenant", "measure", "before", "after", "good is"):
+        t.add_column(col)
+    for r in learned_rows(logs):
+        t.add_row(*r)
+    return t
+
+
+def run_demo(root: str = "runs/demo", sft_steps: int | None = None, rl_updates: int | None = None,
+             eval_episodes: int | None = None, configs: Path = CONFIGS) -> list[dict]:
+    console = Console() if Console().is_terminal else Console(width=170)
+    eval_episodes = eval_episodes or EVAL_EPISODES
+    overrides = {"pick-sft": [f"job.steps={sft_steps}"] if sft_steps else [],
+                 "push-rl": [f"job.updates={rl_updates}"] if rl_updates else [], "pick-rgb": []}
+    subs = {name: load_submission([configs / f], overrides[name]) for name, f in FILES.items()}  # refuse bad files now
     t0 = time.time()
     console.print(f"[bold]JoyNexus demo[/] — starting a local Dask cluster in {Path(root).resolve()} …")
     with Nexus.local(root) as nx:
-        console.print(f"Dask dashboard: [link]{nx.dashboard_link}[/link]  (Nexus page: /nexus/api/state)")
-        tenants = {s.name: nx.create_tenant(s) for s in TENANTS}
-        console.print(f"tenants created: {', '.join(tenants)} ({time.time() - t0:.0f} s)")
-        jobs: list[Job] = [
-            tenants["push-rl"].rl(updates=rl_updates, episodes_per_batch=2, collectors=2),
-            tenants["pick-rgb"].rl(updates=max(2, rl_updates // 4), episodes_per_batch=1, collectors=1),
-            tenants["pick-sft"].sft(steps=sft_steps, batch_size=64),
-            tenants["pick-sft"].evaluate(episodes=eval_episodes),
-        ]
-        with Live(console=console, refresh_per_second=2) as live:
-            while True:
-                infos = [j.info() for j in jobs]
-                live.update(table(infos, f"running … {time.time() - t0:.0f} s"))
-                if all(i["state"] in ("done", "failed") for i in infos):
-                    break
-                time.sleep(1.0)
-        # the SFT policy at its final version, for comparison with the version pinned at the start
-        final = tenants["pick-sft"].evaluate(episodes=eval_episodes)
-        final.result(timeout=600)
-        infos.append(final.info())
+        link = nx.dashboard_link
+        console.print(f"Dask dashboard: {link}   Nexus page: {link.replace('/status', '/nexus')}")
+        tenants = {name: nx.create_tenant(sub.tenant) for name, sub in subs.items()}
+        console.print(f"tenants created from {configs}: {', '.join(tenants)} ({time.time() - t0:.0f} s)")
+        training = {name: [tenants[name].submit(j) for j in sub.jobs] for name, sub in subs.items()}
+        # the untrained policy's score, pinned at its start while SFT goes on
+        jobs: list[Job] = [j for js in training.values() for j in js]
+        jobs.append(tenants["pick-sft"].evaluate(episodes=BEFORE_EPISODES))
+        # each trained tenant is evaluated as soon as its own training ends (the others keep running)
+        after = {"pick-sft": None, "push-rl": None}
+
+        def start_finals(progress: dict[str, JobProgress]) -> None:
+            for name in after:
+                if after[name] is None and all(progress[j.id].finished for j in training[name]):
+                    after[name] = tenants[name].evaluate(episodes=eval_episodes)
+                    jobs.append(after[name])
+
+        _watch(console, jobs, t0, on_progress=start_finals,
+               until=lambda: all(a is not None for a in after.values()))
         nx.flush()
-        console.print(table(infos, f"JoyNexus demo — finished in {time.time() - t0:.0f} s"))
+        infos = [j.info() for j in jobs]
+        logs = {name: nx.call("nexus_tenant_log", tenant=name) for name in tenants}
+        wall = time.time() - t0
+        console.print(progress_table([JobProgress.from_info(i) for i in infos], f"JoyNexus demo — jobs ({wall:.0f} s)"))
+        console.print(learned_table(logs))
         st = nx.status()
         console.print(metering_table(st))
         cfg = st["config"]
-        console.print(f"Dask dashboard: {nx.dashboard_link} (live while the service runs)")
         uri = cfg["tracking_uri"] or f"sqlite:///{Path(cfg['root']) / 'mlflow.db'}"
-        console.print(f"MLflow store: {uri}  →  mlflow ui --backend-store-uri {uri}")
-        console.print(f"tenant output dirs: {Path(cfg['root']) / 'tenants'}")
-        failed = [i for i in infos if i["state"] != "done"]
-        for i in failed:
-            console.print(f"[red]job {i['job']} failed: {i['error']}[/]")
+        console.print(f"MLflow: {uri}  →  mlflow ui --backend-store-uri {uri}")
+        console.print(f"tenant output dirs: {Path(cfg['root']) / 'tenants'};  plots: nexus report pick-sft "
+                      f"--root {cfg['root']} (while a service runs on that root)")
+        console.print(f"demo wall time {wall:.0f} s (from start to the final table)")
+        for i in infos:
+            if i["state"] != "done":
+                console.print(f"[red]job {i['job']} {i['state']}: {i['error']}[/]")
         return infos
+
+
+def _watch(console: Console, jobs: list[Job], t0: float, on_progress=None, until=None) -> None:
+    """A live table of ``jobs`` (the list may grow) until all have ended and ``until()`` holds."""
+    with Live(console=console, refresh_per_second=1, transient=True) as live:
+        while True:
+            progress = {j.id: j.progress() for j in list(jobs)}
+            if on_progress is not None:
+                on_progress(progress)
+            live.update(progress_table(list(progress.values()), f"running … {time.time() - t0:.0f} s"))
+            if all(p.finished for p in progress.values()) and len(progress) == len(jobs) and (
+                    until is None or until()):
+                return
+            time.sleep(1.0)

@@ -34,6 +34,8 @@ class Span:
     t0: float
     t1: float
     what: str = ""
+    sim_s: float = 0.0  # simulator spans: stepping ...
+    wait_s: float = 0.0  # ... and waiting for actions, inside [t0, t1]
 
 
 @dataclass
@@ -42,12 +44,18 @@ class MonitoringState:
     metered: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     metered_jobs: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     busy: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # service -> measured busy s
-    spans: deque = field(default_factory=lambda: deque(maxlen=2000))
+    # the execution timeline: enough for a benchmark's runs (inference groups are the most numerous)
+    spans: deque = field(default_factory=lambda: deque(maxlen=50_000))
     samples: deque = field(default_factory=lambda: deque(maxlen=2000))  # control signals over time
     group_sizes: deque = field(default_factory=lambda: deque(maxlen=5000))
     group_waits: deque = field(default_factory=lambda: deque(maxlen=5000))
     weight_sync: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    # tenant -> simulator time split: sim_s (stepping) and action_wait_s (waiting for actions)
+    simulator_split: dict[str, dict[str, float]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # (service, worker) -> busy seconds since the start (status's accounting, without walking the spans)
+    busy_slot: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
     inference_pending: int = 0
     t_start: float = field(default_factory=time.time)
 
@@ -62,9 +70,15 @@ class MonitoringState:
             if msg.get("job"):
                 self.metered_jobs[msg["job"]][service] += seconds
             self.busy[service] += seconds
+            self.busy_slot[(service, str(msg["worker"]))] += seconds
             self.spans.append(Span(service, str(msg["worker"]), msg["tenant"], msg["t0"], msg["t1"],
-                                   msg.get("what", kind)))
-            if kind == "update" and "sync_bytes" in msg:
+                                   msg.get("what", kind), float(msg.get("sim_s", 0.0)),
+                                   float(msg.get("action_wait_s", 0.0))))
+            if kind == "rollout" and "sim_s" in msg:  # datapath: stepping vs waiting for actions
+                split = self.simulator_split[msg["tenant"]]
+                split["sim_s"] += float(msg["sim_s"])
+                split["action_wait_s"] += float(msg.get("action_wait_s", 0.0))
+            if kind == "update" and msg.get("sync_bytes"):  # datapath: only versions actually pushed
                 ws = self.weight_sync[msg["tenant"]]
                 ws["count"] += 1
                 ws["seconds"] += float(msg.get("sync_s", 0.0))
@@ -76,6 +90,7 @@ class MonitoringState:
             for job, s in msg.get("by_job", {}).items():
                 self.metered_jobs[job]["inference"] += float(s)
             for t0, t1, tenants in msg.get("spans", ()):
+                self.busy_slot[("inference", str(msg["worker"]))] += float(t1) - float(t0)
                 self.spans.append(Span("inference", str(msg["worker"]), "+".join(sorted(tenants)), t0, t1, "group"))
             self.group_sizes.extend(msg.get("sizes", ()))
             self.group_waits.extend(msg.get("waits", ()))
@@ -92,6 +107,37 @@ class MonitoringState:
         per = self.metered_jobs.get(job, {})
         return {s: round(per.get(s, 0.0), 6) for s in SERVICES}
 
+    def accounting(self, slots: dict[str, list[str]], t0: float | None = None, t1: float | None = None,
+                   aliases: dict[str, str] | None = None) -> dict[str, Any]:
+        """Device time and utilization of each service over ``[t0, t1]`` from the recorded spans."""
+        return accounting(list(self.spans), slots, self.t_start if t0 is None else t0,
+                          time.time() if t1 is None else t1, aliases)
+
+    def totals(self, slots: dict[str, list[str]], aliases: dict[str, str] | None = None) -> dict[str, Any]:
+        """The accounting since the service started from running sums (cheap: ``status()`` calls it)."""
+        wall = max(time.time() - self.t_start, 0.0)
+        al = aliases or {}
+        busy_slot: dict[tuple[str, str], float] = defaultdict(float)
+        for (service, w), v in self.busy_slot.items():
+            busy_slot[(service, al.get(w, w))] += v
+        out: dict[str, Any] = {"t0": self.t_start, "wall_s": wall, "services": {}}
+        dev = busy_all = 0.0
+        for service in SERVICES:
+            workers = set(slots.get(service, [])) | {w for s, w in busy_slot if s == service}
+            busy = {w: min(busy_slot.get((service, w), 0.0), wall) for w in sorted(workers)}
+            device = len(workers) * wall
+            row: dict[str, Any] = {"slots": len(workers), "device_s": device, "busy_s": sum(busy.values()),
+                                   "busy_per_slot_s": busy,
+                                   "utilization": sum(busy.values()) / device if device > 0 else 0.0}
+            if service == "simulator":
+                row["split_s"] = {"stepping": sum(v.get("sim_s", 0.0) for v in self.simulator_split.values()),
+                                  "waiting_for_actions": sum(v.get("action_wait_s", 0.0)
+                                                             for v in self.simulator_split.values())}
+            out["services"][service] = row
+            dev, busy_all = dev + device, busy_all + row["busy_s"]
+        out["device_s"], out["utilization"] = dev, busy_all / dev if dev > 0 else 0.0
+        return out
+
     def snapshot(self, since: float = 0.0) -> dict[str, Any]:
         return {
             "t_start": self.t_start,
@@ -102,8 +148,68 @@ class MonitoringState:
             "group_sizes": list(self.group_sizes),
             "group_waits": list(self.group_waits),
             "weight_sync": {t: dict(v) for t, v in self.weight_sync.items()},
+            "simulator_split": {t: dict(v) for t, v in self.simulator_split.items()},
             "signals": dict(self.counts),
         }
+
+
+def _union_s(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of intervals (a slot busy with two overlapping spans counts once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def accounting(spans: list[Span], slots: dict[str, list[str]], t0: float, t1: float,
+               aliases: dict[str, str] | None = None) -> dict[str, Any]:
+    """The services' own records turned into the paper's accounting over the window ``[t0, t1]``.
+
+    ``slots``: service -> the workers allocated to it (actor ranks, inference engines, SIM workers); a
+    worker seen in the spans but not listed is counted as allocated too; ``aliases`` maps the worker ids
+    spans carry (a worker's address) to the names in ``slots``. Per service: busy seconds per
+    slot (union of its spans clipped to the window, so busy <= wall), device time = allocated slots x
+    wall, utilization = busy / device time; the simulator's busy time split into stepping, waiting for
+    actions and the rest (resets, episode writes), pro rata for spans cut by the window.
+    """
+    wall = max(t1 - t0, 0.0)
+    al = aliases or {}
+    out: dict[str, Any] = {"t0": t0, "t1": t1, "wall_s": wall, "services": {}}
+    total_device = total_busy = 0.0
+    for service in SERVICES:
+        per: dict[str, list[tuple[float, float]]] = {w: [] for w in slots.get(service, [])}
+        stepping = waiting = 0.0
+        for sp in spans:
+            if sp.service != service:
+                continue
+            a, b = max(sp.t0, t0), min(sp.t1, t1)
+            if b <= a:
+                continue
+            per.setdefault(al.get(sp.worker, sp.worker), []).append((a, b))
+            if service == "simulator" and sp.t1 > sp.t0:
+                frac = (b - a) / (sp.t1 - sp.t0)
+                stepping += frac * sp.sim_s
+                waiting += frac * sp.wait_s
+        busy = {w: _union_s(iv) for w, iv in per.items()}
+        device = len(per) * wall
+        row: dict[str, Any] = {"slots": len(per), "device_s": device, "busy_s": sum(busy.values()),
+                               "busy_per_slot_s": busy,
+                               "utilization": sum(busy.values()) / device if device > 0 else 0.0,
+                               "utilization_per_slot": {w: (b / wall if wall > 0 else 0.0) for w, b in busy.items()}}
+        if service == "simulator":
+            sb = row["busy_s"]
+            stepping, waiting = min(stepping, sb), min(waiting, max(sb - stepping, 0.0))
+            row["split_s"] = {"stepping": stepping, "waiting_for_actions": waiting,
+                              "other": max(sb - stepping - waiting, 0.0)}
+        out["services"][service] = row
+        total_device += device
+        total_busy += row["busy_s"]
+    out["device_s"] = total_device
+    out["utilization"] = total_busy / total_device if total_device > 0 else 0.0
+    return out
 
 
 class PrometheusCollector:
@@ -153,3 +259,6 @@ class PrometheusCollector:
         c["inference_groups"].add_metric([], mon.counts.get("inference_groups", 0))
         yield from g.values()
         yield from c.values()
+        from nexus.control.health import prometheus_families
+
+        yield from prometheus_families(st.get("roles", []))

@@ -1,8 +1,9 @@
 """The training queue of the Master, as plain data structures (no torch, no I/O, no Dask).
 
 * :class:`TrainingQueue` — large, latency-tolerant work items (RL trajectory batches, SFT batches,
-  low-level ops). Highest priority first, FIFO within a priority; a per-tenant admission cap
-  (reserved + queued + running <= ``max_inflight``) gives producers back-pressure so one tenant
+  low-level ops). Highest priority first, FIFO within a priority (``order="priority"``), or plain
+  submission order (``order="fifo"``, priorities ignored: the scheduling policy's ``queue_order``); a
+  per-tenant admission cap (reserved + queued + running <= ``max_inflight``) gives producers back-pressure so one tenant
   cannot flood the queue; RL items whose policy version lags the tenant's current version by more
   than ``max_staleness`` are dropped (and counted) when they reach the head of the queue.
 
@@ -44,6 +45,12 @@ class TrainingItem:
     payload: dict[str, Any] = field(default_factory=dict)
     item_id: str = ""
     enqueued_at: float = 0.0
+    attempts: int = 0  # runs that raised (retried up to the dispatcher's item_attempts)
+    data: Any = field(default=None, repr=False)  # a low-level op's batch (Dask future), its own task argument
+
+    @property
+    def job(self) -> str | None:
+        return self.payload.get("job")
 
     def to_dict(self) -> dict[str, Any]:
         return {"tenant": self.tenant, "kind": self.kind, "policy_version": self.policy_version,
@@ -65,7 +72,10 @@ class TenantCounters:
 
 
 class TrainingQueue:
-    def __init__(self) -> None:
+    def __init__(self, order: Literal["fifo", "priority"] = "priority") -> None:
+        if order not in ("fifo", "priority"):
+            raise ValueError(f"queue order {order!r}: 'fifo' or 'priority'")
+        self.order = order
         self._heap: list[tuple[int, int, TrainingItem]] = []
         self._seq = itertools.count()
         self.limits: dict[str, TenantLimits] = {}
@@ -119,7 +129,30 @@ class TrainingQueue:
         seq = next(self._seq)
         item.item_id = item.item_id or f"{item.tenant}-{item.kind}-{seq}"
         item.enqueued_at = time.time()
-        heapq.heappush(self._heap, (-self.limits[item.tenant].priority, seq, item))
+        heapq.heappush(self._heap, (self._rank(item.tenant), seq, item))
+
+    def requeue(self, item: TrainingItem) -> None:
+        """A running item goes back to the head of its priority class (its worker was lost, or it is
+        retried); it keeps its admission slot."""
+        c = self._c(item.tenant)
+        if c.running <= 0:
+            raise AdmissionError(f"tenant {item.tenant!r} has no running item to requeue")
+        c.running -= 1
+        c.queued += 1
+        heapq.heappush(self._heap, (self._rank(item.tenant), -next(self._seq), item))
+
+    def _rank(self, tenant: str) -> int:
+        return -self.limits[tenant].priority if self.order == "priority" else 0
+
+    def remove(self, item: TrainingItem) -> bool:
+        """Take a queued item out (its job was cancelled): its admission slot is freed. False if not queued."""
+        kept = [e for e in self._heap if e[2] is not item]
+        if len(kept) == len(self._heap):
+            return False
+        self._heap = kept
+        heapq.heapify(self._heap)
+        self.counters[item.tenant].queued -= 1
+        return True
 
     # -- consumer --------------------------------------------------------------------------
     def pop(self, versions: dict[str, int]) -> tuple[TrainingItem | None, list[TrainingItem]]:

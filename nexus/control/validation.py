@@ -11,13 +11,19 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from nexus import catalog
-from nexus.errors import SpecError
+from nexus.config import ServiceLimits
+from nexus.errors import LimitExceeded, NotFound, SpecError
 from nexus.features import TenantSchema
 from nexus.spec import RL_ACTION_HEADS, JobSpec, TenantSpec
 
 _JOB = TypeAdapter(JobSpec)
 
-__all__ = ["SpecError", "schema_from_dict", "schema_to_dict", "validate_job", "validate_tenant"]
+__all__ = ["SpecError", "check_eval_version", "check_job_limits", "check_new_tenant", "check_tenant_limits",
+           "schema_from_dict", "schema_to_dict", "validate_job", "validate_tenant"]
+
+# Episode seeds are derived from a tenant's seed (RL: seed * 1_000_003 + episode, eval: 7_000_003 * (1 + seed)
+# + episode) and simulators take seeds in [0, 2**32): ServiceLimits.max_seed keeps both formulas in range.
+SIM_SEED_RANGE = 2**32
 
 
 def _pydantic_message(e: ValidationError) -> str:
@@ -28,12 +34,83 @@ def _pydantic_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def validate_tenant(raw: dict[str, Any] | TenantSpec) -> tuple[TenantSpec, TenantSchema]:
-    """Check a tenant spec against the catalogs; returns the spec and the schema its data has."""
+def _over(what: str, value: Any, limit_name: str, limit: Any) -> LimitExceeded:
+    return LimitExceeded(f"{what}={value} is over the limit {limit_name}={limit}")
+
+
+def check_tenant_limits(spec: TenantSpec, limits: ServiceLimits) -> None:
+    """A tenant spec against its quotas (the head's width, its admission cap, priority, seed)."""
+    if spec.hidden_dim > limits.max_hidden_dim:
+        raise _over("hidden_dim", spec.hidden_dim, "max_hidden_dim", limits.max_hidden_dim)
+    if spec.max_inflight is not None and spec.max_inflight > limits.max_inflight:
+        raise _over("max_inflight", spec.max_inflight, "max_inflight", limits.max_inflight)
+    if abs(spec.priority) > limits.max_priority:
+        raise _over("|priority|", abs(spec.priority), "max_priority", limits.max_priority)
+    if spec.seed > limits.max_seed:
+        raise LimitExceeded(f"seed={spec.seed} is over the limit max_seed={limits.max_seed} (episode seeds "
+                            f"derived from it must stay in the simulators' range [0, 2**32))")
+    if 7_000_003 * (1 + spec.seed) + limits.max_eval_episodes >= SIM_SEED_RANGE:
+        raise LimitExceeded(f"seed={spec.seed}: the service's max_seed={limits.max_seed} lets evaluation seeds "
+                            "leave the simulators' range; an operator must lower it")
+
+
+def check_new_tenant(n_tenants: int, limits: ServiceLimits) -> None:
+    if n_tenants >= limits.max_tenants:
+        raise LimitExceeded(f"tenants={n_tenants + 1} is over the limit max_tenants={limits.max_tenants}")
+
+
+def check_job_limits(job: Any, limits: ServiceLimits, active_evals: int = 0) -> None:
+    """A job's size against the tenant's quotas; ``active_evals``: its evaluations queued or running."""
+    if job.kind == "sft":
+        if job.steps > limits.max_sft_steps:
+            raise _over("steps", job.steps, "max_sft_steps", limits.max_sft_steps)
+        if job.batch_size > limits.max_batch_size:
+            raise _over("batch_size", job.batch_size, "max_batch_size", limits.max_batch_size)
+    elif job.kind == "rl":
+        if job.updates > limits.max_rl_updates:
+            raise _over("updates", job.updates, "max_rl_updates", limits.max_rl_updates)
+        if job.episodes_per_batch > limits.max_episodes_per_batch:
+            raise _over("episodes_per_batch", job.episodes_per_batch, "max_episodes_per_batch",
+                        limits.max_episodes_per_batch)
+        if job.collectors > limits.max_collectors:
+            raise _over("collectors", job.collectors, "max_collectors", limits.max_collectors)
+        if job.ppo.update_epochs > limits.max_update_epochs:
+            raise _over("ppo.update_epochs", job.ppo.update_epochs, "max_update_epochs", limits.max_update_epochs)
+    else:
+        if job.episodes > limits.max_eval_episodes:
+            raise _over("episodes", job.episodes, "max_eval_episodes", limits.max_eval_episodes)
+        if active_evals >= limits.max_concurrent_evals:
+            raise LimitExceeded(f"evaluations={active_evals + 1} at once is over the limit "
+                                f"max_concurrent_evals={limits.max_concurrent_evals}")
+
+
+def check_eval_version(tenant: str, version: int | None, current: int, limits: ServiceLimits) -> None:
+    """An evaluation's pinned version must exist and its weights must still be kept."""
+    if version is None:
+        return
+    if version > current:
+        raise NotFound(f"tenant {tenant!r} has no version {version} yet (current {current})")
+    if limits.max_versions_kept == 0 or version == 0:  # keep all; the initial version is always kept
+        return
+    oldest = max(0, current - limits.max_versions_kept + 1)
+    if version < oldest:
+        raise NotFound(f"version {version} of tenant {tenant!r} was pruned: only the last "
+                       f"max_versions_kept={limits.max_versions_kept} versions and the initial one are kept "
+                       f"(oldest {oldest})")
+
+
+def validate_tenant(raw: dict[str, Any] | TenantSpec,
+                    limits: ServiceLimits | None = None) -> tuple[TenantSpec, TenantSchema]:
+    """Check a tenant spec against the catalogs (and its quotas, given ``limits``); returns the spec and
+    the schema its data has."""
+    if not isinstance(raw, dict | TenantSpec):
+        raise SpecError(f"invalid tenant spec: expected a JSON object, got {type(raw).__name__}")
     try:
         spec = raw if isinstance(raw, TenantSpec) else TenantSpec.model_validate(raw)
     except ValidationError as e:
         raise SpecError(f"invalid tenant spec: {_pydantic_message(e)}") from None
+    if limits is not None:
+        check_tenant_limits(spec, limits)
     try:
         env = catalog.env(spec.env) if spec.env else None
         ds = catalog.dataset(spec.dataset) if spec.dataset else None
@@ -52,12 +129,18 @@ def validate_tenant(raw: dict[str, Any] | TenantSpec) -> tuple[TenantSpec, Tenan
     return spec, schema
 
 
-def validate_job(spec: TenantSpec, raw: dict[str, Any]) -> Any:
-    """Check a job against its tenant: RL and eval need an env, SFT a dataset."""
+def validate_job(spec: TenantSpec, raw: dict[str, Any], limits: ServiceLimits | None = None,
+                 active_evals: int = 0) -> Any:
+    """Check a job against its tenant: RL and eval need an env, SFT a dataset (and, given ``limits``,
+    against the tenant's quotas)."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"invalid job: expected a JSON object, got {type(raw).__name__}")
     try:
         job = _JOB.validate_python(raw)
     except ValidationError as e:
         raise SpecError(f"invalid job: {_pydantic_message(e)}") from None
+    if limits is not None:
+        check_job_limits(job, limits, active_evals)
     if job.kind in ("rl", "eval") and not spec.env:
         raise SpecError(f"tenant {spec.name!r} has no env: a {job.kind} job needs one")
     if job.kind == "sft" and not spec.dataset:

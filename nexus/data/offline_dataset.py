@@ -32,6 +32,7 @@ from nexus.data.trajectory_store import (
     schema_from_arrow,
     table_arrays,
     trajectory_schema,
+    without_cached_features,
 )
 from nexus.features import Observation, TenantSchema
 from nexus.services.environment import episode_stats
@@ -155,7 +156,7 @@ def _load_arrow(entry: DatasetEntry) -> dict[str, np.ndarray]:
         raise _missing(entry, f"no Arrow files in {entry.path}")
     tables = []
     for f in files:
-        t = read_ipc(f)
+        t = without_cached_features(read_ipc(f))  # rollouts' cached backbone features are not data
         if not t.schema.equals(expected, check_metadata=False):
             raise ValueError(f"dataset {entry.name!r}: {f} does not match the manifest schema "
                              f"{schema_from_arrow(t.schema) if t.schema.metadata else t.schema}")

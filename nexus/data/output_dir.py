@@ -2,29 +2,64 @@
 
 Layout::
 
-    manifest.json        spec, schema, versions, checkpoints, job history
-    weights/vNNNNNN.pt   exported head weights of every policy version (inference pins load these)
+    manifest.json        spec, schema, versions (with the sha256 of their weights), checkpoints, job records
+    weights/vNNNNNN.pt   exported head weights of policy versions (inference pins load these); written once:
+                         a published version's file never changes. Retention (``prune``) keeps the newest N,
+                         the initial and every evaluated version, and marks the others ``"pruned"``
     checkpoints/         DeepSpeed checkpoints (engine + optimizer state), one tag per saved version
     trajectories/        Arrow IPC batches of rollouts (nexus.data.trajectory_store)
-    eval/                eval reports, one JSON per eval job
+    eval/                eval reports, one JSON per eval job (written when the evaluation starts, so its
+                         version is protected from retention, and again with the results)
+    jobs/<job>.json      one record per job: "running" from its start, its final state and its metric
+                         ``history`` at its end (the manifest's record points at it: ``history_file``)
+    exports/vNNNNNN/     exported policy of a version (nexus.policy format): a finished training job's final
+                         version, or one written on request (nexus_export without a path)
 
-Written only by workers (never by the scheduler process); every write is atomic (temp + rename).
+Written only by workers (never by the scheduler process); every write is atomic (temp + rename), files
+are 0600 and dirs 0700 (``nexus.paths``). Old versions' weights and old checkpoints beyond the tenant's
+quota (``ServiceLimits.max_versions_kept`` / ``max_checkpoints_kept``) are pruned, and the manifest says so.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from nexus.paths import FILE_MODE, private_mkdir, private_write_bytes
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    private_write_bytes(path, data)
+
+
+def write_once(path: Path, data: bytes) -> bool:
+    """Create ``path`` (0600) with ``data`` atomically, never replacing an existing file.
+
+    Returns False when the file already holds exactly ``data`` (a retried write); raises
+    ``FileExistsError`` when it holds anything else."""
+    private_mkdir(path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.link(tmp, path)  # fails if the name exists: no reader ever sees a replaced version
+        return True
+    except FileExistsError:
+        if path.read_bytes() == data:
+            return False
+        raise FileExistsError(f"{path} exists with other contents; a published version is never rewritten") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 class TenantOutputDir:
@@ -47,8 +82,29 @@ class TenantOutputDir:
     def eval_dir(self) -> Path:
         return self.path / "eval"
 
+    @property
+    def jobs_dir(self) -> Path:
+        return self.path / "jobs"
+
     def weights_path(self, version: int) -> Path:
         return self.path / "weights" / f"v{version:06d}.pt"
+
+    def write_weights(self, version: int, data: bytes) -> str:
+        """Write a version's weights once; returns their sha256."""
+        write_once(self.weights_path(version), data)
+        return sha256(data)
+
+    def weight_versions(self) -> list[int]:
+        """Versions that have a weights file (published, or written just before a crash)."""
+        d = self.path / "weights"
+        if not d.exists():
+            return []
+        return sorted(int(p.stem[1:]) for p in d.glob("v*.pt") if p.stem[1:].isdigit())
+
+    def highest_version(self) -> int:
+        """The highest version this tenant ever wrote or published: the next one must be above it."""
+        listed = [v["version"] for v in self.read()["versions"]] if self.exists() else []
+        return max([0, *listed, *self.weight_versions()])
 
     # -- manifest --------------------------------------------------------------------------
     def exists(self) -> bool:
@@ -58,7 +114,9 @@ class TenantOutputDir:
         return json.loads(self.manifest_path.read_text())
 
     def write(self, manifest: dict[str, Any]) -> None:
-        atomic_write_bytes(self.manifest_path, json.dumps(manifest, indent=2, default=str).encode())
+        # compact JSON: the manifest is rewritten at every version, and Python's pretty printer (indent) is
+        # ~3x slower than its C encoder (measured 20 vs 8 ms at 1500 versions) — `jq .` pretty-prints it
+        atomic_write_bytes(self.manifest_path, json.dumps(manifest, default=str).encode())
 
     def create(self, spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
         manifest = {"tenant": spec["name"], "spec": spec, "schema": schema, "created": time.time(),
@@ -72,25 +130,127 @@ class TenantOutputDir:
         self.write(m)
         return m
 
-    def add_version(self, version: int, source: str) -> None:
+    def add_version(self, version: int, source: str, keep: tuple[int, int] | None = None,
+                    **extra: Any) -> dict[str, list[int]]:
+        """List a published version (once: listing it again is a no-op); with ``keep`` =
+        (versions_kept, checkpoints_kept) also apply retention in the same manifest write (see ``prune``).
+        Returns what was pruned now."""
         m = self.read()
-        m["versions"].append({"version": version, "time": time.time(), "source": source,
-                              "weights": str(self.weights_path(version))})
-        m["latest_version"] = version
+        if any(v["version"] == version for v in m["versions"]):
+            return {"weights": [], "checkpoints": []}
+        path = self.weights_path(version)
+        digest = extra.pop("sha256", None) or (sha256(path.read_bytes()) if path.exists() else None)
+        m["versions"].append({"version": version, "time": time.time(), "source": source, "weights": str(path),
+                              "sha256": digest, **extra})
+        m["latest_version"] = max(version, m.get("latest_version", 0))
+        gone = self._prune(m, *keep) if keep is not None else {"weights": [], "checkpoints": []}
         self.write(m)
+        return gone
 
     def add_checkpoint(self, version: int, tag: str) -> None:
         m = self.read()
+        if any(c["tag"] == tag and not c.get("pruned") for c in m["checkpoints"]):
+            return
         m["checkpoints"].append({"version": version, "tag": tag, "path": str(self.checkpoints), "time": time.time()})
         self.write(m)
 
     def add_job(self, record: dict[str, Any]) -> None:
+        """Record a finished job in the manifest (replacing an earlier record of the same job). Its metric
+        ``history`` (long) stays out of the manifest: the full record goes to ``jobs/<job>.json``."""
+        record = dict(record)
+        if record.get("history") is not None:
+            self.write_job(record)
+            record["history_file"] = str(Path("jobs") / f"{record['job']}.json")
+        record.pop("history", None)
         m = self.read()
-        m["jobs"].append(record)
+        m["jobs"] = [j for j in m["jobs"] if j.get("job") != record.get("job")] + [record]
         self.write(m)
+
+    # -- retention -------------------------------------------------------------------------
+    def prune(self, versions_kept: int, checkpoints_kept: int) -> dict[str, list[int]]:
+        """Retention (the tenant's ``ServiceLimits.max_versions_kept`` / ``max_checkpoints_kept``; the
+        ``[retention]`` config section sets them): delete the weights of every version except the newest
+        ``versions_kept`` (0: keep all), the initial one and every version an evaluation pinned, and all but
+        the newest ``checkpoints_kept`` DeepSpeed checkpoints; the manifest keeps their records, marked
+        pruned. Returns what was pruned now."""
+        m = self.read()
+        gone = self._prune(m, versions_kept, checkpoints_kept)
+        if gone["weights"] or gone["checkpoints"]:
+            self.write(m)
+        return gone
+
+    def evaluated_versions(self) -> set[int]:
+        """Versions an evaluation pinned: eval reports are named ``<job>-vNNNNNN.json`` and written when the
+        evaluation starts."""
+        out = set()
+        for p in self.eval_dir.glob("*-v*.json") if self.eval_dir.exists() else ():
+            try:
+                out.add(int(p.stem.rsplit("-v", 1)[1]))
+            except ValueError:
+                continue
+        return out
+
+    def protected_versions(self, manifest: dict[str, Any], versions_kept: int) -> set[int]:
+        versions = [v["version"] for v in manifest["versions"]]
+        keep = set(versions[-versions_kept:]) if versions_kept else set(versions)
+        keep |= self.evaluated_versions()
+        if versions:
+            keep.add(versions[0])  # the initial head: what every later version is compared against
+        return keep
+
+    def _prune(self, m: dict[str, Any], versions_kept: int, checkpoints_kept: int) -> dict[str, list[int]]:
+        gone: dict[str, list[int]] = {"weights": [], "checkpoints": []}
+        keep = self.protected_versions(m, versions_kept)
+        for v in m["versions"]:
+            if v["version"] in keep or v.get("pruned"):
+                continue
+            Path(v["weights"]).unlink(missing_ok=True)
+            v["pruned"] = True
+            gone["weights"].append(v["version"])
+        cks = [c for c in m["checkpoints"] if not c.get("pruned")]
+        for c in cks[:max(0, len(cks) - checkpoints_kept)] if checkpoints_kept else ():
+            tag_dir = self.checkpoints / c["tag"].rsplit("/", 1)[-1]
+            if tag_dir.is_dir() and not tag_dir.is_symlink():
+                shutil.rmtree(tag_dir)
+            c["pruned"] = True
+            gone["checkpoints"].append(c["version"])
+        return gone
 
     def latest_checkpoint(self) -> dict[str, Any] | None:
         if not self.exists():
             return None
-        cks = self.read()["checkpoints"]
+        cks = [c for c in self.read()["checkpoints"] if not c.get("pruned")]
         return cks[-1] if cks else None
+
+    # -- job records ----------------------------------------------------------------------------
+    def write_job(self, record: dict[str, Any]) -> None:
+        atomic_write_bytes(self.jobs_dir / f"{record['job']}.json", json.dumps(record, indent=2, default=str).encode())
+
+    def job_records(self) -> list[dict[str, Any]]:
+        if not self.jobs_dir.exists():
+            return []
+        out = []
+        for p in sorted(self.jobs_dir.glob("*.json")):
+            try:
+                rec = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+        return out
+
+
+def mark_evaluation(output_dir: str, job: str, version: int) -> str:
+    """Start of an evaluation (a task on a worker): refuse a version whose weights retention removed, then
+    write the report's first version so retention keeps this version from now on."""
+    from nexus.errors import NotFound
+
+    out = TenantOutputDir(output_dir)
+    path = out.eval_dir / f"{job}-v{version:06d}.json"
+    atomic_write_bytes(path, json.dumps({"job": job, "version": version, "state": "running"}).encode())
+    if not out.weights_path(version).exists():
+        path.unlink(missing_ok=True)
+        raise NotFound(f"version {version} of {out.path.name!r} has no weights any more (pruned by retention: "
+                       "the service keeps the newest versions, the initial and every evaluated one; see "
+                       "limits.max_versions_kept / retention.keep_last)")
+    return str(path)

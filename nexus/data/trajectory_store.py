@@ -8,6 +8,11 @@ scan uses a ``pyarrow.dataset`` filter, which is how the training queue drops st
 
 Uncompressed IPC on purpose: compression would defeat memory mapping, and dictionary encoding is
 applied to the tenant column only (encoding float columns makes writes several times slower).
+
+Optional ``feature`` column (:data:`FEATURE_COLUMN`): the pooled frozen-backbone feature [H] float32
+each step's action was computed from, stored by rollouts so the PPO update need not run the backbone
+again; the batch metadata names the backbone (``feature_key``). Readers that want the plain
+trajectory schema (scans, datasets) drop it (:func:`without_cached_features`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from nexus.features import CameraSpec, Observation, TenantSchema
 
 __all__ = [
     "BatchRef",
+    "FEATURE_COLUMN",
     "SCHEMA_METADATA_KEY",
+    "batch_metadata",
     "TrajectoryStore",
     "arrays_to_observations",
     "columns_to_table",
@@ -40,11 +47,13 @@ __all__ = [
     "table_arrays",
     "table_to_observations",
     "trajectory_schema",
+    "without_cached_features",
     "write_ipc",
 ]
 
 SCHEMA_METADATA_KEY = b"nexus.tenant_schema"
 BATCH_METADATA_KEY = b"nexus.batch"
+FEATURE_COLUMN = "feature"
 IMAGE_PREFIX = "image."
 SUFFIX = ".arrow"
 
@@ -71,8 +80,10 @@ def _schema_json(schema: TenantSchema) -> str:
     }, sort_keys=True)
 
 
-def trajectory_schema(schema: TenantSchema) -> pa.Schema:
-    """The Arrow schema of a tenant's trajectory rows; the TenantSchema rides along as metadata."""
+def trajectory_schema(schema: TenantSchema, feature_dim: int | None = None) -> pa.Schema:
+    """The Arrow schema of a tenant's trajectory rows; the TenantSchema rides along as metadata.
+
+    ``feature_dim``: with the optional cached-feature column of that width (last)."""
     fields = [
         pa.field("tenant", pa.dictionary(pa.int32(), pa.string()), nullable=False),
         pa.field("episode", pa.int64(), nullable=False),
@@ -84,7 +95,20 @@ def trajectory_schema(schema: TenantSchema) -> pa.Schema:
     fields.append(pa.field("action", pa.list_(pa.float32(), schema.action_dim), nullable=False))
     fields += [pa.field(k, t, nullable=False) for k, (_, t) in _SCALARS.items()
                if k not in ("episode", "step")]
+    if feature_dim is not None:
+        fields.append(pa.field(FEATURE_COLUMN, pa.list_(pa.float32(), feature_dim), nullable=False))
     return pa.schema(fields, metadata={SCHEMA_METADATA_KEY: _schema_json(schema)})
+
+
+def without_cached_features(table: pa.Table) -> pa.Table:
+    """The table in the plain trajectory schema (the optional feature column dropped)."""
+    return table.drop_columns([FEATURE_COLUMN]) if FEATURE_COLUMN in table.column_names else table
+
+
+def batch_metadata(table: pa.Table) -> dict[str, Any]:
+    """The batch metadata a :class:`TrajectoryStore` wrote (rows, versions, feature_key, ...); {} if none."""
+    meta = table.schema.metadata or {}
+    return json.loads(meta[BATCH_METADATA_KEY]) if BATCH_METADATA_KEY in meta else {}
 
 
 def schema_from_arrow(arrow_schema: pa.Schema) -> TenantSchema:
@@ -136,8 +160,12 @@ class TrajectoryStore:
         self.arrow_schema = trajectory_schema(schema)
 
     # ---- writing -------------------------------------------------------------------------------
-    def append(self, columns: Mapping[str, np.ndarray]) -> BatchRef:
-        """Write one batch of per-step columns (see :func:`columns_to_table`) as a new IPC file."""
+    def append(self, columns: Mapping[str, np.ndarray], feature_key: str | None = None) -> BatchRef:
+        """Write one batch of per-step columns (see :func:`columns_to_table`) as a new IPC file.
+
+        A ``feature`` column needs ``feature_key``, the backbone that computed it."""
+        if (FEATURE_COLUMN in columns) != (feature_key is not None):
+            raise ValueError("a feature column and its feature_key come together")
         table = columns_to_table(columns, self.schema, self.tenant)
         n = table.num_rows
         if n == 0:
@@ -146,7 +174,7 @@ class TrajectoryStore:
         version = int(versions.min())
         ref_meta = {"rows": n, "episodes": int(len(np.unique(table.column("episode").to_numpy()))),
                     "policy_version": version, "max_policy_version": int(versions.max()),
-                    "tenant": self.tenant}
+                    "tenant": self.tenant, "feature_key": feature_key}
         table = table.replace_schema_metadata({**self.arrow_schema.metadata,
                                                BATCH_METADATA_KEY: json.dumps(ref_meta)})
         name = f"v{version:08d}-{time.time_ns()}-{uuid.uuid4().hex[:12]}{SUFFIX}"
@@ -196,6 +224,12 @@ class TrajectoryStore:
         return sorted(p for p in self.dir.iterdir() if p.suffix == SUFFIX and not p.name.startswith("."))
 
     def _check_schema(self, schema: pa.Schema, where: str) -> None:
+        if FEATURE_COLUMN in schema.names:
+            i = schema.get_field_index(FEATURE_COLUMN)
+            ftype = schema.field(i).type
+            if not (pa.types.is_fixed_size_list(ftype) and ftype.value_type == pa.float32()):
+                raise ValueError(f"{where}: column 'feature' is not a fixed-size float32 list")
+            schema = schema.remove(i)
         if not schema.equals(self.arrow_schema, check_metadata=False):
             raise ValueError(f"{where}: columns do not match the trajectory schema of tenant {self.tenant!r}")
 
@@ -240,10 +274,18 @@ def columns_to_table(columns: Mapping[str, np.ndarray], schema: TenantSchema, te
     """Validate per-step columns and build a table with :func:`trajectory_schema`.
 
     ``tenant`` may be omitted from ``columns`` (filled in); keys starting with ``ep_`` (per-episode
-    summaries from ``collect_episodes``) are ignored; any other unknown key, a missing column, a
-    wrong shape, float values for an integer column or non-uint8 images raise ``ValueError``.
+    summaries from ``collect_episodes``) are ignored; an optional ``feature`` column [N, H] adds the
+    cached-feature column; any other unknown key, a missing column, a wrong shape, float values for
+    an integer column or non-uint8 images raise ``ValueError``.
     """
-    arrow_schema = trajectory_schema(schema)
+    feature = columns.get(FEATURE_COLUMN)
+    feature_dim = None
+    if feature is not None:
+        feature = np.asarray(feature)
+        if feature.ndim != 2 or not np.issubdtype(feature.dtype, np.floating):
+            raise ValueError(f"column 'feature': float [N, H] expected, got {feature.dtype} {feature.shape}")
+        feature_dim = int(feature.shape[1])
+    arrow_schema = trajectory_schema(schema, feature_dim)
     cols = {k: v for k, v in columns.items() if not k.startswith("ep_")}
     cols.setdefault("tenant", None)
     expected = set(arrow_schema.names)
@@ -252,6 +294,8 @@ def columns_to_table(columns: Mapping[str, np.ndarray], schema: TenantSchema, te
         raise ValueError(f"trajectory columns mismatch: unknown {sorted(unknown)}, missing {sorted(missing)}")
     n = len(np.asarray(cols["episode"]))
     shapes = {"state": ((schema.proprio_dim,), np.float32), "action": ((schema.action_dim,), np.float32)}
+    if feature_dim is not None:
+        shapes[FEATURE_COLUMN] = ((feature_dim,), np.float32)
     shapes.update({f"{IMAGE_PREFIX}{c.name}": ((c.height, c.width, 3), np.uint8) for c in schema.cameras})
     arrays: list[pa.Array] = []
     for field in arrow_schema:
@@ -352,6 +396,9 @@ def table_arrays(table: pa.Table) -> dict[str, np.ndarray]:
             table.column(f"{IMAGE_PREFIX}{c.name}"), (c.height, c.width, 3), np.uint8)
     for name, (dtype, _) in _SCALARS.items():
         out[name] = table.column(name).to_numpy().astype(dtype, copy=False)
+    if FEATURE_COLUMN in table.column_names:
+        col = table.column(FEATURE_COLUMN)
+        out[FEATURE_COLUMN] = _fixed_list_to_numpy(col, (col.type.list_size,), np.float32)
     return out
 
 

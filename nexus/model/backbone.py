@@ -10,7 +10,9 @@ The group-batching compatibility rule (:func:`compatible`) is explicit: two requ
 backbone forward iff their compat keys are equal — same family, same weights (offline size preset or
 checkpoint path), same dtype, same image size (the processor setting that shapes the prefix).
 Everything else may differ between them: tenant, number / names / raw sizes of cameras, instruction
-and its length, proprio and action dimensions, and the action-module family that reads the result.
+and its length, proprio and action dimensions, the action-module family that reads the result, and
+the tenant's LoRA adapter (any rank, or none): adapters are applied per row inside the shared forward
+(``nexus.model.lora``), so they never split a group.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from nexus.features import VLAFeature
 from nexus.model.backbone_features import BackboneFeatures
+from nexus.model.lora import AdapterRouter, TenantAdapter, lora_shapes
 from nexus.model.qwen3vl import IMAGE_PAD, VISION_END, VISION_START, format_prompt
 
 __all__ = ["IMAGE_PAD", "VISION_END", "VISION_START", "BackboneConfig", "SharedBackbone", "compatible",
@@ -94,7 +97,8 @@ def compatible(a: str, b: str) -> bool:
 
     Equal keys only: same backbone family, weights, dtype and image size. Requests of one model at
     different image sizes run as separate forwards of that model (in the same step); requests for
-    another model run on that model's backbone.
+    another model run on that model's backbone. Tenants' LoRA adapters are not part of the key: rows
+    with different adapters (ranks may differ) or none share one forward.
     """
     return a == b
 
@@ -103,7 +107,9 @@ class SharedBackbone:
     """The frozen backbone one process keeps resident; turns groups of VLAFeatures into features.
 
     ``encode``/``encode_prefix`` hold a lock: the model is shared, and concurrent forwards on the same
-    CPU cores only slow each other down. The model is never trained (eval mode, no grads).
+    CPU cores only slow each other down. The model is never trained (eval mode, its parameters never
+    require grad); tenants' LoRA adapters are applied per row through :attr:`router`, and a forward
+    with ``grad=True`` builds the autograd graph that reaches those adapters only.
     """
 
     def __init__(self, cfg: BackboneConfig) -> None:
@@ -116,7 +122,9 @@ class SharedBackbone:
         self.processor = self.family.processor
         self.model = self.family.model.to(dtype=_DTYPES[cfg.dtype], device=self.device).eval()
         self.model.requires_grad_(False)
+        self.router = AdapterRouter(self.model)
         self._lock = threading.Lock()
+        self._fingerprint: str | None = None
         self.forward_calls = 0  # backbone forwards run (monitoring: group batching efficiency)
         self.samples_encoded = 0  # samples actually sent through the model (after deduplication)
 
@@ -132,6 +140,23 @@ class SharedBackbone:
     @property
     def compat_key(self) -> str:
         return self.cfg.compat_key()
+
+    def lora_shapes(self, cfg: Any) -> dict[str, tuple[int, int]] | None:
+        """Shapes of the projections a tenant's ``LoraConfig`` adapts on this backbone (None: no LoRA)."""
+        return None if cfg is None else lora_shapes(self.model, cfg)
+
+    def fingerprint(self) -> str:
+        """sha256 over this model's weights (names, dtypes, shapes, values); computed once per process.
+
+        Names the exact backbone an exported policy ran on: a policy loaded elsewhere checks it."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            for name, t in sorted(self.model.state_dict().items()):
+                t = t.detach().cpu().contiguous()
+                h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+                h.update((t.float() if t.is_floating_point() else t).numpy().tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     def accepts(self, compat_key: str) -> bool:
         """Whether features with this key can run on this model (any image size of the same model)."""
@@ -152,8 +177,12 @@ class SharedBackbone:
         """Pooled features [N, hidden] fp32 of one grouped forward (see :meth:`encode_prefix`)."""
         return self.encode_prefix(features).pooled
 
-    def encode_prefix(self, features: list[VLAFeature], layers: Sequence[int] = ()) -> BackboneFeatures:
+    def encode_prefix(self, features: list[VLAFeature], layers: Sequence[int] = (),
+                      adapters: Sequence[TenantAdapter | None] | None = None, grad: bool = False) -> BackboneFeatures:
         """One grouped forward for all features (equal compat keys) -> :class:`BackboneFeatures`.
+
+        ``adapters`` names each sample's LoRA adapter (None: the base model); ``grad`` keeps the autograd
+        graph (only adapters can receive gradients: the backbone's own weights never require them).
 
         ``pooled`` is the masked mean of the last hidden state; ``layers`` (e.g. ``(-2, -1)``) also
         returns those hidden states over the whole prefix, left-padded, with the padding mask.
@@ -182,27 +211,44 @@ class SharedBackbone:
                 raise ValueError(f"prompt has {f.prompt.count(placeholder)} image placeholders but the "
                                  f"feature carries {len(f.images)} images")
 
+        if adapters is not None and len(adapters) != len(features):
+            raise ValueError(f"{len(adapters)} adapters for {len(features)} samples")
+        row_adapters = list(adapters) if adapters is not None else [None] * len(features)
         unique: dict[tuple[Any, ...], int] = {}
         rows: list[int] = []
         todo: list[VLAFeature] = []
-        for f in features:
-            k = _sample_key(f)
+        todo_adapters: list[TenantAdapter | None] = []
+        for f, a in zip(features, row_adapters, strict=True):
+            k = (_sample_key(f), id(a) if a is not None else 0)  # the same sample under another adapter differs
             if k not in unique:
                 unique[k] = len(todo)
                 todo.append(f)
+                todo_adapters.append(a)
             rows.append(unique[k])
 
+        if any(a is not None for a in todo_adapters):  # rows of one adapter contiguous (S-LoRA's layout)
+            first: dict[int, int] = {}
+            for a in todo_adapters:
+                first.setdefault(id(a), len(first))
+            order = sorted(range(len(todo)), key=lambda i: first[id(todo_adapters[i])])
+            position = {old: new for new, old in enumerate(order)}
+            todo, todo_adapters = [todo[i] for i in order], [todo_adapters[i] for i in order]
+            rows = [position[r] for r in rows]
+
         batch = self.family.prepare(todo)  # tokenization + image patching: outside the lock
-        with self._lock:
-            out = self._forward(batch, layers)
+        with self._lock, self.router.route(todo_adapters, self.device):
+            out = self._forward(batch, layers, grad)
             self.forward_calls += 1
             self.samples_encoded += len(todo)
-        if len(todo) < len(features):
+        if rows != list(range(len(todo))):
             out = out[rows]
         return out
 
-    @torch.no_grad()
-    def _forward(self, batch: dict[str, Any], layers: tuple[int, ...]) -> BackboneFeatures:
+    def _forward(self, batch: dict[str, Any], layers: tuple[int, ...], grad: bool = False) -> BackboneFeatures:
+        with torch.set_grad_enabled(grad):
+            return self._features(batch, layers)
+
+    def _features(self, batch: dict[str, Any], layers: tuple[int, ...]) -> BackboneFeatures:
         hidden, attn = self.family.forward(batch, self.device, hidden_states=bool(layers))
         last = hidden[-1].float()
         mask = attn.to(torch.bool)

@@ -12,8 +12,10 @@ a forward of that tenant alone would have produced.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -107,3 +109,22 @@ class BackboneFeatures:
             tokens.append(torch.cat([p.tokens.new_zeros(n, n_layers, pad, h), p.tokens], 2))  # type: ignore[union-attr]
             masks.append(torch.cat([p.mask.new_zeros(n, pad), p.mask], 1))  # type: ignore[union-attr]
         return BackboneFeatures(pooled, torch.cat(tokens), torch.cat(masks), layers)
+
+
+class DeferredFeatures(ABC):
+    """Features that depend on the policy reading them (a LoRA tenant's: its adapter is inside the
+    backbone), computed when the policy consumes them — with autograd when grad mode is on.
+
+    Indexing selects rows without computing anything, so a PPO minibatch of a LoRA tenant runs a
+    fresh backbone forward through the adapter's current weights.
+    """
+
+    @abstractmethod
+    def compute(self, policy: Any) -> BackboneFeatures:
+        """The features under ``policy``'s adapter (autograd follows ``torch.is_grad_enabled()``)."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __getitem__(self, rows: Any) -> DeferredFeatures: ...

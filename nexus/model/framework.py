@@ -5,7 +5,9 @@ rows then go through that tenant's own action module only.
 Grouping follows :func:`nexus.model.backbone.compatible`: requests with equal compat keys form one
 forward; every other group (another image size, another backbone) runs as its own forward in the same
 call. One forward computes the union of what its tenants' action modules read (pooled features, prefix
-layers); each tenant gets back exactly its own rows and layers.
+layers); each tenant gets back exactly its own rows and layers. Tenants' LoRA adapters ride along inside
+the shared forward, each applied to its own rows only (``nexus.model.lora``); with ``grad=True`` the
+forward is differentiable, so one grouped forward can also train several tenants' adapters.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from nexus.features import Observation, VLAFeature
 from nexus.model.backbone import SharedBackbone
-from nexus.model.backbone_features import BackboneFeatures
+from nexus.model.backbone_features import BackboneFeatures, DeferredFeatures
 from nexus.model.policy import TenantPolicy
 from nexus.model.preprocessor import TenantPreprocessor
 
@@ -78,19 +80,31 @@ class VLAFramework:
             raise KeyError(f"unknown tenant {tenant!r} (registered: {self.tenants})") from None
         return pre(obs)
 
-    def _layers(self, tenant: str, policies: dict[str, TenantPolicy] | None) -> tuple[int, ...]:
+    def _policy(self, tenant: str, policies: dict[str, TenantPolicy] | None) -> TenantPolicy | None:
         policy = (policies or {}).get(tenant)
-        if policy is None:
-            policy = self.policies.get(tenant)
+        return policy if policy is not None else self.policies.get(tenant)
+
+    def _layers(self, tenant: str, policies: dict[str, TenantPolicy] | None) -> tuple[int, ...]:
+        policy = self._policy(tenant, policies)
         return policy.prefix_layers if policy is not None else ()
 
     def group_features(self, requests: list[tuple[str, VLAFeature]],
-                       policies: dict[str, TenantPolicy] | None = None) -> dict[str, TenantRows]:
+                       policies: dict[str, TenantPolicy] | None = None,
+                       row_policies: list[TenantPolicy | None] | None = None,
+                       grad: bool = False) -> dict[str, TenantRows]:
         """Backbone features per tenant: ``{tenant: (request indices, BackboneFeatures)}``.
 
         One backbone forward per compatible group (first-seen order); each forward computes the prefix
-        layers its tenants' policies read (``policies`` overrides registered ones, e.g. a pinned version).
+        layers its tenants' policies read (``policies`` overrides registered ones, e.g. a pinned version)
+        and runs each row through its policy's LoRA adapter, if it has one. ``row_policies`` (one per
+        request, None: the tenant's) names the policy of each row when a tenant's rows use different
+        versions (an evaluation's pinned adapter next to the live one). ``grad`` keeps the autograd graph
+        from the adapters to the features (a LoRA tenant's training step).
         """
+        if row_policies is not None and len(row_policies) != len(requests):
+            raise ValueError(f"{len(row_policies)} row policies for {len(requests)} requests")
+        row_pol = [(row_policies[i] if row_policies is not None else None) or self._policy(t, policies)
+                   for i, (t, _) in enumerate(requests)]
         groups: dict[str, list[int]] = {}
         for i, (_, feat) in enumerate(requests):
             groups.setdefault(feat.compat_key, []).append(i)
@@ -100,7 +114,10 @@ class VLAFramework:
             tenants = list(dict.fromkeys(requests[i][0] for i in idx))
             wanted = {t: bb.normalize_layers(self._layers(t, policies)) for t in tenants}
             union = sorted({layer for layers in wanted.values() for layer in layers})
-            encoded = bb.encode_prefix([requests[i][1] for i in idx], layers=union)
+            adapters = [getattr(row_pol[i], "lora", None) for i in idx]
+            encoded = bb.encode_prefix([requests[i][1] for i in idx], layers=union,
+                                       adapters=adapters if any(a is not None for a in adapters) else None,
+                                       grad=grad)
             for t in tenants:
                 rows = [r for r, i in enumerate(idx) if requests[i][0] == t]
                 parts.setdefault(t, []).append(([idx[r] for r in rows], encoded[rows].with_layers(wanted[t])))
@@ -127,11 +144,21 @@ class VLAFramework:
                 rows[i] = encoded[r]
         return rows  # type: ignore[return-value]  # every slot is filled above
 
-    def tenant_features(self, tenant: str, observations: list[Observation]) -> tuple[BackboneFeatures, torch.Tensor]:
-        """One tenant's batch: backbone features (its layers) and proprio [N, P]."""
+    def tenant_features(self, tenant: str, observations: list[Observation]
+                        ) -> tuple[BackboneFeatures | DeferredFeatures, torch.Tensor]:
+        """One tenant's batch: backbone features (its layers) and proprio [N, P].
+
+        A tenant with a LoRA adapter gets :class:`AdaptedFeatures`: computed when its policy reads them,
+        through the adapter's current weights and with autograd when grad mode is on (its training step
+        backpropagates through the frozen backbone into the adapter). Others get frozen features now.
+        """
         feats = self.preprocessors[tenant].batch(observations)
+        proprio = torch.from_numpy(np.stack([f.proprio for f in feats]))
+        policy = self.policies.get(tenant)
+        if policy is not None and policy.lora is not None:
+            return AdaptedFeatures(self, tenant, feats), proprio
         (_, out), = self.group_features([(tenant, f) for f in feats]).values()
-        return out, torch.from_numpy(np.stack([f.proprio for f in feats]))
+        return out, proprio
 
     def group_act(self, requests: list[tuple[str, Observation]], deterministic: bool,
                   policies: dict[str, TenantPolicy] | None = None,
@@ -161,3 +188,33 @@ class VLAFramework:
                 if return_features:
                     results[i]["feature"] = cond.pooled[r].float().cpu().numpy()
         return results
+
+
+class AdaptedFeatures(DeferredFeatures):
+    """A LoRA tenant's batch, encoded when its policy reads it (``TenantPolicy`` calls :meth:`compute`).
+
+    Each computation is a fresh backbone forward through the reading policy's adapter: features follow
+    the adapter as it trains, and with grad mode on they carry the graph back to it.
+    """
+
+    def __init__(self, framework: VLAFramework, tenant: str, features: list[VLAFeature]) -> None:
+        self.framework, self.tenant, self.features = framework, tenant, features
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+    def __getitem__(self, rows: Any) -> AdaptedFeatures:
+        if isinstance(rows, int):
+            rows = [rows]
+        if isinstance(rows, slice):
+            idx = list(range(len(self.features)))[rows]
+        else:
+            t = torch.as_tensor(rows).reshape(-1)
+            idx = (t.nonzero().reshape(-1) if t.dtype == torch.bool else t).tolist()
+        return AdaptedFeatures(self.framework, self.tenant, [self.features[int(i)] for i in idx])
+
+    def compute(self, policy: TenantPolicy) -> BackboneFeatures:
+        reqs = [(self.tenant, f) for f in self.features]
+        (_, out), = self.framework.group_features(reqs, policies={self.tenant: policy},
+                                                  grad=torch.is_grad_enabled()).values()
+        return out

@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from nexus.features import TenantSchema
-from nexus.model.backbone_features import BackboneFeatures
+from nexus.model.backbone_features import BackboneFeatures, DeferredFeatures
 from nexus.model.flow_matching import FlowConfig, integrate
 from nexus.model.groot_head import GR00TActionHead
 from nexus.model.layers import mlp, normalize_proprio
+from nexus.model.lora import TenantAdapter
 from nexus.model.oft_head import OFTActionHead
 from nexus.model.pi_head import PiActionExpert
 from nexus.spec import RL_ACTION_HEADS, TenantSpec
@@ -90,22 +91,29 @@ class ValueHead(nn.Module):
 
 
 class TenantPolicy(nn.Module):
-    """Everything a tenant trains: its action module (``head``) and, for RL families, a critic (``value``).
+    """Everything a tenant trains: its action module (``head``), for RL families a critic (``value``), and
+    optionally a LoRA adapter on the shared backbone (``lora``, applied inside the backbone's forward).
 
     ``feat`` arguments accept :class:`BackboneFeatures` (with the prefix layers this policy asks for in
-    :attr:`prefix_layers`) or, for the OFT family, plain pooled rows [N, H].
+    :attr:`prefix_layers`), :class:`DeferredFeatures` (computed under this policy's adapter) or, for the
+    OFT family, plain pooled rows [N, H].
     """
 
-    def __init__(self, head: nn.Module, value: ValueHead | None, cfg: ActionHeadConfig) -> None:
+    def __init__(self, head: nn.Module, value: ValueHead | None, cfg: ActionHeadConfig,
+                 lora: TenantAdapter | None = None) -> None:
         super().__init__()
         self.head = head
         self.value = value
         self.cfg = cfg
+        self.lora = lora
 
     @classmethod
     def from_spec(cls, spec: TenantSpec, schema: TenantSchema, feat_dim: int, chunk: int | None = None,
-                  cfg: ActionHeadConfig | None = None) -> TenantPolicy:
-        """Deterministic init from ``spec.seed`` (the caller's global RNG stream is left untouched)."""
+                  cfg: ActionHeadConfig | None = None,
+                  lora_shapes: dict[str, tuple[int, int]] | None = None) -> TenantPolicy:
+        """Deterministic init from ``spec.seed`` (the caller's global RNG stream is left untouched).
+
+        A spec with ``lora`` needs ``lora_shapes`` (``SharedBackbone.lora_shapes(spec.lora)``)."""
         if spec.action_dim is not None and spec.action_dim != schema.action_dim:
             raise ValueError(f"tenant {spec.name!r}: spec action_dim={spec.action_dim} but the schema has "
                              f"action_dim={schema.action_dim}")
@@ -116,7 +124,13 @@ class TenantPolicy(nn.Module):
             torch.manual_seed(spec.seed)
             head = build_action_head(cfg, feat_dim, schema)
             value = ValueHead(feat_dim, schema.proprio_dim, cfg.hidden_dim) if cfg.family in GAUSSIAN_FAMILIES else None
-        return cls(head, value, cfg)
+            lora = None
+            if spec.lora is not None:  # built last: heads of tenants with and without LoRA init the same
+                if not lora_shapes:
+                    raise ValueError(f"tenant {spec.name!r} has a LoRA adapter: its backbone projection shapes "
+                                     "(lora_shapes) are needed to build it")
+                lora = TenantAdapter(spec.lora, lora_shapes)
+        return cls(head, value, cfg, lora)
 
     # -- what the policy is ------------------------------------------------------------------------
 
@@ -151,9 +165,11 @@ class TenantPolicy(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def _inputs(self, feat: BackboneFeatures | torch.Tensor | np.ndarray,
+    def _inputs(self, feat: BackboneFeatures | DeferredFeatures | torch.Tensor | np.ndarray,
                 proprio: torch.Tensor | np.ndarray) -> tuple[BackboneFeatures, torch.Tensor]:
         p = next(self.parameters())
+        if isinstance(feat, DeferredFeatures):
+            feat = feat.compute(self)
         feats = BackboneFeatures.of(feat if isinstance(feat, BackboneFeatures) else torch.as_tensor(feat))
         if self.prefix_layers:  # fails clearly when the prefix tokens this family reads are missing
             feats = feats.with_layers(self.prefix_layers)

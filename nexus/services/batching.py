@@ -1,7 +1,23 @@
 """The inference queue's firing rule, applied next to the model (in the inference engine).
 
-Collect requests FIFO and fire a group when the oldest request has waited ``max_wait_s`` (T) or the
-group reached ``max_batch`` (B). Plain data: no torch, no I/O.
+Requests are collected FIFO; a request may carry several rows (a producer asks for the actions of
+all its envs at once). A group fires when
+
+* ``full``: the pending rows reached the target batch ``max_batch`` (B),
+* ``all_waiting``: every live producer already has a request pending or being answered, so nobody
+  could join the group (a lone tenant never pays the wait T),
+* ``none_expected`` (with ``expect_arrivals``): every live producer is waiting or is not expected back
+  before the group's deadline (oldest arrival + T) — each producer's usual gap between an answer and
+  its next request (a running mean: the time it steps its envs) tells when it will be back; waiting
+  for a producer that is still stepping for the next 200 ms only costs T, it never joins, or
+* ``timeout``: the oldest request waited ``max_wait_s`` (T).
+
+Producers announce themselves (:meth:`GroupBatcher.open_producer`) and leave
+(:meth:`close_producer`); one that sent nothing for ``producer_lease_s`` is treated as gone, so a
+producer that died without saying so delays groups by at most T, and only until its lease ends.
+Requests without a producer (e.g. a tenant's ``predict_action``) never hold a group back.
+
+Plain data: no torch, no I/O; every method takes an optional ``now`` so tests drive the clock.
 """
 
 from __future__ import annotations
@@ -10,35 +26,170 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+FIRE_REASONS = ("full", "all_waiting", "none_expected", "timeout")
+GAP_WEIGHT = 0.3  # weight of the newest gap in a producer's running mean
+
+
+@dataclass
+class _Pending:
+    t_arrival: float
+    rows: int
+    producer: str | None
+    request: Any
+
+
+@dataclass
+class _Producer:
+    tenant: str | None
+    last_seen: float
+    pending: int = 0  # requests of this producer in the queue
+    in_flight: int = 0  # requests taken into a group, not answered yet
+    answered_at: float | None = None  # when its last request was answered
+    gap_s: float | None = None  # running mean of answer -> next request
+
+    def expected_at(self) -> float | None:
+        """When its next request should arrive (None: no estimate yet, or it is waiting)."""
+        if self.waiting or self.answered_at is None or self.gap_s is None:
+            return None
+        return self.answered_at + self.gap_s
+
+    @property
+    def waiting(self) -> bool:
+        return self.pending > 0 or self.in_flight > 0
+
 
 @dataclass
 class GroupBatcher:
-    """Firing rule of the inference queue: max wait T (seconds) and target batch B."""
+    """Firing rule of the inference queue: max wait T (seconds), target batch B (rows) and the
+    "every producer is waiting" rule (``fire_when_all_waiting``)."""
 
     max_wait_s: float = 0.005
     max_batch: int = 8
-    _pending: list[tuple[float, Any]] = field(default_factory=list)
+    fire_when_all_waiting: bool = False  # the service turns it on (DataPathSettings)
+    producer_lease_s: float = 5.0
+    expect_arrivals: bool = False  # "none_expected" rule (the service turns it on)
+    _pending: list[_Pending] = field(default_factory=list)
+    _producers: dict[str, _Producer] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.max_wait_s < 0 or self.max_batch < 1:
-            raise ValueError("max_wait_s >= 0 and max_batch >= 1 required")
+        if self.max_wait_s < 0 or self.max_batch < 1 or self.producer_lease_s <= 0:
+            raise ValueError("max_wait_s >= 0, max_batch >= 1 and producer_lease_s > 0 required")
 
-    def add(self, request: Any, now: float | None = None) -> None:
-        self._pending.append((time.monotonic() if now is None else now, request))
+    @staticmethod
+    def _now(now: float | None) -> float:
+        return time.monotonic() if now is None else now
+
+    # -- producers ---------------------------------------------------------------------------
+    def open_producer(self, producer: str, tenant: str | None = None, now: float | None = None) -> None:
+        p = self._producers.get(producer)
+        if p is None:
+            self._producers[producer] = _Producer(tenant, self._now(now))
+        else:
+            p.last_seen = self._now(now)
+
+    def close_producer(self, producer: str) -> None:
+        self._producers.pop(producer, None)
+
+    def producers(self, now: float | None = None) -> list[str]:
+        """Producers that could still add a request (open and within their lease)."""
+        now = self._now(now)
+        self._expire(now)
+        return list(self._producers)
+
+    # -- requests ----------------------------------------------------------------------------
+    def add(self, request: Any, rows: int = 1, producer: str | None = None, now: float | None = None) -> None:
+        if rows < 1:
+            raise ValueError("a request carries at least one row")
+        now = self._now(now)
+        if producer is not None:
+            self.open_producer(producer, now=now)  # a request renews (or re-opens) its producer's lease
+            prod = self._producers[producer]
+            if prod.answered_at is not None and not prod.waiting:
+                gap = now - prod.answered_at
+                prod.gap_s = gap if prod.gap_s is None else (1 - GAP_WEIGHT) * prod.gap_s + GAP_WEIGHT * gap
+            prod.pending += 1
+        self._pending.append(_Pending(now, rows, producer, request))
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self._pending)
+
+    def all_waiting(self, now: float | None = None) -> bool:
+        """Every live producer has a request pending or in flight (and one request is pending)."""
+        if not self._pending:
+            return False
+        self._expire(self._now(now))
+        return all(p.waiting for p in self._producers.values())
+
+    def none_expected(self, now: float | None = None) -> bool:
+        """Every live producer is waiting or not expected back before the oldest request's deadline."""
+        if not self._pending:
+            return False
+        self._expire(self._now(now))
+        deadline = self._pending[0].t_arrival + self.max_wait_s
+        for p in self._producers.values():
+            if p.waiting:
+                continue
+            due = p.expected_at()
+            if due is None or due <= deadline:
+                return False
+        return True
+
+    def _expire(self, now: float) -> None:
+        gone = [k for k, p in self._producers.items()
+                if not p.waiting and now - p.last_seen > self.producer_lease_s]
+        for k in gone:
+            del self._producers[k]
+
+    def reason(self, now: float | None = None) -> str | None:
+        """Why the next group would fire now (one of :data:`FIRE_REASONS`), or None."""
+        if not self._pending:
+            return None
+        now = self._now(now)
+        if self.rows >= self.max_batch:
+            return "full"
+        if self.fire_when_all_waiting and self.all_waiting(now):
+            return "all_waiting"
+        if self.fire_when_all_waiting and self.expect_arrivals and self.none_expected(now):
+            return "none_expected"
+        if now - self._pending[0].t_arrival >= self.max_wait_s:
+            return "timeout"
+        return None
 
     def due_in(self, now: float | None = None) -> float | None:
         """Seconds until the group must fire (0 = now); None when nothing is pending."""
         if not self._pending:
             return None
-        if len(self._pending) >= self.max_batch:
+        now = self._now(now)
+        if self.reason(now) is not None:
             return 0.0
-        now = time.monotonic() if now is None else now
-        return max(0.0, self._pending[0][0] + self.max_wait_s - now)
+        return max(0.0, self._pending[0].t_arrival + self.max_wait_s - now)
 
     def take(self) -> list[Any]:
-        """The next group, oldest first, at most B requests."""
-        group, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
-        return [r for _, r in group]
+        """The next group, oldest first: whole requests up to B rows (always at least one request)."""
+        taken, rows = 0, 0
+        for p in self._pending:
+            if taken and rows + p.rows > self.max_batch:
+                break
+            taken += 1
+            rows += p.rows
+        group, self._pending = self._pending[:taken], self._pending[taken:]
+        for p in group:
+            prod = self._producers.get(p.producer) if p.producer is not None else None
+            if prod is not None:
+                prod.pending -= 1
+                prod.in_flight += 1
+        return [p.request for p in group]
+
+    def answered(self, producers: list[str | None], now: float | None = None) -> None:
+        """The requests of a taken group were answered (one entry per request): their producers'
+        leases restart now — they step their envs and come back."""
+        now = self._now(now)
+        for k in producers:
+            prod = self._producers.get(k) if k is not None else None
+            if prod is not None:
+                prod.in_flight = max(0, prod.in_flight - 1)
+                prod.last_seen = prod.answered_at = now

@@ -14,7 +14,9 @@ importing this module stays cheap, so control-plane processes may reference it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,13 +26,14 @@ from nexus.features import Observation, TenantSchema
 from nexus.simulators.base import EnvSchemaError, PolicyOutput, SimEnv, StepResult
 from nexus.simulators.maniskill import PROPRIO_GROUPS, ManiSkillBatchedEnv, ManiSkillEnv
 from nexus.simulators.robosuite import RobosuiteEnv
-from nexus.simulators.vector import VectorSimEnv, make_single
+from nexus.simulators.vector import LockstepEnvs, VectorSimEnv, make_single
 
 __all__ = [
     "PROPRIO_GROUPS",
     "BatchedEnv",
     "CatalogError",
     "EnvSchemaError",
+    "LockstepEnvs",
     "ManiSkillBatchedEnv",
     "ManiSkillEnv",
     "PolicyOutput",
@@ -38,7 +41,12 @@ __all__ = [
     "SimEnv",
     "StepResult",
     "VectorSimEnv",
+    "ActionClient",
+    "ActionReply",
+    "PolicyClient",
+    "ProducerStats",
     "collect_episodes",
+    "collect_waves",
     "episode_stats",
     "make_env",
     "resolve_device",
@@ -129,6 +137,94 @@ _STEP_KEYS = ("episode", "step", "state", "action", "reward", "terminated", "tru
               "logprob", "value", "policy_version")
 
 
+@dataclass
+class ActionReply:
+    """The answer to one request for the actions of several envs (one row per observation).
+
+    ``features`` [n, H] are the pooled backbone features the actions were computed from (when asked
+    for), ``feature_key`` names the backbone that computed them; ``engine_wait_s`` / ``compute_s`` is
+    the time the request waited for its group and the group's compute time (0 in-process)."""
+
+    outputs: list[PolicyOutput]
+    features: np.ndarray | None = None
+    feature_key: str | None = None
+    engine_wait_s: float = 0.0
+    compute_s: float = 0.0
+
+
+class PendingReply(Protocol):
+    def result(self) -> ActionReply: ...
+
+
+class ActionClient(Protocol):
+    """Where a producer gets actions: ``submit`` returns at once, ``result()`` blocks for the answer."""
+
+    def submit(self, observations: list[Observation]) -> PendingReply: ...
+
+
+@dataclass
+class ProducerStats:
+    """What a producer's time went to: stepping (and resetting and recording) its simulators, and
+    blocking for actions; and the action round trip, split into the engine's batching wait and group
+    compute and the rest (messaging = round trip - wait - compute), over the ``timed`` requests: those
+    the producer still had to wait for (a reply that arrived while another wave was stepping has an
+    unknown arrival time, so it is counted in ``requests`` only)."""
+
+    sim_s: float = 0.0
+    action_wait_s: float = 0.0
+    requests: int = 0
+    rows: int = 0
+    timed: int = 0
+    rtt_s: float = 0.0
+    engine_wait_s: float = 0.0
+    compute_s: float = 0.0
+    feature_key: str | None = None  # the backbone that computed the ``feature`` column, if one was kept
+
+    @property
+    def messaging_s(self) -> float:
+        return max(0.0, self.rtt_s - self.engine_wait_s - self.compute_s)
+
+    def to_dict(self) -> dict[str, float]:
+        d = asdict(self)
+        d.pop("feature_key")
+        return {**d, "messaging_s": self.messaging_s}
+
+
+class _Done:
+    def __init__(self, reply: ActionReply) -> None:
+        self._reply = reply
+
+    def result(self) -> ActionReply:
+        return self._reply
+
+
+class PolicyClient:
+    """An in-process policy as an :class:`ActionClient`: computes at ``submit``. A policy with a
+    ``batch(list[Observation]) -> list[PolicyOutput]`` method is asked once for several envs."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self._batch = getattr(policy, "batch", None)
+
+    def submit(self, observations: list[Observation]) -> PendingReply:
+        if self._batch is not None and len(observations) > 1:
+            outs = list(self._batch(observations))
+        else:
+            outs = [self.policy(o) for o in observations]
+        return _Done(ActionReply(outputs=outs))
+
+
+def step_slots(env: Any, slots: list[int], actions: np.ndarray) -> list[StepResult]:
+    """Step the given slots of a batched env with ``actions`` [len(slots), A]; envs that can only
+    step all their slots together get zeros for the others (their results are dropped)."""
+    if hasattr(env, "step_slots"):
+        return env.step_slots(slots, actions)
+    full = np.zeros((env.num_envs, actions.shape[1]), np.float32)
+    full[slots] = actions
+    results = env.step(full)
+    return [results[s] for s in slots]
+
+
 def collect_episodes(env: SimEnv | BatchedEnv, policy: Policy, episodes: int, seed: int, tenant: str,
                      episode_offset: int = 0) -> dict[str, np.ndarray]:
     """Run ``episodes`` whole episodes and return trajectory columns.
@@ -150,58 +246,119 @@ def collect_episodes(env: SimEnv | BatchedEnv, policy: Policy, episodes: int, se
     The observation after an episode's last step is not recorded: a learner that bootstraps
     truncated episodes must treat their last value as the bootstrap estimate.
     """
+    columns, _ = collect_waves([env], PolicyClient(policy), episodes, seed, tenant, episode_offset)
+    return columns
+
+
+def collect_waves(waves: list[SimEnv | BatchedEnv], client: ActionClient, episodes: int, seed: int,
+                  tenant: str, episode_offset: int = 0,
+                  keep_features: bool = False) -> tuple[dict[str, np.ndarray], ProducerStats]:
+    """:func:`collect_episodes` over several groups ("waves") of envs, each asking ``client`` for
+    the actions of all its running envs in one request.
+
+    The waves take turns: while one wave's request is out, the next wave steps its envs with the
+    actions it just got (the simulators overlap with the wait for actions); with one wave this is
+    plain lockstep. Episodes go to free slots of any wave in id order, so the episodes, their seeds
+    and the column layout do not depend on how the envs are split. ``keep_features``: when every
+    reply carries features of one backbone, they become a ``feature`` column [N, H] (float32) and
+    ``stats.feature_key`` names that backbone.
+    """
     if episodes < 0:
         raise ValueError("episodes must be >= 0")
-    schema = env.schema
-    low, high = env.action_bounds
-    batched: Any = env if hasattr(env, "reset_some") else _One(env)  # type: ignore[arg-type]
-    batch_policy = getattr(policy, "batch", None)
+    if not waves:
+        raise ValueError("a producer needs at least one env")
+    first = waves[0]
+    schema = first.schema
+    low, high = first.action_bounds
+    groups: list[Any] = [w if hasattr(w, "reset_some") else _One(w) for w in waves]  # type: ignore[arg-type]
     cams = [c.name for c in schema.cameras]
-    limit = env.max_episode_steps
+    limit = first.max_episode_steps
     pending = list(range(episodes))[::-1]  # pop() gives the lowest pending episode
     records: dict[int, dict[str, list[Any]]] = {}
-    slot_ep: dict[int, int] = {}  # running slot -> episode index i
-    obs: dict[int, Observation] = {}
+    slot_ep: dict[tuple[int, int], int] = {}  # (wave, slot) -> episode index i
+    obs: dict[tuple[int, int], Observation] = {}
+    stats = ProducerStats()
+    features: dict[int, list[np.ndarray]] = {}
+    feature_key: list[str | None] = []
 
-    def start(slots: list[int]) -> None:
+    def start(w: int, slots: list[int]) -> None:
         seeds = {}
         for s in slots:
             if pending:
                 i = pending.pop()
-                slot_ep[s], seeds[s] = i, seed + episode_offset + i
+                slot_ep[(w, s)], seeds[s] = i, seed + episode_offset + i
                 records[i] = {k: [] for k in (*_STEP_KEYS, *(f"image.{c}" for c in cams))}
+                features[i] = []
         if seeds:
-            obs.update(batched.reset_some(seeds))
+            for s, o in groups[w].reset_some(seeds).items():
+                obs[(w, s)] = o
 
-    start(list(range(batched.num_envs)))
-    while slot_ep:
-        running = sorted(slot_ep)
-        inputs = [obs[s] for s in running]
-        outs = list(batch_policy(inputs)) if batch_policy and len(running) > 1 else [policy(o) for o in inputs]
-        raws = {s: np.asarray(o.action, np.float32).reshape(-1) for s, o in zip(running, outs, strict=True)}
-        actions = np.zeros((batched.num_envs, schema.action_dim), np.float32)
-        for s, raw in raws.items():
-            actions[s] = np.clip(raw, low, high)
-        results = batched.step(actions)
-        done_slots = []
-        for s, out in zip(running, outs, strict=True):
-            i, res, rec = slot_ep[s], results[s], records[slot_ep[s]]
-            t = len(rec["step"])
-            last = t == limit - 1  # the catalog's step limit is authoritative
-            for key, value in (("episode", episode_offset + i), ("step", t), ("state", obs[s].state),
-                               ("action", raws[s]), ("reward", res.reward), ("terminated", res.terminated),
-                               ("truncated", res.truncated or (last and not res.terminated)),
-                               ("success", res.success), ("logprob", out.logprob), ("value", out.value),
-                               ("policy_version", out.version)):
-                rec[key].append(value)  # the action is the policy's own sample: PPO's logprob belongs to it
-            for c in cams:
-                rec[f"image.{c}"].append(obs[s].images[c])
-            obs[s] = res.obs
-            if res.terminated or res.truncated or last:
-                done_slots.append(s)
-                del slot_ep[s]
-        start(done_slots)
-    return _columns([records[i] for i in range(episodes)], schema, tenant, episode_offset)
+    inflight: dict[int, tuple[PendingReply, list[int], float]] = {}
+
+    def submit(w: int) -> None:
+        running = sorted(s for (ww, s) in slot_ep if ww == w)
+        if running:
+            inflight[w] = (client.submit([obs[(w, s)] for s in running]), running, time.perf_counter())
+
+    t0 = time.perf_counter()
+    for w in range(len(groups)):
+        start(w, list(range(groups[w].num_envs)))
+    stats.sim_s += time.perf_counter() - t0
+    for w in range(len(groups)):
+        submit(w)
+    while inflight:
+        for w in range(len(groups)):
+            if w not in inflight:
+                continue
+            handle, running, t_submit = inflight.pop(w)
+            ready = hasattr(handle, "done") and handle.done()
+            t_wait = time.perf_counter()
+            reply = handle.result()
+            t_sim = time.perf_counter()
+            stats.action_wait_s += t_sim - t_wait
+            stats.requests += 1
+            stats.rows += len(running)
+            if not ready:  # it arrived just now: a true round trip
+                stats.timed += 1
+                stats.rtt_s += t_sim - t_submit
+                stats.engine_wait_s += reply.engine_wait_s
+                stats.compute_s += reply.compute_s
+            outs = reply.outputs
+            if len(outs) != len(running):
+                raise RuntimeError(f"{len(outs)} actions for {len(running)} observations")
+            if keep_features:
+                feature_key.append(reply.feature_key if reply.features is not None else None)
+            raws = [np.asarray(o.action, np.float32).reshape(-1) for o in outs]
+            results = step_slots(groups[w], running, np.clip(np.stack(raws), low, high))
+            done_slots = []
+            for j, (s, out, res) in enumerate(zip(running, outs, results, strict=True)):
+                i = slot_ep[(w, s)]
+                rec = records[i]
+                t = len(rec["step"])
+                last = t == limit - 1  # the catalog's step limit is authoritative
+                for key, value in (("episode", episode_offset + i), ("step", t), ("state", obs[(w, s)].state),
+                                   ("action", raws[j]), ("reward", res.reward), ("terminated", res.terminated),
+                                   ("truncated", res.truncated or (last and not res.terminated)),
+                                   ("success", res.success), ("logprob", out.logprob), ("value", out.value),
+                                   ("policy_version", out.version)):
+                    rec[key].append(value)  # the action is the policy's own sample: PPO's logprob belongs to it
+                for c in cams:
+                    rec[f"image.{c}"].append(obs[(w, s)].images[c])
+                if keep_features and reply.features is not None:
+                    features[i].append(np.asarray(reply.features[j], np.float32))
+                obs[(w, s)] = res.obs
+                if res.terminated or res.truncated or last:
+                    done_slots.append(s)
+                    del slot_ep[(w, s)]
+            start(w, done_slots)
+            stats.sim_s += time.perf_counter() - t_sim
+            submit(w)
+    cols = _columns([records[i] for i in range(episodes)], schema, tenant, episode_offset)
+    keys = set(feature_key)
+    if keep_features and episodes and len(keys) == 1 and None not in keys:
+        cols["feature"] = np.stack([f for i in range(episodes) for f in features[i]]).astype(np.float32, copy=False)
+        stats.feature_key = keys.pop()
+    return cols, stats
 
 
 def _columns(records: list[dict[str, list[Any]]], schema: TenantSchema, tenant: str,

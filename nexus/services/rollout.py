@@ -1,92 +1,185 @@
 """Rollout producers: tasks on ``SIM`` workers that run a tenant's policy in its simulator.
 
-Each step's action comes from the inference engine (a direct actor call); finished episodes go
-to the tenant's Arrow trajectory store, and only a small reference to the batch goes back.
+A producer steps K envs of its tenant (lockstep in-process, or a vector env per wave) and asks the
+engine serving its tenant for all the actions of a wave in one direct worker-to-worker call; finished episodes go to
+the tenant's Arrow trajectory store (with the rollout's backbone features, for the update), and only
+a small reference to the batch goes back. Simulator time and action-wait time are measured apart.
 Module-level imports stay light (the scheduler names these functions).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
+import uuid
 from typing import Any
 
 from nexus.signals import emit
 
-_envs: dict[str, Any] = {}  # env name -> SimEnv, reused across tasks of this worker process
-_envs_lock = threading.Lock()
+
+class EnvPool:
+    """Idle simulators of one worker process, reused across its rollout tasks (held by its worker plugin):
+    single envs stepped in lockstep, and gymnasium async vector envs by size."""
+
+    def __init__(self) -> None:
+        self._single: dict[str, list[Any]] = {}  # env name -> idle single envs
+        self._vectors: dict[tuple[str, int], list[Any]] = {}  # (env name, size) -> idle vector envs
+        self._lock = threading.Lock()
+
+    def checkout(self, entry, sizes: list[int], mode: str) -> list[Any]:
+        """Env groups of these sizes for one task (idle ones first, else new)."""
+        from nexus.services.environment import LockstepEnvs, make_env
+
+        groups = []
+        for n in sizes:
+            if mode == "lockstep":
+                with self._lock:
+                    idle = self._single.setdefault(entry.name, [])
+                    envs, idle[:] = idle[:n], idle[n:]
+                envs += [make_env(entry, num_envs=1) for _ in range(n - len(envs))]
+                groups.append(LockstepEnvs(envs))
+            else:
+                with self._lock:
+                    idle = self._vectors.setdefault((entry.name, n), [])
+                    env = idle.pop() if idle else None
+                if env is None:
+                    env = make_env(dataclasses.replace(entry, vector_mode="async"), num_envs=n) if n > 1 \
+                        else make_env(entry, num_envs=1)
+                groups.append(env)
+        return groups
+
+    def checkin(self, entry, groups: list[Any], mode: str) -> None:
+        with self._lock:
+            for g in groups:
+                if mode == "lockstep":
+                    self._single.setdefault(entry.name, []).extend(g.envs)
+                else:
+                    self._vectors.setdefault((entry.name, g.num_envs), []).append(g)
+
+    def idle(self, name: str) -> int:
+        with self._lock:
+            return len(self._single.get(name, [])) + sum(len(v) for (n, _), v in self._vectors.items() if n == name)
 
 
-def _env(name: str):
+def _pool() -> EnvPool:
+    from nexus.services.worker_plugin import state
+
+    return state().env_pool()
+
+
+def prewarm(env_name: str, envs: int, waves: int = 1, vector_mode: str = "lockstep") -> int:
+    """Build a producer's envs in this worker's pool ahead of the first rollout (env creation takes
+    seconds, ~7 s for a camera env); returns the number of envs now idle in the pool."""
     from nexus import catalog
-    from nexus.services.environment import make_env
 
-    with _envs_lock:
-        if name not in _envs:
-            _envs[name] = make_env(catalog.env(name))
-        return _envs[name]
+    entry = catalog.env(env_name)
+    pool = _pool()
+    pool.checkin(entry, pool.checkout(entry, wave_sizes(envs, waves), vector_mode), vector_mode)
+    return pool.idle(entry.name)
+
+
+def wave_sizes(envs: int, waves: int) -> list[int]:
+    """``envs`` envs split into at most ``waves`` non-empty groups, as even as possible."""
+    waves = max(1, min(waves, envs))
+    return [envs // waves + (i < envs % waves) for i in range(waves)]
+
+
+class ProducerLink:
+    """A producer's line to its tenant's inference engine (``engine``: a routed
+    ``nexus.services.engine_client.EngineClient``): one ``predict_batch`` request per wave and step."""
+
+    def __init__(self, engine, tenant: str, version: int | None, deterministic: bool, job: str | None,
+                 producer: str, features: bool, features_max_dim: int) -> None:
+        self.engine, self.tenant, self.version, self.deterministic = engine, tenant, version, deterministic
+        self.job, self.producer, self.features, self.features_max_dim = job, producer, features, features_max_dim
+
+    def open(self) -> None:
+        """Until it closes (or its lease ends), the engine's groups wait for this producer."""
+        self.engine.call_for(self.tenant, "open_producer", self.producer, self.tenant).result()
+
+    def close(self) -> None:
+        self.engine.call_for(self.tenant, "close_producer", self.producer).result()
+
+    def submit(self, observations: list):
+        return _EngineReply(self.engine.predict_batch(self.tenant, observations, self.version, self.deterministic,
+                                                      self.job, self.producer, self.features,
+                                                      self.features_max_dim))
+
+
+class _EngineReply:
+    def __init__(self, future) -> None:
+        self.future = future
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self):
+        from nexus.services.environment import ActionReply, PolicyOutput
+
+        d = self.future.result()
+        outs = [PolicyOutput(action=o["action"], logprob=o["logprob"], value=o["value"], version=o["version"])
+                for o in d["outputs"]]
+        return ActionReply(outputs=outs, features=d["features"], feature_key=d["feature_key"],
+                           engine_wait_s=d["wait_s"], compute_s=d["compute_s"])
 
 
 def collect(tenant: str, env_name: str, output_dir: str, schema: dict, episodes: int, seed: int,
             episode_offset: int, deterministic: bool, version: int | None, engine,
-            job: str | None = None) -> dict[str, Any]:
+            job: str | None = None, producer: dict | None = None) -> dict[str, Any]:
     """Run ``episodes`` episodes (ids from ``episode_offset``); RL batches are stored, eval
-    episodes (pinned ``version``) are not."""
+    episodes (pinned ``version``) are not.
+
+    ``producer``: the data-path settings (``nexus.config.DataPathSettings`` fields; defaults if
+    omitted): K envs (at most ``episodes``) in ``producer_waves`` waves, each wave asking the engine
+    for all its actions in one request; RL batches keep the rollout's backbone features when
+    ``cache_features``."""
     t_start = time.time()  # the whole task is the tenant's simulator time, imports included
     import torch
 
+    from nexus import catalog
+    from nexus.config import DataPathSettings
     from nexus.control.validation import schema_from_dict
     from nexus.data.output_dir import TenantOutputDir
     from nexus.data.trajectory_store import TrajectoryStore
-    from nexus.services.environment import PolicyOutput, collect_episodes, episode_stats
+    from nexus.services.environment import collect_waves, episode_stats
 
     torch.set_num_threads(1)
-    env = _env(env_name)
-    wait_s = 0.0
-
-    class EnginePolicy:
-        """Actions from the inference engine; ``batch`` asks for all sub-envs of a vector env at once
-        (the requests overlap, so the engine can group them into one backbone forward)."""
-
-        def __call__(self, obs) -> PolicyOutput:
-            return self.batch([obs])[0]
-
-        def batch(self, observations: list) -> list[PolicyOutput]:
-            nonlocal wait_s
-            t0 = time.perf_counter()
-            futures = [engine.predict(tenant, obs, version, deterministic, job) for obs in observations]
-            outs = [f.result() for f in futures]
-            wait_s += time.perf_counter() - t0
-            return [PolicyOutput(action=o["action"], logprob=o["logprob"], value=o["value"], version=o["version"])
-                    for o in outs]
-
-    policy = EnginePolicy()
-
-    t0 = time.perf_counter()
-    columns = collect_episodes(env, policy, episodes=episodes, seed=seed, tenant=tenant,
-                               episode_offset=episode_offset)
-    busy = time.perf_counter() - t0
-    stats = episode_stats(columns) | {"sim_s": busy - wait_s, "inference_wait_s": wait_s}
+    dp = DataPathSettings.model_validate(producer or {})
+    entry = catalog.env(env_name)
+    k = max(1, min(episodes, max(dp.envs_per_producer, entry.num_envs)))
+    mode = "async" if dp.producer_vector_mode == "async" or (entry.num_envs > 1 and entry.vector_mode == "async") \
+        else "lockstep"
+    rl = version is None
+    pid = f"{tenant}/{job}/{uuid.uuid4().hex[:8]}"
+    link = ProducerLink(engine, tenant, version, deterministic, job, pid,
+                        features=rl and dp.cache_features, features_max_dim=dp.feature_cache_max_dim)
+    pool = _pool()
+    groups = pool.checkout(entry, wave_sizes(k, dp.producer_waves), mode)
+    try:
+        link.open()
+        try:
+            columns, pstats = collect_waves(groups, link, episodes=episodes, seed=seed, tenant=tenant,
+                                            episode_offset=episode_offset, keep_features=rl and dp.cache_features)
+        finally:
+            link.close()
+    except BaseException:
+        for g in groups:  # a simulator that failed mid-episode is not trusted again
+            g.close()
+        raise
+    pool.checkin(entry, groups, mode)
+    stats = episode_stats(columns) | {"envs": k, "waves": len(groups), **pstats.to_dict()}
     result: dict[str, Any] = {"stats": stats,
                               "versions": sorted({int(v) for v in columns["policy_version"]})}
-    if version is None:
+    if rl:
         store = TrajectoryStore(TenantOutputDir(output_dir).trajectories, tenant, schema_from_dict(schema))
-        result["batch"] = store.append(columns).to_dict()
-    # the simulator slot is the tenant's for the whole task, waits for actions included
-    emit("rollout", tenant=tenant, job=job, t0=t_start, t1=time.time(), what="rl" if version is None else "eval",
-         steps=int(stats["steps"]))
+        result["batch"] = store.append(columns, feature_key=pstats.feature_key).to_dict()
+    # the simulator slot is the tenant's for the whole task, waits for actions included; the split
+    # (stepping vs waiting for actions) travels with the signal
+    emit("rollout", tenant=tenant, job=job, t0=t_start, t1=time.time(), what="rl" if rl else "eval",
+         steps=int(stats["steps"]), sim_s=pstats.sim_s, action_wait_s=pstats.action_wait_s)
     return result
-
-
-def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Episode statistics of several rollout tasks, weighted by their episode counts."""
-    episodes = sum(p["episodes"] for p in parts)
-    if episodes == 0:
-        return {"episodes": 0, "steps": 0, "mean_return": 0.0, "success_rate": 0.0}
-    return {"episodes": episodes, "steps": sum(p["steps"] for p in parts),
-            "mean_return": sum(p["mean_return"] * p["episodes"] for p in parts) / episodes,
-            "success_rate": sum(p["success_rate"] * p["episodes"] for p in parts) / episodes}
 
 
 def write_eval_report(output_dir: str, report: dict[str, Any]) -> str:

@@ -22,15 +22,20 @@ import os
 import socket
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from nexus.features import TenantSchema
+from nexus.features import Observation, TenantSchema
+from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.policy import TenantPolicy
 from nexus.spec import TenantSpec
+
+if TYPE_CHECKING:
+    from nexus.model.framework import VLAFramework
 
 if not torch.cuda.is_available():
     # Skip DeepSpeed's accelerator probing (and its "unable to detect a GPU" warning) on CPU machines.
@@ -40,6 +45,8 @@ import deepspeed  # noqa: E402  (must see DS_ACCELERATOR)
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 LossFn = Callable[[TenantPolicy], tuple[torch.Tensor, dict[str, Any]]]
+# a tenant's loss on its rows of a grouped forward: (policy, its features, its proprio) -> (loss, stats)
+GroupLossFn = Callable[[TenantPolicy, BackboneFeatures, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
 _dist_lock = threading.Lock()
 
@@ -59,40 +66,63 @@ def _quiet_deepspeed() -> None:
                             category=FutureWarning)
 
 
-def ensure_distributed() -> None:
+def _interface_of(host: str) -> str | None:
+    """The network interface holding ``host`` (gloo binds its device to one interface)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == host for a in addrs):
+            return name
+    return None
+
+
+def ensure_distributed(host: str = "127.0.0.1") -> None:
     """Initialize torch.distributed/DeepSpeed once per process (idempotent, thread-safe).
 
-    Without a launcher this is a world of size 1: RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR default to a
-    single local process and MASTER_PORT to a free port (each only if not already set, so torchrun or
-    the deepspeed launcher keep control). Backend: gloo on CPU, nccl on CUDA.
+    Without a launcher this is a world of size 1 whose rendezvous is an in-memory ``HashStore``: no
+    TCP store listens anywhere (an ``env://`` store binds every interface), and gloo's device binds to
+    the interface of ``host`` (127.0.0.1 by default; ``ServiceConfig.host`` on multi-host services).
+    Under torchrun or the deepspeed launcher (``WORLD_SIZE`` > 1) their variables keep control;
+    MASTER_ADDR defaults to ``host``. Backend: gloo on CPU, nccl on CUDA.
     """
     _quiet_deepspeed()
     with _dist_lock:
         if torch.distributed.is_available() and torch.distributed.is_initialized() and \
                 deepspeed.comm.is_initialized():
             return
-        if not torch.distributed.is_initialized():
-            for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                               ("MASTER_ADDR", "127.0.0.1")):
-                os.environ.setdefault(key, value)
-            if "MASTER_PORT" not in os.environ:
-                os.environ["MASTER_PORT"] = str(_free_port())
         accel = get_accelerator()
+        backend = accel.communication_backend_name()
+        if not torch.distributed.is_initialized():
+            iface = _interface_of(host)
+            if iface is not None:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+            for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", host)):
+                os.environ.setdefault(key, value)
+            if os.environ["WORLD_SIZE"] == "1":
+                torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0,
+                                                     world_size=1)
+            elif "MASTER_PORT" not in os.environ:
+                os.environ["MASTER_PORT"] = str(_free_port())
         if accel.device_name() == "cpu":
             # The shm comm op would be JIT-compiled (minutes of g++); it only serves
             # inference_all_reduce, ZeRO's collectives go through gloo anyway.
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         else:
             accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+        deepspeed.init_distributed(dist_backend=backend)
 
 
 class TenantSlot:
     """A tenant's policy wrapped in its own DeepSpeed ZeRO engine (ZeRO-2 by default)."""
 
     def __init__(self, spec: TenantSpec, schema: TenantSchema, feat_dim: int, zero_stage: int = 2,
-                 grad_clip: float = 1.0, chunk: int | None = None) -> None:
-        """``chunk`` defaults to ``spec.chunk``."""
+                 grad_clip: float = 1.0, chunk: int | None = None,
+                 lora_shapes: dict[str, tuple[int, int]] | None = None,
+                 init_state: dict[str, torch.Tensor] | None = None) -> None:
+        """``chunk`` defaults to ``spec.chunk``. A LoRA tenant needs ``lora_shapes`` (the backbone's
+        ``lora_shapes(spec.lora)``): its adapter is part of the policy, so the engine owns the adapter's
+        parameters and optimizer state too. ``init_state`` (a policy state_dict, e.g. from an exported
+        policy) is loaded before the engine is built, so the optimizer's master copy starts from it."""
         if zero_stage not in (0, 1, 2):
             # Stage 3 would partition the head's parameters between forwards, but TenantPolicy reads
             # log_std and the flow experts their position tables outside a submodule forward; heads are
@@ -101,7 +131,9 @@ class TenantSlot:
         ensure_distributed()
         chunk = spec.chunk if chunk is None else chunk
         self.spec, self.schema, self.feat_dim, self.chunk = spec, schema, feat_dim, chunk
-        policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk)
+        policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk, lora_shapes=lora_shapes)
+        if init_state is not None:
+            policy.load_state_dict(init_state)
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,  # nominal: we call backward/step ourselves
             "gradient_accumulation_steps": 1,
@@ -132,14 +164,21 @@ class TenantSlot:
     # -- training -------------------------------------------------------------------------------------
 
     def forward_backward(self, loss_fn: LossFn) -> dict[str, float]:
-        """Run ``loss_fn(policy)`` and backpropagate its loss; gradients add up until ``optim_step``."""
+        """Run ``loss_fn(policy)`` and backpropagate its loss; gradients add up until ``optim_step``.
+
+        A LoRA tenant's features (``DeferredFeatures``) are computed inside, through its adapter, so the
+        backward reaches the adapter through the frozen backbone."""
         self.policy.train()
         loss, stats = loss_fn(self.policy)
-        self.engine.backward(loss)
-        self._pending_backward += 1
+        self.backward(loss)
         out = {k: float(v) for k, v in stats.items()}
         out["loss"] = float(loss.detach())
         return out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` through this tenant's engine (gradients add up until ``optim_step``)."""
+        self.engine.backward(loss)
+        self._pending_backward += 1
 
     def optim_step(self) -> dict[str, float]:
         """Apply the accumulated gradients (clipped to ``grad_clip``) and clear them."""
@@ -170,9 +209,10 @@ class TenantSlot:
 
     @staticmethod
     def load_weights_bytes(data: bytes, spec: TenantSpec, schema: TenantSchema, feat_dim: int,
-                           chunk: int | None = None) -> TenantPolicy:
+                           chunk: int | None = None,
+                           lora_shapes: dict[str, tuple[int, int]] | None = None) -> TenantPolicy:
         """Rebuild a policy (CPU, eval mode) from ``export_weights`` bytes, e.g. on an inference worker."""
-        policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk)
+        policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk, lora_shapes=lora_shapes)
         policy.load_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
         return policy.eval()
 
@@ -192,3 +232,68 @@ class TenantSlot:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory!r} (tag={tag!r})")
         self.version = int((client_state or {}).get("version", 0))
         self._pending_backward = 0
+
+
+def _leaf(feats: BackboneFeatures) -> BackboneFeatures:
+    """The same values cut from the backbone's graph, as leaves that collect the head's gradients."""
+    pooled = feats.pooled.detach().requires_grad_(feats.pooled.requires_grad)
+    if feats.tokens is None:
+        return BackboneFeatures(pooled)
+    tokens = feats.tokens.detach().requires_grad_(feats.tokens.requires_grad)
+    return BackboneFeatures(pooled, tokens, feats.mask, feats.layers)
+
+
+def grouped_forward_backward(framework: VLAFramework, work: Sequence[tuple[TenantSlot, list[Observation], GroupLossFn]]
+                             ) -> list[dict[str, float]]:
+    """Several tenants' batches through ONE grouped backbone forward (each row under its tenant's LoRA
+    adapter, or none) and ONE backbone backward; each tenant's gradients land in its own engine.
+
+    Each tenant's loss is computed on its features cut from the backbone's graph; the features'
+    gradients of all LoRA tenants then go back through the shared backbone in one ``autograd.grad`` call,
+    which yields every adapter's gradient (a row's gradient reaches only its own adapter). Each tenant's
+    engine then runs one backward of its loss plus a linear surrogate whose gradient is exactly its
+    adapter's, so DeepSpeed sees one ordinary backward per tenant. Gradients add up until each slot's
+    ``optim_step``; slots must be registered in ``framework`` under their tenant names.
+    """
+    names = [slot.name for slot, _, _ in work]
+    if len(set(names)) != len(names):
+        raise ValueError(f"one batch per tenant in a grouped step, got {names}")
+    requests, row_policies = [], []
+    for slot, observations, _ in work:
+        slot.policy.train()
+        for f in framework.preprocessors[slot.name].batch(observations):
+            requests.append((slot.name, f))
+            row_policies.append(slot.policy)
+    adapted = any(slot.policy.lora is not None for slot, _, _ in work)
+    per_tenant = framework.group_features(requests, row_policies=row_policies, grad=adapted)
+    losses, stats, cuts = [], [], []  # cuts: (work index, full feature tensor, its leaf copy)
+    for k, (slot, _, loss_fn) in enumerate(work):
+        idx, feats = per_tenant[slot.name]
+        proprio = torch.from_numpy(np.stack([requests[i][1].proprio for i in idx]))
+        leaf = _leaf(feats)
+        loss, st = loss_fn(slot.policy, leaf, proprio)
+        losses.append(loss)
+        stats.append({**{k_: float(v) for k_, v in st.items()}, "loss": float(loss.detach())})
+        if slot.policy.lora is not None:
+            cuts += [(k, full, cut) for full, cut in ((feats.pooled, leaf.pooled), (feats.tokens, leaf.tokens))
+                     if cut is not None and cut.requires_grad]
+    surrogates: dict[int, torch.Tensor] = {}
+    if cuts:
+        owners = sorted({k for k, _, _ in cuts})
+        feat_grads = torch.autograd.grad([losses[k] for k in owners], [c for _, _, c in cuts], retain_graph=True,
+                                         allow_unused=True)
+        used = [(k, full, g) for (k, full, _), g in zip(cuts, feat_grads, strict=True) if g is not None]
+        params = {k: list(work[k][0].policy.lora.parameters()) for k in owners}  # type: ignore[union-attr]
+        flat = [p for k in owners for p in params[k]]
+        grads = torch.autograd.grad([f for _, f, _ in used], flat, [g for _, _, g in used], allow_unused=True) \
+            if used else [None] * len(flat)
+        j = 0
+        for k in owners:
+            gs = grads[j:j + len(params[k])]
+            j += len(params[k])
+            terms = [(p * g.detach()).sum() for p, g in zip(params[k], gs, strict=True) if g is not None]
+            if terms:
+                surrogates[k] = torch.stack(terms).sum()
+    for k, (slot, _, _) in enumerate(work):
+        slot.backward(losses[k] + surrogates[k] if k in surrogates else losses[k])
+    return stats

@@ -3,7 +3,18 @@
 Never runs in the scheduler process: the Master sends metric events to this actor without
 waiting; the actor's calls run one after another in the worker's actor thread, so a slow tracking
 store slows nobody else. Works the same with the default local sqlite store or a remote server.
-Metric steps are policy versions; evaluations are nested runs under the tenant's training run.
+
+What a run holds, faithfully:
+
+* the experiment is tagged as a model-training experiment (``mlflow.experimentKind`` =
+  ``custom_model_development``), so MLflow 3's UI shows runs and charts, not its GenAI view
+* metric names say what they measure: ``train/…`` (one point per update, step = the version it
+  produced), ``rollout/…`` (one point per RL batch, step = cumulative env steps; ``rollout/policy_version``
+  says which policy collected it), ``eval/…`` (step = the evaluated version), ``queue/…`` and
+  ``system/…`` (update and weight-sync times, metered device-seconds); steps only grow within a series
+* start and end times are the job's own (submitted, ended), not when this actor got to them
+* artifacts are the manifest and the weights of the version the job evaluated or produced
+* evaluations are nested runs under the tenant's training run
 """
 
 from __future__ import annotations
@@ -15,8 +26,19 @@ from pathlib import Path
 from typing import Any
 
 from nexus.config import ServiceConfig
+from nexus.history import SYSTEM, plot_curves
 
-PLOTTED = ("loss", "heldout_action_mse", "return", "success_rate", "v_loss", "approx_kl")
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's classic (non-GenAI) experiment view
+
+
+def metric_name(kind: str, key: str) -> str:
+    """The MLflow name of a history field of a row of ``kind`` (see ``nexus.history``)."""
+    if key in SYSTEM:
+        return f"system/{key}"
+    if kind == "rollout" and key == "version":
+        return "rollout/policy_version"
+    return f"{kind}/{key}"
 
 
 class Tracker:
@@ -25,6 +47,8 @@ class Tracker:
         self._client = None
         self._experiment_id: str | None = None
         self.runs: dict[str, str] = {}  # job id -> MLflow run id
+        self._last_step: dict[tuple[str, str], int] = {}  # (job, metric) -> last step logged
+        self._adopted: set[str] = set()  # runs an earlier tracker logged to: their last steps are in MLflow
 
     def _mlflow(self):
         if self._client is None:
@@ -33,75 +57,139 @@ class Tracker:
             self._client = MlflowClient(tracking_uri=self.config.resolved_tracking_uri())
             name = self.config.resolved_experiment()
             exp = self._client.get_experiment_by_name(name)
-            self._experiment_id = exp.experiment_id if exp else self._client.create_experiment(name)
+            if exp is None:
+                self._experiment_id = self._client.create_experiment(
+                    name, artifact_location=self._artifact_location(), tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            else:
+                self._experiment_id = exp.experiment_id
+                if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+                    self._client.set_experiment_tag(self._experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return self._client
 
+    def _artifact_location(self) -> str | None:
+        """A local store keeps its artifacts in the service root (MLflow's default, ``./mlruns``, would land
+        in whatever directory the tracker process runs in); a tracking server keeps its own default."""
+        uri = self.config.resolved_tracking_uri()
+        if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
+            return (Path(self.config.root).resolve() / "mlartifacts").as_uri()
+        return None
+
+    @property
+    def experiment_id(self) -> str:
+        self._mlflow()
+        return self._experiment_id  # type: ignore[return-value]
+
     def start_run(self, job_id: str, tenant: str, kind: str, params: dict[str, Any],
-                  parent_job: str | None = None) -> str:
+                  parent_job: str | None = None, start_time: float | None = None) -> str:
         from mlflow.entities import Param
 
+        if job_id in self.runs:  # a resent call (the tracker was restarted): the run exists
+            return self.runs[job_id]
         client = self._mlflow()
-        tags = {"nexus.tenant": tenant, "nexus.job": job_id, "nexus.kind": kind}
+        existing = self._find_run(job_id)
+        if existing is not None:
+            self.runs[job_id] = existing
+            self._adopted.add(job_id)
+            return existing
+        tags = {"nexus.tenant": tenant, "nexus.job": job_id, "nexus.kind": kind, "nexus.root": self._root()}
         if parent_job in self.runs:
             tags["mlflow.parentRunId"] = self.runs[parent_job]
-        run = client.create_run(self._experiment_id, run_name=job_id, tags=tags)
+        run = client.create_run(self._experiment_id, run_name=job_id, tags=tags,
+                                start_time=int((start_time or time.time()) * 1000))
         flat = {k: v for k, v in _flatten(params).items() if v is not None}
         client.log_batch(run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in flat.items()])
         self.runs[job_id] = run.info.run_id
         return run.info.run_id
 
-    def log_metrics(self, job_id: str, metrics: dict[str, Any], step: int) -> None:
+    def log_metrics(self, job_id: str, metrics: dict[str, Any], step: int, kind: str = "train") -> None:
         from mlflow.entities import Metric
 
+        if job_id not in self.runs:
+            return
         ts = int(time.time() * 1000)
-        ms = [Metric(k, float(v), ts, int(step)) for k, v in metrics.items()
-              if isinstance(v, int | float) and math.isfinite(float(v))]
-        if ms and job_id in self.runs:
+        ms = []
+        for k, v in metrics.items():
+            if not isinstance(v, int | float) or not math.isfinite(float(v)):
+                continue
+            if kind == "train" and k == "version":
+                continue  # the step already is the version
+            name = metric_name(kind, k)
+            last = self._last_step.get((job_id, name))
+            if last is None and job_id in self._adopted:
+                last = self._logged_step(job_id, name)
+            if last is not None and step <= last:
+                continue  # a repeated step would draw a zig-zag; the Master logs each series in step order
+            self._last_step[(job_id, name)] = int(step)
+            ms.append(Metric(name, float(v), ts, int(step)))
+        if ms:
             self._mlflow().log_batch(self.runs[job_id], metrics=ms)
 
     def end_run(self, job_id: str, status: str, artifacts: list[str], result: dict[str, Any],
-                history: list[dict[str, Any]] | None = None, metering: dict[str, float] | None = None) -> None:
+                history: list[dict[str, Any]] | None = None, metering: dict[str, float] | None = None,
+                end_time: float | None = None) -> None:
+        from mlflow.entities import Metric
+
         if job_id not in self.runs:
             return
         client, run_id = self._mlflow(), self.runs[job_id]
-        for service, seconds in (metering or {}).items():
-            client.log_metric(run_id, f"metered_{service}_s", float(seconds))
-        for path in artifacts:
+        ts = int(time.time() * 1000)
+        client.log_batch(run_id, metrics=[Metric(f"system/metered_{service}_s", float(seconds), ts, 0)
+                                          for service, seconds in (metering or {}).items()])
+        if isinstance(result.get("version"), int):
+            client.set_tag(run_id, "nexus.version", str(result["version"]))
+        from nexus.services.model_registry import log_policy_models
+
+        for path in log_policy_models(run_id, artifacts, self.config.resolved_tracking_uri()):  # policies: the model
             if Path(path).exists():
-                client.log_artifact(run_id, path)
+                client.log_artifact(run_id, path, "weights" if path.endswith(".pt") else None)
         client.log_dict(run_id, result, "result.json")
         if history:
             with tempfile.TemporaryDirectory() as tmp:
-                png = plot_history(history, Path(tmp) / f"{job_id}-curves.png", title=job_id)
+                png = plot_curves(history, Path(tmp) / f"{job_id}-curves.png", title=job_id)
                 if png is not None:
                     client.log_artifact(run_id, str(png), "plots")
-        client.set_terminated(run_id, "FINISHED" if status == "done" else "FAILED")
+        client.set_terminated(run_id, "FINISHED" if status == "done" else "FAILED",
+                              end_time=int((end_time or time.time()) * 1000))
 
     def flush(self) -> bool:
         return True
 
+    # -- recovery (a restarted tracker, a restarted service) ----------------------------------------
+    def _root(self) -> str:
+        return str(Path(self.config.root).resolve())
 
-def plot_history(history: list[dict[str, Any]], path: Path, title: str = "") -> Path | None:
-    """Learning curves (vs policy version) of the metrics a job logged; None if it logged none."""
-    import matplotlib
+    def _find_run(self, job_id: str) -> str | None:
+        client = self._mlflow()
+        found = client.search_runs([self._experiment_id], filter_string=f"tags.`nexus.job` = '{job_id}'",
+                                   max_results=1)
+        return found[0].info.run_id if found else None
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def reopen(self, runs: dict[str, str]) -> int:
+        """Continue the given runs (job id -> run id) after this tracker replaced a lost one."""
+        self._mlflow()
+        self._adopted |= set(runs) - set(self.runs)
+        self.runs.update(runs)
+        return len(self.runs)
 
-    keys = [k for k in PLOTTED if any(k in h for h in history)]
-    if not keys:
-        return None
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3), squeeze=False)
-    for ax, k in zip(axes[0], keys, strict=True):
-        pts = [(h["step"], h[k]) for h in history if k in h]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".")
-        ax.set_xlabel("policy version")
-        ax.set_title(k)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    def _logged_step(self, job_id: str, name: str) -> int | None:
+        """The last step of a series an earlier tracker logged (a resent batch must not repeat it)."""
+        hist = self._mlflow().get_metric_history(self.runs[job_id], name)
+        return max((m.step for m in hist), default=None)
+
+    def fail_interrupted(self, before_ms: int, root: str, reason: str) -> list[str]:
+        """Mark FAILED every run of this service root still RUNNING from before ``before_ms`` (a crashed
+        service's jobs); returns their job ids."""
+        client = self._mlflow()
+        runs = client.search_runs([self._experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                  max_results=10_000)
+        mine = self._root()  # the root this tracker serves (``root`` is the caller's view of it)
+        failed = []
+        for r in runs:
+            if r.info.start_time < before_ms and r.data.tags.get("nexus.root", mine) in (mine, root):
+                client.set_tag(r.info.run_id, "nexus.error", reason)
+                client.set_terminated(r.info.run_id, "FAILED")
+                failed.append(r.data.tags.get("nexus.job", r.info.run_id))
+        return failed
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

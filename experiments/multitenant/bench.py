@@ -1,0 +1,249 @@
+"""Multi-tenant vs the isolated baseline on one service: 3 RL tenants + 1 SFT tenant, real compute.
+
+The workload of the paper's sharing experiment at small scale: RL on ManiSkill state
+(``maniskill/pushcube-state``), ManiSkill rgb (``maniskill/pickcube-rgb``, 64 px camera) and robosuite
+Lift (``robosuite/lift-state``, standing in for LIBERO: same engine and Panda schema), and SFT on the
+scripted PickCube demonstrations (``pickcube-scripted``). One ``Nexus.local`` service (scheduler,
+2 SIM workers, 1 actor rank, 1 inference engine); every round runs the same work in each mode:
+
+- isolated: the ``isolated`` policy (``schedulers/isolated.toml``): the four jobs are submitted at once
+  and the service's admission runs them one tenant after another (FIFO by submission), through the
+  same flows, queues and services;
+- multi-<policy>: the shared policies (``schedulers/fifo.toml``, ``schedulers/priority.toml``): the four
+  jobs at once, sharing the actor, the engine (cross-tenant groups) and the simulators.
+
+The policy is switched between runs on the idle service (``nexus_set_policy``), the order of the modes
+rotates from round to round, and one warm-up run is not counted. Accounting comes from the services' own
+records (``nexus_accounting``: spans per slot): device time = allocated slots x wall time, utilization =
+busy / allocated, the simulator's busy time split into stepping vs waiting for actions. Efficiency =
+isolated / multi device time (= makespan ratio: both modes hold the same slots the whole time).
+
+    python experiments/multitenant/bench.py                  # CPU, ~11 min on 2 cores
+    python experiments/multitenant/bench.py --device cuda    # GPU (bf16 backbone), not run here
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+HERE = Path(__file__).resolve().parent
+PAPER = {"efficiency": 1.39, "utilization": {"actor": (0.208, 0.413), "inference": (0.281, 0.375)}}
+WORKER_NAMES: dict[str, str] = {}  # worker address -> name (timeline labels)
+TENANTS = {  # name -> (spec fields, job)
+    "ms-state": ({"env": "maniskill/pushcube-state", "action_dim": 4, "priority": 1}, "rl"),
+    "ms-rgb": ({"env": "maniskill/pickcube-rgb", "action_dim": 4, "priority": 1}, "rl"),
+    "rs-lift": ({"env": "robosuite/lift-state", "action_dim": 7, "priority": 1}, "rl"),
+    "sft": ({"dataset": "pickcube-scripted", "env": "maniskill/pickcube-state", "action_dim": 4, "lr": 1e-3}, "sft"),
+}
+
+
+def _jobs(args, warm: bool = False) -> dict[str, dict]:
+    rl = {"kind": "rl", "updates": 1 if warm else args.updates, "episodes_per_batch": args.episodes,
+          "collectors": args.collectors, "ppo": {"update_epochs": 2, "minibatch_size": 64}}
+    sft = {"kind": "sft", "steps": 3 if warm else args.sft_steps, "batch_size": 32}
+    return {n: (rl if kind == "rl" else sft) for n, (_, kind) in TENANTS.items()}
+
+
+def run_mode(nx, mode: str, policy: dict, args, warm: bool = False) -> dict:
+    """Submit the four jobs at once under ``policy``; the run's timing, accounting and groups."""
+    nx.internal("nexus_set_policy", policy=policy)
+    engine = nx.engine()
+    engine.reset_stats().result()
+    before = nx.call("nexus_monitoring", since=time.time())
+    t0 = time.time()
+    handles = {n: nx.tenant(n).submit(job) for n, job in _jobs(args, warm).items()}
+    results = {n: h.result(timeout=3600) for n, h in handles.items()}
+    t1 = time.time()
+    nx.flush()
+    views = {n: h.info() for n, h in handles.items()}
+    for n, v in views.items():
+        if v["state"] != "done":
+            raise RuntimeError(f"{mode}: job of {n} ended {v['state']}: {v['error']}")
+    acc = nx.internal("nexus_accounting", t0=t0, t1=t1)
+    mon = nx.call("nexus_monitoring", since=t0)
+    stats = engine.engine_stats().result()
+    sizes = {int(k): v for k, v in stats["size_hist"].items()}
+    calls = {int(k): v for k, v in stats["calls_hist"].items()}
+    tenants_hist = {int(k): v for k, v in stats["tenants_hist"].items()}
+
+    def delta(key: str, tenant: str, field: str) -> float:
+        return mon[key].get(tenant, {}).get(field, 0.0) - before[key].get(tenant, {}).get(field, 0.0)
+
+    sft_actor = delta("metering", "sft", "actor")
+    sft_sync = delta("weight_sync", "sft", "seconds")
+    groups = max(sum(sizes.values()), 1)
+    return {
+        "mode": mode, "policy": policy["name"], "t0": t0, "t1": t1, "makespan_s": t1 - t0,
+        "device_s": acc["device_s"], "accounting": acc,
+        "utilization": {s: r["utilization"] for s, r in acc["services"].items()},
+        "simulator_split_s": acc["services"]["simulator"]["split_s"],
+        "completion_s": {n: v["t_end"] - t0 for n, v in views.items()},
+        "job_s": {n: v["t_end"] - v["t_start"] for n, v in views.items()},
+        "queued_s": {n: v["t_start"] - v["t_submit"] for n, v in views.items()},
+        "env_steps": {n: r.get("env_steps", 0) for n, r in results.items()},
+        "groups": sum(sizes.values()), "mean_group_rows": sum(k * v for k, v in sizes.items()) / groups,
+        "mean_group_requests": sum(k * v for k, v in calls.items()) / max(sum(calls.values()), 1),
+        "cross_tenant_share": sum(v for k, v in tenants_hist.items() if k > 1) / groups,
+        "group_rows_hist": sizes, "group_requests_hist": calls, "group_tenants_hist": tenants_hist,
+        "fire_reasons": stats["reasons"],
+        "sft_actor_s": sft_actor, "sft_sync_s": sft_sync,
+        "sft_sync_share": sft_sync / sft_actor if sft_actor > 0 else 0.0,
+        "spans": [s for s in mon["spans"] if s["t1"] >= t0 and s["t0"] <= t1],
+    }
+
+
+def draw_timelines(runs: list[dict], path: Path) -> None:
+    """Who used which service slot when, one panel per mode (the same round)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = dict(zip(TENANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red"), strict=True))
+    span = max(r["makespan_s"] for r in runs)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.2 + 1.1 * len(runs) * 2), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs, strict=True):
+        rows = sorted({(s["service"], s["worker"]) for s in run["spans"]},
+                      key=lambda sw: (("actor", "inference", "simulator").index(sw[0]), sw[1]))
+        for y, (service, worker) in enumerate(rows):
+            for s in run["spans"]:
+                if (s["service"], s["worker"]) != (service, worker):
+                    continue
+                a, b = max(s["t0"], run["t0"]) - run["t0"], min(s["t1"], run["t1"]) - run["t0"]
+                tenants = s["tenant"].split("+")
+                c = colors.get(tenants[0], "gray") if len(tenants) == 1 else "black"
+                ax.broken_barh([(a, max(b - a, 0.002))], (y - 0.4, 0.8), facecolors=c, linewidth=0)
+        ax.set_yticks(range(len(rows)), [f"{s} {WORKER_NAMES.get(w, w)}" for s, w in rows])
+        ax.set_xlim(0, span * 1.02)
+        u = run["utilization"]
+        ax.set_title(f"{run['mode']} ({run['policy']}): makespan {run['makespan_s']:.0f} s, utilization actor "
+                     f"{100 * u['actor']:.0f} %, inference {100 * u['inference']:.0f} %, simulator "
+                     f"{100 * u['simulator']:.0f} %", fontsize=9)
+    axes[-1, 0].set_xlabel("seconds since the run's submission")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()] + [
+        plt.Rectangle((0, 0), 1, 1, color="black")]
+    fig.legend(handles, [*colors, "mixed group"], loc="upper right", ncol=5, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--pairs", type=int, default=3, help="measured rounds (each: isolated + every shared policy)")
+    ap.add_argument("--policies", default="fifo,priority", help="shared policies compared against isolated")
+    ap.add_argument("--updates", type=int, default=2, help="PPO updates per RL job")
+    ap.add_argument("--episodes", type=int, default=4, help="episodes per RL batch")
+    ap.add_argument("--collectors", type=int, default=1, help="rollout tasks in flight per RL job")
+    ap.add_argument("--envs", type=int, default=4, help="K: envs per producer")
+    ap.add_argument("--sft-steps", type=int, default=40)
+    ap.add_argument("--n-sim", type=int, default=2)
+    ap.add_argument("--out", default=None, help="JSON path (default: results_<device>.json here)")
+    args = ap.parse_args()
+
+    from nexus import scheduling
+    from nexus.client.api import Nexus
+    from nexus.spec import TenantSpec
+
+    policies = {n: scheduling.load(n).model_dump() for n in ["isolated", *args.policies.split(",")]}
+    backbone = {"device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32"}
+    work = Path(tempfile.mkdtemp(prefix="nexus-multitenant-"))
+    print(f"4 tenants ({', '.join(TENANTS)}), K={args.envs}, {args.updates} updates x {args.episodes} episodes "
+          f"per RL job, SFT {args.sft_steps} steps; {args.pairs} rounds of isolated + {args.policies}; "
+          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
+    rounds: list[dict[str, dict]] = []
+    t_bench = time.time()
+    with Nexus.local(work / "service", n_sim=args.n_sim, backbone=backbone, scheduler=args.policies.split(",")[0],
+                     datapath={"envs_per_producer": args.envs}) as nx:
+        WORKER_NAMES.update({a: str(i.get("name", a)) for a, i in nx.client.scheduler_info()["workers"].items()})
+        for name, (kw, _) in TENANTS.items():
+            nx.create_tenant(TenantSpec(name=name, hidden_dim=128, seed=len(name), **kw))
+        run_mode(nx, "warm-up", policies[args.policies.split(",")[0]], args, warm=True)
+        print(f"service up, warm-up done in {time.time() - t_bench:.0f} s", flush=True)
+        modes = list(policies)
+        for r in range(args.pairs):
+            order = modes[r % len(modes):] + modes[:r % len(modes)]
+            got = {}
+            for m in order:
+                got[m] = run_mode(nx, "isolated" if m == "isolated" else "multi", policies[m], args)
+                print(f"round {r} {m:9s} makespan {got[m]['makespan_s']:6.1f} s  util actor "
+                      f"{got[m]['utilization']['actor']:.2f} inference {got[m]['utilization']['inference']:.2f} "
+                      f"simulator {got[m]['utilization']['simulator']:.2f}  groups {got[m]['groups']} mean rows "
+                      f"{got[m]['mean_group_rows']:.2f}  load {os.getloadavg()[0]:.1f}", flush=True)
+            rounds.append(got)
+    shared = [m for m in policies if m != "isolated"]
+    eff = {m: [rd["isolated"]["device_s"] / rd[m]["device_s"] for rd in rounds] for m in shared}
+    winner = max(shared, key=lambda m: statistics.median(eff[m]))
+
+    def med(m: str, f) -> float:
+        return statistics.median(f(rd[m]) for rd in rounds)
+
+    print(f"\nmedian over {len(rounds)} rounds (CPU, 2 cores; measured under load from other engineers)")
+    head = f"{'':34s}{'isolated':>12s}" + "".join(f"{'multi ' + m:>16s}" for m in shared) + f"{'paper':>18s}"
+    print(head)
+
+    def line(label: str, f, fmt: str, paper: str = "") -> None:
+        print(f"{label:34s}{format(med('isolated', f), fmt):>12s}"
+              + "".join(f"{format(med(m, f), fmt):>16s}" for m in shared) + f"{paper:>18s}")
+
+    line("makespan, s", lambda x: x["makespan_s"], ".1f")
+    line("device time (slots x wall), s", lambda x: x["device_s"], ".1f")
+    print(f"{'efficiency isolated / multi':34s}{'':>12s}" + "".join(
+        f"{statistics.median(eff[m]):>10.2f}x{'':5s}" for m in shared) + f"{'1.39x':>18s}")
+    print(f"{'  range over rounds':34s}{'':>12s}" + "".join(
+        f"{min(eff[m]):>7.2f}-{max(eff[m]):.2f}{'':4s}" for m in shared))
+    for s in ("actor", "inference", "simulator"):
+        p = PAPER["utilization"].get(s)
+        line(f"utilization {s}, %", lambda x, s=s: 100 * x["utilization"][s], ".1f",
+             f"{100 * p[0]:.1f} -> {100 * p[1]:.1f}" if p else "-")
+    line("  simulator stepping, s", lambda x: x["simulator_split_s"]["stepping"], ".1f")
+    line("  simulator waiting for actions, s", lambda x: x["simulator_split_s"]["waiting_for_actions"], ".1f")
+    for n in TENANTS:
+        line(f"completion {n}, s", lambda x, n=n: x["completion_s"][n], ".1f")
+    line("mean inference group, rows", lambda x: x["mean_group_rows"], ".2f", ">= 4 (target)")
+    line("mean inference group, requests", lambda x: x["mean_group_requests"], ".2f")
+    line("groups mixing tenants, %", lambda x: 100 * x["cross_tenant_share"], ".1f")
+    line("weight sync / SFT actor time, %", lambda x: 100 * x["sft_sync_share"], ".1f", "<= 10 (target)")
+    print(f"best shared policy (median efficiency): {winner}")
+
+    # timelines of one round: the one whose efficiency (winner) is the median
+    order_idx = sorted(range(len(rounds)), key=lambda i: eff[winner][i])[len(rounds) // 2]
+    png = HERE / f"timeline_{args.device}.png"
+    draw_timelines([rounds[order_idx]["isolated"], rounds[order_idx][winner]], png)
+    out = Path(args.out) if args.out else HERE / f"results_{args.device}.json"
+    summary = {"efficiency": {m: {"median": statistics.median(eff[m]), "min": min(eff[m]), "max": max(eff[m]),
+                                  "rounds": eff[m]} for m in shared}, "winner": winner,
+               "median": {m: {"makespan_s": med(m, lambda x: x["makespan_s"]),
+                              "device_s": med(m, lambda x: x["device_s"]),
+                              "utilization": {s: med(m, lambda x, s=s: x["utilization"][s])
+                                              for s in ("actor", "inference", "simulator")},
+                              "completion_s": {n: med(m, lambda x, n=n: x["completion_s"][n]) for n in TENANTS},
+                              "mean_group_rows": med(m, lambda x: x["mean_group_rows"]),
+                              "mean_group_requests": med(m, lambda x: x["mean_group_requests"]),
+                              "cross_tenant_share": med(m, lambda x: x["cross_tenant_share"]),
+                              "sft_sync_share": med(m, lambda x: x["sft_sync_share"])} for m in policies},
+               "paper": PAPER, "timeline_round": order_idx}
+    for rd in rounds:  # the spans stay out of the JSON (the PNG shows one round's)
+        for run in rd.values():
+            run.pop("spans")
+    out.write_text(json.dumps({
+        "meta": {**vars(args), "tenants": TENANTS, "jobs": _jobs(args), "policies": policies,
+                 "cpu_count": os.cpu_count(), "python": platform.python_version(), "load_avg_end": os.getloadavg(),
+                 "bench_s": time.time() - t_bench,
+                 "command": "python experiments/multitenant/bench.py " + " ".join(sys.argv[1:])},
+        "summary": summary, "rounds": rounds}, indent=1, default=float))
+    print(f"wrote {out} and {png} ({time.time() - t_bench:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

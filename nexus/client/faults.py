@@ -1,0 +1,62 @@
+"""Fault injection for game days, tests and the reliability benchmark: real signals to real processes.
+
+* :func:`kill_worker` — SIGKILL (or another signal) to the process of the worker with a given name (its
+  nanny restarts it, as after a crash);
+* :func:`worker_of_role` — the worker currently hosting a role (``engine/0``, ``actor/0``, ``tracker``);
+* :func:`kill_service` — SIGKILL every process of a :class:`nexus.cluster.LocalService` at once (a host
+  crash): scheduler, nannies and workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+
+def worker_pids(nx) -> dict[str, int]:
+    """Worker name -> pid of its process (not its nanny)."""
+    info = nx.client.scheduler_info(n_workers=-1)["workers"]
+    pids = nx.client.run(os.getpid)
+    return {str(info[a]["name"]): pid for a, pid in pids.items() if a in info}
+
+
+def worker_of_role(nx, role: str) -> str:
+    for r in nx.status()["roles"]:
+        if r["role"] == role and r["worker"]:
+            return r["worker"]
+    raise LookupError(f"role {role!r} is not placed on a worker")
+
+
+def kill_worker(nx, name: str, sig: int = signal.SIGKILL) -> int:
+    """Signal the worker process named ``name``; returns its pid."""
+    pid = worker_pids(nx)[name]
+    os.kill(pid, sig)
+    return pid
+
+
+def kill_service(service) -> list[int]:
+    """SIGKILL every process group of a LocalService (scheduler, nannies, workers) without any clean-up."""
+    pgids = [p.pid for p in service.procs]
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for p in service.procs:
+        p.wait()
+    service.procs.clear()
+    return pgids
+
+
+def wait_for(predicate, timeout: float, poll_s: float = 0.25, what: str = "condition") -> Any:
+    """Poll ``predicate()`` until it returns something truthy; raise TimeoutError after ``timeout`` s."""
+    deadline = time.time() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.time() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout:g} s")
+        time.sleep(poll_s)

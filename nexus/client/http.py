@@ -1,0 +1,201 @@
+"""HTTP transport of the Python API: every call goes to the tenant gateway with a bearer token.
+
+``nexus.client.api.Nexus("http://host:port", token=...)`` uses it. It keeps one token per tenant
+(handed out by ``create_tenant``) plus a default token (a tenant's, or the operator's); a call about
+tenant X carries X's token when it holds one. Errors come back as the gateway's
+:class:`nexus.errors.NexusError` subclass with the gateway's message.
+
+:meth:`HttpTransport.call` maps the scheduler handler names the API used before the gateway
+(``nexus_submit``, ``nexus_job``, …) to routes, so the API keeps its shape over either transport.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+
+from nexus.errors import NexusError, NotSupported, Unavailable, error_class
+from nexus.features import Observation
+from nexus.inputs import encode_array
+
+
+def _wire(x: Any) -> Any:
+    """JSON-ready: arrays in their exact wire form, observations as their fields."""
+    if isinstance(x, Observation):
+        return {"state": _wire(x.state), "images": {k: _wire(v) for k, v in x.images.items()},
+                "instruction": x.instruction}
+    if isinstance(x, np.ndarray):
+        return encode_array(x)
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, dict):
+        return {k: _wire(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        if x and all(isinstance(v, np.ndarray) for v in x):
+            try:
+                return encode_array(np.stack(x))
+            except ValueError:
+                pass
+        return [_wire(v) for v in x]
+    return x
+
+
+def _q(s: str) -> str:
+    return quote(str(s), safe="")
+
+
+class HttpTransport:
+    def __init__(self, url: str, token: str | None = None, timeout: float = 120) -> None:
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.token = token
+        self.tokens: dict[str, str] = {}
+        # a low-level call waits its turn on the shared actor: reads may take long, connecting may not
+        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=min(timeout, 10),
+                                                                          read=max(timeout, 600)))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def probe(self, timeout: float) -> None:
+        """Check within ``timeout`` seconds that a JoyNexus gateway answers at the URL and takes the token
+        (:class:`Unavailable` if nothing or something else answers; the gateway's own error otherwise)."""
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            r = self.http.get("/v1/status", headers=headers, timeout=httpx.Timeout(timeout))
+        except httpx.TimeoutException:
+            raise Unavailable(f"no answer from a gateway at {self.url} within {timeout:g} s") from None
+        except httpx.TransportError as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise Unavailable(f"could not reach a gateway at {self.url} within {timeout:g} s ({reason})") from None
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or (r.status_code >= 400 and "error" not in body):
+            raise Unavailable(f"{self.url} answers HTTP {r.status_code} but is not a JoyNexus gateway")
+        if r.status_code >= 400:
+            raise self._error(r)
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _token(self, tenant: str | None) -> str | None:
+        return self.tokens.get(tenant, self.token) if tenant else self.token
+
+    def request(self, method: str, path: str, *, tenant: str | None = None, json_body: Any = None,
+                params: dict[str, Any] | None = None, raw: bool = False) -> Any:
+        import httpx
+
+        token = self._token(tenant)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        content = None
+        if json_body is not None:
+            content = json.dumps(_wire(json_body)).encode()
+            headers["Content-Type"] = "application/json"
+        try:
+            r = self.http.request(method, path, headers=headers, params=params, content=content)
+        except httpx.TransportError as e:
+            raise Unavailable(f"the gateway at {self.url} is unreachable ({type(e).__name__}: {e})") from None
+        if r.status_code >= 400:
+            raise self._error(r)
+        return r.content if raw else r.json()
+
+    @staticmethod
+    def _error(r) -> NexusError:
+        try:
+            err = r.json()["error"]
+            cls, message = error_class(err["class"]), err["message"]
+        except (ValueError, KeyError, TypeError):
+            cls, message = NexusError, f"HTTP {r.status_code}: {r.text[:500]}"
+        if r.status_code >= 500 and cls is NexusError:
+            message = f"gateway error {r.status_code}: {message}"
+        return cls(message)
+
+    # -- the API's operations ----------------------------------------------------------------
+    def call(self, handler: str, **kw: Any) -> Any:
+        """One of the scheduler handler names of the Dask transport, over HTTP."""
+        t = kw.get("tenant")
+        if handler == "nexus_create_tenant":
+            info = self.request("POST", "/v1/tenants", json_body=kw["spec"], tenant=kw["spec"].get("name"))
+            if info.get("token"):
+                self.tokens[info["tenant"]] = info["token"]
+            return info
+        if handler == "nexus_status":
+            return self.request("GET", "/v1/status")
+        if handler == "nexus_submit":
+            return self.request("POST", f"/v1/tenants/{_q(t)}/jobs", json_body=kw["job"], tenant=t)["job"]
+        if handler == "nexus_job":
+            return self.request("GET", f"/v1/jobs/{_q(kw['job_id'])}", tenant=kw.get("owner"))
+        if handler == "nexus_wait":
+            timeout = kw.get("timeout")
+            return self.request("GET", f"/v1/jobs/{_q(kw['job_id'])}/result", tenant=kw.get("owner"),
+                                params={"timeout": 30.0 if timeout is None else min(float(timeout), 60.0)})
+        if handler == "nexus_op":
+            verb = kw["verb"]
+            if verb == "forward_backward":
+                return self.request("POST", f"/v1/tenants/{_q(t)}/forward_backward", tenant=t,
+                                    json_body={"batch": kw.get("batch"), "loss": kw.get("loss", "sft")})
+            return self.request("POST", f"/v1/tenants/{_q(t)}/{_q(verb)}", tenant=t)
+        if handler == "nexus_tenant_log":
+            return self.request("GET", f"/v1/tenants/{_q(t)}/logs", tenant=t)
+        if handler == "nexus_monitoring":
+            return self.request("GET", "/v1/admin/monitoring", params={"since": kw.get("since", 0.0)})
+        if handler == "nexus_flush":
+            return self.request("POST", "/v1/admin/flush")["flushed"]
+        if handler == "nexus_cancel":
+            return self.request("POST", f"/v1/jobs/{_q(kw['job_id'])}/cancel", tenant=kw.get("owner"))
+        if handler == "nexus_delete_tenant":
+            out = self.request("DELETE", f"/v1/tenants/{_q(t)}", tenant=t,
+                               params={"purge": str(not kw.get("keep_output", True)).lower()})
+            self.tokens.pop(t, None)
+            return out
+        if handler == "nexus_scale_inference":
+            return self.request("POST", "/v1/admin/scale", json_body={"engines": kw.get("n", kw.get("engines"))})
+        if handler == "nexus_wait_ready":
+            return self.request("GET", "/v1/admin/ready", params={"timeout": kw.get("timeout", 60.0)})
+        if handler == "nexus_export":
+            opts = {k: v for k, v in kw.items() if k != "tenant"}
+            return self.request("POST", f"/v1/tenants/{_q(t)}/export", tenant=t, json_body=opts)
+        raise NotSupported(f"no gateway route for {handler!r}")
+
+    def forward_backward(self, tenant: str, batch: dict[str, Any], loss: str = "sft") -> dict[str, Any]:
+        return self.call("nexus_op", tenant=tenant, verb="forward_backward", batch=batch, loss=loss)
+
+    def predict(self, tenant: str, obs: Observation | dict[str, Any], version: int | None = None,
+                deterministic: bool = True) -> dict[str, Any]:
+        out = self.request("POST", f"/v1/tenants/{_q(tenant)}/predict", tenant=tenant,
+                           json_body={"observation": obs, "version": version, "deterministic": deterministic})
+        for k in ("action", "chunk"):
+            if k in out and out[k] is not None:
+                out[k] = np.asarray(out[k], dtype=np.float32)
+        return out
+
+    def stream(self, job_id: str, owner: str | None = None, poll_s: float = 0.5) -> Iterator[dict[str, Any]]:
+        """The job's view each time it changes, until it ends (the gateway's NDJSON stream)."""
+        import httpx
+
+        token = self._token(owner)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            with self.http.stream("GET", f"/v1/jobs/{_q(job_id)}/stream", params={"poll_s": poll_s},
+                                  headers=headers, timeout=httpx.Timeout(None, connect=10)) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise self._error(r)
+                for line in r.iter_lines():
+                    if line.strip():
+                        yield json.loads(line)
+        except httpx.TransportError as e:
+            raise Unavailable(f"the gateway at {self.url} is unreachable ({type(e).__name__}: {e})") from None
+
+    def files(self, tenant: str) -> list[dict[str, Any]]:
+        return self.request("GET", f"/v1/tenants/{_q(tenant)}/files", tenant=tenant)["files"]
+
+    def read_file(self, tenant: str, path: str) -> bytes:
+        return self.request("GET", f"/v1/tenants/{_q(tenant)}/files/{quote(path)}", tenant=tenant, raw=True)

@@ -1,0 +1,254 @@
+"""The three flows of a job (SFT, RL, Eval) and the low-level ops, as coroutines on the control plane.
+
+Admission slots: a producer takes a slot before it produces an item (an SFT batch reference, a
+rollout); the slot is held until the item's update finishes, and *every* other outcome gives it
+back — a dropped stale batch, a failed rollout that is not retried, a cancelled job. A rollout that
+fails (its simulator worker died and Dask's retries ran out, or it raised) is re-run with the same
+episode ids and seeds, keeping its slot, up to ``rollout_attempts`` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from nexus.config import DataPathSettings
+from nexus.control import tasks
+from nexus.control.queues import TrainingItem
+from nexus.errors import JobFailed
+from nexus.messages import RolloutRequest
+
+if TYPE_CHECKING:
+    from nexus.control.dispatcher import Dispatcher
+    from nexus.control.engines import EnginePool
+    from nexus.control.health import HealthManager
+    from nexus.control.jobs import JobState
+    from nexus.control.queues import TrainingQueue
+    from nexus.control.runtime import DaskRuntime
+    from nexus.control.tenants import TenantState
+
+
+@dataclass
+class FlowContext:
+    dispatcher: Dispatcher
+    queue: TrainingQueue
+    pool: EnginePool
+    health: HealthManager
+    runtime: DaskRuntime
+    rollout_attempts: int
+    log: Callable[[JobState, dict[str, Any], int, str], None]  # (job, metrics, step, history kind)
+    datapath: DataPathSettings = field(default_factory=DataPathSettings)
+    eval_fanout: int = 2  # rollout tasks per evaluation job (the scheduling policy's eval_fanout)
+
+    def sync_rule(self, live_consumers: bool) -> dict[str, Any]:
+        """Lazy weight sync (decided on the actor by ``training.should_push``): a tenant's RL job reads
+        its live head (rollouts); SFT and pinned evaluations do not."""
+        dp = self.datapath
+        return {"policy": dp.sync_policy, "every": dp.sync_every, "live_consumers": live_consumers}
+
+    def log_update(self, js: JobState, res: dict[str, Any], **counters: int) -> None:
+        self.log(js, {**res["metrics"], **counters, "version": res["version"]}, res["version"], "train")
+
+
+def producer_role(job_id: str) -> str:
+    return f"producer/{job_id}"
+
+
+async def _rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **req: Any) -> dict[str, Any]:
+    r = RolloutRequest(tenant=t.setup(), env=t.spec.env or "", job=js.job_id, route=ctx.pool.route(t.name),
+                       datapath=ctx.datapath.model_dump(), **req)
+    return await ctx.runtime.run(tasks.RUN_ROLLOUT, r, key=key, resources={"SIM": 1})
+
+
+def _spawn(coro) -> asyncio.Task:
+    return asyncio.get_running_loop().create_task(coro)
+
+
+async def _cancel_all(futs) -> None:
+    for f in futs:
+        f.cancel()
+    if futs:
+        await asyncio.gather(*futs, return_exceptions=True)
+
+
+# SFT: ready batches from the offline dataset; back-pressure from the tenant's in-flight cap.
+async def run_sft(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, Any]:
+    spec = js.spec
+    role = producer_role(js.job_id)
+    ctx.health.register(role, "dataset")
+    pending: set[asyncio.Task] = set()
+    done_steps = 0
+    js.progress.update(steps=0, version=t.version)
+    # the held-out error costs several steps' compute (flow experts integrate an ODE): ~60 points a job
+    heldout_every = max(10, spec.steps // 60)
+
+    def harvest(finished: set[asyncio.Task]) -> None:
+        nonlocal done_steps
+        for f in sorted(finished, key=lambda f: f.result()["version"]):  # monotonic steps
+            done_steps += 1
+            ctx.log_update(js, f.result(), steps=done_steps)
+
+    try:
+        for k in range(spec.steps):
+            await ctx.dispatcher.reserve(t.name)
+            item = TrainingItem(tenant=t.name, kind="sft", policy_version=t.version,
+                                payload={"job": js.job_id, "dataset": t.spec.dataset, "step": k,
+                                         "batch_size": spec.batch_size,
+                                         "eval_heldout": k == spec.steps - 1 or k % heldout_every == 0,
+                                         "sync": ctx.sync_rule(live_consumers=False)})
+            pending.add(_spawn(ctx.dispatcher.submit(item)))
+            ctx.health.progress(role, batches=k + 1)
+            finished = {f for f in pending if f.done()}
+            pending -= finished
+            harvest(finished)
+        while pending:
+            finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            harvest(finished)
+    finally:
+        await _cancel_all(pending)
+        ctx.health.remove(role)
+    return {"version": t.version, "steps": done_steps, **js.progress}
+
+
+# RL: rollouts of the current policy on SIM workers overlap with updates on the actor.
+async def run_rl(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, Any]:
+    spec = js.spec
+    name = t.name
+    role = producer_role(js.job_id)
+    ctx.health.register(role, "rollout")
+    updates = dropped = episodes = env_steps = 0
+    rollouts: dict[asyncio.Task, tuple[int, int]] = {}  # task -> (episode offset, attempt)
+    items: set[asyncio.Task] = set()
+    js.progress.update(updates=0, version=t.version, dropped_stale=0, episodes=0)
+    # simulator vs action-wait time and round trips of this job's producers (nexus.services.environment)
+    producer_totals = dict.fromkeys(("sim_s", "action_wait_s", "requests", "rows", "timed", "rtt_s",
+                                     "engine_wait_s", "compute_s", "messaging_s"), 0.0)
+
+    def collect(offset: int, attempt: int) -> None:
+        key = f"nexus-rollout-{js.job_id}-{offset}" + (f"-r{attempt}" if attempt else "")
+        task = _spawn(_rollout(ctx, t, js, key, episodes=spec.episodes_per_batch, seed=t.spec.seed * 1_000_003,
+                               offset=offset))
+        rollouts[task] = (offset, attempt)
+
+    try:
+        while updates < spec.updates:
+            while (len(rollouts) < spec.collectors and updates + len(items) + len(rollouts) < spec.updates
+                   and ctx.queue.reserve(name)):
+                collect(t.episodes, 0)
+                t.episodes += spec.episodes_per_batch
+            if not rollouts and not items:
+                await ctx.dispatcher.until_freed(name)
+                continue
+            finished, _ = await asyncio.wait(set(rollouts) | items, return_when=asyncio.FIRST_COMPLETED)
+            for f in finished:
+                if f in rollouts:
+                    offset, attempt = rollouts.pop(f)
+                    try:
+                        out = f.result()
+                    except Exception as e:
+                        if attempt + 1 >= ctx.rollout_attempts:
+                            ctx.queue.cancel_reservation(name)
+                            ctx.dispatcher.notify_freed(name)
+                            raise JobFailed(f"rollout of episodes {offset}.. failed {attempt + 1} times: "
+                                            f"{type(e).__name__}: {e}") from e
+                        ctx.health.error(role, f"rollout {offset}: {type(e).__name__}: {e}", restarting=True)
+                        collect(offset, attempt + 1)  # same episodes, same seeds; keeps its admission slot
+                        continue
+                    ctx.health.progress(role, episodes=episodes + out["stats"]["episodes"])
+                    episodes += out["stats"]["episodes"]
+                    env_steps += out["stats"]["steps"]
+                    for k in producer_totals:
+                        producer_totals[k] += float(out["stats"].get(k, 0.0))
+                    ctx.log(js, {"return": out["stats"]["mean_return"], "success_rate": out["stats"]["success_rate"],
+                                 "episodes": episodes, "env_steps": env_steps, **producer_totals,
+                                 "version": out["batch"]["policy_version"]}, env_steps, "rollout")
+                    item = TrainingItem(tenant=name, kind="rl", policy_version=out["batch"]["policy_version"],
+                                        payload={"job": js.job_id, "batch": out["batch"], "ppo": spec.ppo.model_dump(),
+                                                 "sync": ctx.sync_rule(live_consumers=True)})
+                    items.add(_spawn(ctx.dispatcher.submit(item)))
+                else:
+                    items.discard(f)
+                    res = f.result()
+                    if res.get("dropped"):
+                        dropped += 1
+                        ctx.log(js, {"dropped_stale": dropped}, dropped, "queue")
+                    else:
+                        updates += 1
+                        ctx.log_update(js, res, updates=updates)
+    finally:
+        open_rollouts = list(rollouts)
+        await _cancel_all(open_rollouts + list(items))
+        for _ in open_rollouts:  # their slots were never turned into items
+            ctx.queue.cancel_reservation(name)
+        if open_rollouts:
+            ctx.dispatcher.notify_freed(name)
+        ctx.health.remove(role)
+    return {"version": t.version, "updates": updates, "dropped_stale": dropped, "episodes": episodes,
+            "env_steps": env_steps, **producer_totals,
+            **{k: js.progress[k] for k in ("return", "success_rate") if k in js.progress}}
+
+
+def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Episode statistics of several rollout tasks, weighted by their episode counts."""
+    n = sum(p["episodes"] for p in parts)
+    if n == 0:
+        return {"episodes": 0, "steps": 0, "mean_return": 0.0, "success_rate": 0.0}
+    return {"episodes": n, "steps": sum(p["steps"] for p in parts),
+            "mean_return": sum(p["mean_return"] * p["episodes"] for p in parts) / n,
+            "success_rate": sum(p["success_rate"] * p["episodes"] for p in parts) / n}
+
+
+# Eval: pins a version on every engine (present and future), runs inference + simulators only.
+async def run_eval(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, Any]:
+    spec = js.spec
+    version = t.version if spec.version is None else spec.version
+    # retention keeps every evaluated version: mark it before anything can prune it (refused if already pruned)
+    await ctx.runtime.run(tasks.MARK_EVALUATION, t.output_dir, js.job_id, version,
+                          key=f"nexus-evalmark-{js.job_id}", resources={"SIM": 1})
+    role = producer_role(js.job_id)
+    ctx.health.register(role, "rollout")
+    js.progress.update(version=version, episodes=0)
+    n_tasks = min(spec.episodes, max(1, ctx.eval_fanout))
+    shares = [spec.episodes // n_tasks + (i < spec.episodes % n_tasks) for i in range(n_tasks)]
+
+    async def part(i: int, n: int) -> dict[str, Any]:
+        for attempt in range(ctx.rollout_attempts):
+            key = f"nexus-eval-{js.job_id}-{i}" + (f"-r{attempt}" if attempt else "")
+            try:
+                out = await _rollout(ctx, t, js, key, episodes=n, seed=7_000_003 * (1 + t.spec.seed),
+                                     offset=sum(shares[:i]), deterministic=spec.deterministic, version=version)
+                ctx.health.progress(role)
+                return out
+            except Exception as e:
+                if attempt + 1 >= ctx.rollout_attempts:
+                    raise JobFailed(f"evaluation rollout {i} failed {attempt + 1} times: "
+                                    f"{type(e).__name__}: {e}") from e
+                ctx.health.error(role, f"eval rollout {i}: {type(e).__name__}: {e}", restarting=True)
+        raise AssertionError("unreachable")
+
+    await ctx.pool.pin(t.name, version, t.output_dir)
+    parts = [_spawn(part(i, n)) for i, n in enumerate(shares)]
+    try:
+        outs = await asyncio.gather(*parts)
+    finally:
+        await _cancel_all([p for p in parts if not p.done()])
+        await ctx.pool.unpin(t.name, version)
+        ctx.health.remove(role)
+    stats = merge_stats([o["stats"] for o in outs])
+    versions_seen = sorted({v for o in outs for v in o["versions"]})
+    report = {"tenant": t.name, "job": js.job_id, "version": version, "versions_seen": versions_seen, **stats}
+    report["report_path"] = await ctx.runtime.run(tasks.WRITE_EVAL_REPORT, t.output_dir, report,
+                                                  key=f"nexus-evalreport-{js.job_id}", resources={"SIM": 1})
+    ctx.log(js, {"success_rate": stats["success_rate"], "return": stats["mean_return"],
+                 "episodes": stats["episodes"]}, version, "eval")
+    return report
+
+
+async def run_op(ctx: FlowContext, t: TenantState, verb: str, loss: str, data: Any) -> dict[str, Any]:
+    """One low-level op (Tinker-style), ordered with the tenant's other training items."""
+    await ctx.dispatcher.reserve(t.name)
+    item = TrainingItem(tenant=t.name, kind="op", policy_version=t.version, payload={"op": verb, "loss": loss},
+                        data=data)
+    return await ctx.dispatcher.submit(item)

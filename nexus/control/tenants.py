@@ -1,0 +1,98 @@
+"""Tenant registry of the control plane: every tenant's spec, schema, output dir and policy version.
+
+A plain object (no Dask, no I/O). Versions only move forward: :meth:`TenantRegistry.publish` keeps
+the highest version ever reported for a tenant, so a late or repeated report can never move a
+tenant back to a version that was superseded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from nexus.control.validation import schema_to_dict
+from nexus.errors import NotFound
+from nexus.features import TenantSchema
+from nexus.messages import TenantSetup
+from nexus.spec import TenantSpec
+
+
+@dataclass
+class TenantState:
+    spec: TenantSpec
+    schema: TenantSchema
+    output_dir: str
+    version: int = 0
+    phase: str = "creating"  # creating -> ready -> deleting
+    training_job: str | None = None  # at most one SFT/RL job at a time; evals run beside it
+    episodes: int = 0  # RL episodes started so far: ids and reset seeds never repeat
+    jobs: list[str] = field(default_factory=list)
+    restored: bool = False
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def kind(self) -> str:
+        return "rl" if self.spec.env and not self.spec.dataset else "sft" if self.spec.dataset else "eval"
+
+    def setup(self) -> TenantSetup:
+        return TenantSetup(name=self.name, spec=self.spec.model_dump(), schema=schema_to_dict(self.schema),
+                           output_dir=self.output_dir, version=self.version)
+
+    def view(self) -> dict[str, Any]:
+        return {"tenant": self.name, "kind": self.kind, "version": self.version, "phase": self.phase,
+                "env": self.spec.env, "dataset": self.spec.dataset, "output_dir": self.output_dir,
+                "training_job": self.training_job, "jobs": list(self.jobs), "restored": self.restored}
+
+
+class TenantRegistry:
+    def __init__(self) -> None:
+        self._tenants: dict[str, TenantState] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tenants
+
+    def __iter__(self):
+        return iter(list(self._tenants.values()))
+
+    def __len__(self) -> int:
+        return len(self._tenants)
+
+    def add(self, state: TenantState) -> TenantState:
+        if state.name in self._tenants:
+            raise ValueError(f"tenant {state.name!r} is already registered")
+        self._tenants[state.name] = state
+        return state
+
+    def get(self, name: str) -> TenantState:
+        t = self._tenants.get(name)
+        if t is None or t.phase == "deleting":
+            raise NotFound(f"unknown tenant {name!r}")
+        return t
+
+    def find(self, name: str) -> TenantState | None:
+        return self._tenants.get(name)
+
+    def remove(self, name: str) -> TenantState | None:
+        return self._tenants.pop(name, None)
+
+    def names(self) -> list[str]:
+        return list(self._tenants)
+
+    def ready(self) -> list[TenantState]:
+        return [t for t in self._tenants.values() if t.phase == "ready"]
+
+    def versions(self) -> dict[str, int]:
+        return {n: t.version for n, t in self._tenants.items()}
+
+    def publish(self, name: str, version: int) -> int:
+        """Record that ``version`` of a tenant exists; returns the tenant's (never decreasing) version."""
+        t = self._tenants.get(name)
+        if t is None:
+            return version
+        t.version = max(t.version, int(version))
+        return t.version

@@ -1,0 +1,6 @@
+"""The tenant gateway: HTTP + JSON (FastAPI + uvicorn), tokens, and one adapter to the Dask service.
+
+``python -m nexus.gateway --config ROOT/service.json`` runs it (``nexus.cluster`` starts it next to the
+scheduler); :mod:`nexus.gateway.app` holds the routes, :mod:`nexus.gateway.auth` the tokens and
+:mod:`nexus.gateway.backend` every call into the service.
+"""

@@ -1,0 +1,510 @@
+"""The tenant gateway: an HTTP + JSON API (FastAPI; OpenAPI docs at ``/docs``), the only door tenants use.
+
+Every call carries ``Authorization: Bearer <token>``. A tenant token reads and writes its own tenant
+only; the operator token may do everything, including the admin calls (all tenants' status,
+monitoring, scale, delete any tenant). Inputs are checked here first — specs and jobs by the same
+validation the scheduler runs (``nexus.control.validation``, with the tenant's quotas), observations
+and batches by ``nexus.inputs`` — so a bad request is refused before it reaches Dask, and every refusal
+is a :class:`nexus.errors.NexusError` answered with its ``http_status`` and a JSON body
+``{"error": {"class", "code", "message"}}``; never a 500 for bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import stat
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, Literal
+
+from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nexus.config import ServiceConfig, ServiceLimits
+from nexus.control.validation import validate_job, validate_tenant
+from nexus.errors import Conflict, Forbidden, LimitExceeded, NexusError, NotFound, SpecError
+from nexus.features import TenantSchema
+from nexus.gateway.auth import Principal, TokenStore
+from nexus.gateway.backend import Backend
+from nexus.gateway.backend import plain as jsonable
+from nexus.inputs import check_batch, check_observation
+from nexus.paths import confine, dir_bytes
+from nexus.spec import RL_ACTION_HEADS, JobSpec, TenantSpec
+
+logger = logging.getLogger("nexus.gateway")
+
+MAX_WAIT_S = 60.0  # one result / stream poll holds a request at most this long
+
+
+class NexusJSON(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return json.dumps(jsonable(content), allow_nan=False, separators=(",", ":")).encode()
+
+
+def error_body(e: NexusError) -> dict[str, Any]:
+    return {"error": {"class": type(e).__name__, "code": e.code, "message": str(e)}}
+
+
+def _validation_message(e: RequestValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+# -- request bodies ------------------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class ForwardBackwardBody(_Body):
+    batch: dict[str, Any] = Field(description="observations (list), actions [N, A]; ppo: logprobs, advantages, "
+                                              "returns (+ ppo config); grpo: logprobs, advantages (+ ref_logprobs, "
+                                              "grpo config). Arrays as nested lists or {dtype, shape, b64}")
+    loss: Literal["sft", "ppo", "grpo"] = "sft"
+
+
+class PredictBody(_Body):
+    observation: dict[str, Any] = Field(description="state [proprio_dim], images {camera: uint8 [H, W, 3]}, "
+                                                    "instruction")
+    version: int | None = Field(None, ge=0, le=2**31 - 1, description="a live or pinned version; default: live")
+    deterministic: bool = True
+
+
+class ScaleBody(_Body):
+    engines: int = Field(ge=1, le=64, description="inference engines to run")
+
+
+class ExportBody(_Body):
+    version: int | None = Field(None, ge=0, le=2**31 - 1, description="policy version; default: the current one")
+    path: str | None = Field(None, max_length=4096,
+                             description="default: the tenant's exports/vNNNNNN/ (read it with GET .../files). "
+                                         "Relative paths are inside the tenant's output dir; tenant tokens may "
+                                         "name no path outside it, the operator token may")
+
+
+# module level: with postponed annotations FastAPI resolves these names in the module's globals
+bearer = HTTPBearer(auto_error=False, description="a tenant token (from create_tenant) or the operator token")
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+
+
+async def principal(request: Request, cred: Credentials) -> Principal:
+    return request.app.state.gateway.tokens.identify(cred.credentials if cred else None)
+
+
+async def optional_principal(request: Request, cred: Credentials) -> Principal | None:
+    return request.app.state.gateway.tokens.identify(cred.credentials) if cred else None
+
+
+Who = Annotated[Principal, Depends(principal)]
+MaybeWho = Annotated[Principal | None, Depends(optional_principal)]
+
+
+class Gateway:
+    """State of one gateway process: config, token store, backend, per-tenant counters."""
+
+    def __init__(self, config: ServiceConfig, backend: Backend, tokens: TokenStore) -> None:
+        self.config, self.backend, self.tokens = config, backend, tokens
+        self.pending: dict[str, int] = defaultdict(int)  # low-level calls in flight per tenant
+        self.create_lock = asyncio.Lock()
+        self._schemas: dict[str, tuple[TenantSpec, TenantSchema]] = {}
+
+    def limits(self, tenant: str) -> ServiceLimits:
+        return self.config.limits_for(tenant)
+
+    async def spec_schema(self, tenant: str) -> tuple[TenantSpec | None, TenantSchema]:
+        """The tenant's spec (when the gateway created it) and its observation schema."""
+        if tenant in self._schemas:
+            return self._schemas[tenant]
+        raw = self.tokens.spec(tenant)
+        if raw is not None:
+            spec, schema = validate_tenant(raw)
+            self._schemas[tenant] = (spec, schema)
+            return spec, schema
+        view = await self.backend.tenant_view(tenant)  # created inside the service: schema from its env/dataset
+        _, schema = validate_tenant({"name": tenant, "env": view["env"], "dataset": view["dataset"]})
+        return None, schema
+
+    async def own_job(self, who: Principal, job_id: str) -> dict[str, Any]:
+        """The job's view if ``who`` may see it; a foreign job is as unknown as a missing one."""
+        view = await self.backend.job(job_id)
+        if not (who.operator or view["tenant"] == who.tenant):
+            raise NotFound(f"unknown job {job_id!r}")
+        return view
+
+    async def check_storage(self, tenant: str, output_dir: str) -> None:
+        limit = self.limits(tenant).max_storage_bytes
+        used = await asyncio.to_thread(dir_bytes, output_dir)
+        if used > limit:
+            raise LimitExceeded(f"storage of tenant {tenant!r}: {used} bytes is over the limit "
+                                f"max_storage_bytes={limit}")
+
+    @asynccontextmanager
+    async def queued(self, tenant: str):
+        """Count a low-level call of ``tenant`` while it waits and runs (max_queued_ops)."""
+        limit = self.limits(tenant).max_queued_ops
+        if self.pending[tenant] >= limit:
+            raise LimitExceeded(f"queued calls of tenant {tenant!r}: {self.pending[tenant] + 1} is over the limit "
+                                f"max_queued_ops={limit}")
+        self.pending[tenant] += 1
+        try:
+            yield
+        finally:
+            self.pending[tenant] -= 1
+
+
+def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_ready=None) -> FastAPI:
+    gw = Gateway(config, backend, tokens)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await backend.connect()
+        if on_ready is not None:
+            on_ready()
+        yield
+        await backend.close()
+
+    app = FastAPI(title="JoyNexus tenant gateway", version="1", lifespan=lifespan, default_response_class=NexusJSON,
+                  description=__doc__)
+    app.state.gateway = gw
+
+    # -- errors: every refusal a NexusError with its status ----------------------------------
+    @app.exception_handler(NexusError)
+    async def _nexus_error(request: Request, e: NexusError) -> Response:
+        return NexusJSON(error_body(e), status_code=e.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> Response:
+        return NexusJSON(error_body(SpecError(_validation_message(e))), status_code=SpecError.http_status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> Response:
+        cls = NotFound if e.status_code == 404 else NexusError
+        err = cls(f"{request.method} {request.url.path}: {e.detail}")
+        return NexusJSON({"error": {"class": cls.__name__, "code": err.code, "message": str(err)}},
+                         status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> Response:
+        logger.exception("internal error on %s %s", request.method, request.url.path)
+        return NexusJSON({"error": {"class": "InternalError", "code": "internal",
+                                    "message": f"{type(e).__name__}: {e}"}}, status_code=500)
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        limit = config.limits.max_request_bytes
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            e = LimitExceeded(f"request body: {length} bytes is over the limit max_request_bytes={limit}")
+            return NexusJSON(error_body(e), status_code=413)
+        if length is None and request.method in ("POST", "PUT", "PATCH"):
+            body = b""
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    e = LimitExceeded(f"request body: over the limit max_request_bytes={limit}")
+                    return NexusJSON(error_body(e), status_code=413)
+            request._body = body  # read once; the route reads it from here
+        return await call_next(request)
+
+    # -- service ----------------------------------------------------------------------------
+    @app.get("/health", tags=["service"])
+    async def health() -> dict[str, Any]:
+        return {"ok": True}
+
+    @app.get("/v1/status", tags=["service"])
+    async def status(who: Who) -> dict[str, Any]:
+        """Operator: the whole service. Tenant: its own tenant and jobs only."""
+        st = await backend.status()
+        if who.operator:
+            return st
+        return {"tenants": [t for t in st["tenants"] if t["tenant"] == who.tenant],
+                "jobs": [j for j in st["jobs"] if j["tenant"] == who.tenant]}
+
+    # -- tenants ------------------------------------------------------------------------------
+    @app.post("/v1/tenants", status_code=201, tags=["tenants"])
+    async def create_tenant(spec: TenantSpec, who: MaybeWho) -> dict[str, Any]:
+        """Validate a spec and allocate the tenant's slot; the answer carries its secret ``token`` (shown
+        once). Re-creating an existing tenant needs its token (or the operator's) and returns no new one."""
+        if not config.open_registration and not (who and who.operator):
+            raise Forbidden("creating tenants needs the operator token on this service")
+        name = spec.name
+        validate_tenant(spec, gw.limits(name))
+        if spec.init_from is not None and not (who and who.operator):  # a server path: never another's export
+            own = (await backend.tenant_view(who.tenant))["output_dir"] if who and who.tenant else None
+            await asyncio.to_thread(init_from_allowed, spec.init_from, own)
+        raw = spec.model_dump()
+        async with gw.create_lock:
+            if name in tokens:
+                if who is None or not (who.operator or who.tenant == name):
+                    raise Conflict(f"tenant {name!r} exists; re-creating it needs its token")
+                return {**await backend.create_tenant(raw), "token": None}
+            if any(t["tenant"] == name for t in (await backend.status())["tenants"]):
+                raise Conflict(f"tenant {name!r} exists (created inside the service)")
+            view = await backend.create_tenant(raw)
+            return {**view, "token": tokens.issue(name, raw)}
+
+    @app.get("/v1/tenants/{tenant}", tags=["tenants"])
+    async def tenant_view(tenant: str, who: Who) -> dict[str, Any]:
+        who.may_act_on(tenant)
+        return await backend.tenant_view(tenant)
+
+    @app.delete("/v1/tenants/{tenant}", tags=["tenants"])
+    async def delete_tenant(tenant: str, who: Who, purge: bool = False) -> dict[str, Any]:
+        """Cancel the tenant's jobs, release its slot and forget it; its output dir stays unless ``purge``.
+        Its token stops working."""
+        who.may_act_on(tenant)
+        res = await backend.delete_tenant(tenant, keep_output=not purge)
+        tokens.revoke(tenant)
+        gw._schemas.pop(tenant, None)
+        return {**(res if isinstance(res, dict) else {}), "tenant": tenant, "deleted": True}
+
+    @app.get("/v1/tenants/{tenant}/logs", tags=["tenants"])
+    async def logs(tenant: str, who: Who) -> dict[str, Any]:
+        """Every job of the tenant with its metric history; utilization spans of this tenant only."""
+        who.may_act_on(tenant)
+        log = await backend.tenant_log(tenant)
+        # a grouped inference span names every tenant of the group: keep only this tenant's name
+        log["spans"] = [{**sp, "tenant": tenant} for sp in log.get("spans", [])
+                        if tenant in str(sp.get("tenant", "")).split("+")]
+        return log
+
+    @app.post("/v1/tenants/{tenant}/export", tags=["tenants"])
+    async def export(tenant: str, who: Who, body: ExportBody | None = None) -> Any:
+        """Write a policy version as a self-contained directory (``nexus.policy.load`` runs it without a
+        service): by default the tenant's own ``exports/vNNNNNN/``, whose files ``GET .../files/exports/...``
+        downloads. The answer names it (``path``; ``relative_path`` inside the output dir)."""
+        who.may_act_on(tenant)
+        body = body or ExportBody()
+        output_dir = (await backend.tenant_view(tenant))["output_dir"]
+        options: dict[str, Any] = {"version": body.version}
+        if body.path is not None:
+            options["path"] = await asyncio.to_thread(export_target, body.path, output_dir, who.operator)
+        if not who.operator:
+            await gw.check_storage(tenant, output_dir)
+        return await backend.export(tenant, **options)
+
+    @app.get("/v1/tenants/{tenant}/files", tags=["files"])
+    async def list_files(tenant: str, who: Who) -> dict[str, Any]:
+        """The tenant's output dir (manifest, weights, eval reports, trajectories, checkpoints)."""
+        who.may_act_on(tenant)
+        root = (await backend.tenant_view(tenant))["output_dir"]
+        return {"files": await asyncio.to_thread(_list_files, root)}
+
+    @app.get("/v1/tenants/{tenant}/files/{path:path}", tags=["files"])
+    async def read_file(tenant: str, path: str, who: Who) -> Response:
+        """One file of the tenant's output dir; paths leaving it (``..``, symlinks) are refused."""
+        who.may_act_on(tenant)
+        root = (await backend.tenant_view(tenant))["output_dir"]
+        data = await asyncio.to_thread(_read_file, root, path)
+        return Response(data, media_type="application/octet-stream")
+
+    # -- jobs -------------------------------------------------------------------------------
+    @app.post("/v1/tenants/{tenant}/jobs", status_code=201, tags=["jobs"])
+    async def submit(tenant: str, job: Annotated[JobSpec, Body()], who: Who) -> dict[str, Any]:
+        """An SFT, RL or eval job (``kind``); sizes are checked against the tenant's quotas."""
+        who.may_act_on(tenant)
+        spec, _ = await gw.spec_schema(tenant)
+        raw = job.model_dump()
+        if spec is not None:
+            validate_job(spec, raw, gw.limits(tenant))
+        if job.kind in ("sft", "rl"):
+            await gw.check_storage(tenant, (await backend.tenant_view(tenant))["output_dir"])
+        return {"job": await backend.submit(tenant, raw)}
+
+    @app.get("/v1/tenants/{tenant}/jobs", tags=["jobs"])
+    async def jobs(tenant: str, who: Who) -> dict[str, Any]:
+        who.may_act_on(tenant)
+        st = await backend.status()
+        return {"jobs": [j for j in st["jobs"] if j["tenant"] == tenant]}
+
+    @app.get("/v1/jobs/{job_id}", tags=["jobs"])
+    async def job(job_id: str, who: Who) -> dict[str, Any]:
+        return await gw.own_job(who, job_id)
+
+    @app.get("/v1/jobs/{job_id}/result", tags=["jobs"])
+    async def result(job_id: str, who: Who, timeout: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 30.0
+                     ) -> dict[str, Any]:
+        """Wait up to ``timeout`` s for the job to end; the job's view either way (check ``state``)."""
+        await gw.own_job(who, job_id)
+        return await backend.wait(job_id, timeout)
+
+    @app.get("/v1/jobs/{job_id}/stream", tags=["jobs"])
+    async def stream(job_id: str, who: Who, poll_s: Annotated[float, Query(ge=0.05, le=10)] = 0.5) -> Response:
+        """Newline-delimited JSON: the job's view each time its state or progress changes, until it ends."""
+        await gw.own_job(who, job_id)
+
+        async def lines() -> AsyncIterator[bytes]:
+            last = None
+            while True:
+                info = await backend.job(job_id)
+                key = (info["state"], json.dumps(jsonable(info["progress"]), sort_keys=True))
+                if key != last:
+                    last = key
+                    yield json.dumps(jsonable(info), allow_nan=False).encode() + b"\n"
+                if info["state"] in ("done", "failed", "cancelled"):
+                    return
+                await asyncio.sleep(poll_s)
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"])
+    async def cancel(job_id: str, who: Who) -> Any:
+        await gw.own_job(who, job_id)
+        return await backend.cancel(job_id)
+
+    # -- low level (Tinker-style) -------------------------------------------------------------
+    @app.post("/v1/tenants/{tenant}/forward_backward", tags=["low level"])
+    async def forward_backward(tenant: str, body: ForwardBackwardBody, who: Who) -> dict[str, Any]:
+        """Accumulate gradients of ``loss`` on a self-contained batch (goes to the actor worker directly)."""
+        who.may_act_on(tenant)
+        spec, schema = await gw.spec_schema(tenant)
+        lim = gw.limits(tenant)
+        if spec is not None:
+            batch = await asyncio.to_thread(check_batch, body.batch, schema, body.loss, chunk=spec.chunk,
+                                            gaussian=spec.action_head in RL_ACTION_HEADS, max_rows=lim.max_batch_rows,
+                                            max_instruction_chars=lim.max_instruction_chars)
+        else:  # the actor checks it against the slot
+            batch = body.batch
+        async with gw.queued(tenant):
+            return await backend.op(tenant, "forward_backward", batch, body.loss)
+
+    @app.post("/v1/tenants/{tenant}/optim_step", tags=["low level"])
+    async def optim_step(tenant: str, who: Who) -> dict[str, Any]:
+        who.may_act_on(tenant)
+        async with gw.queued(tenant):
+            return await backend.op(tenant, "optim_step")
+
+    @app.post("/v1/tenants/{tenant}/save_weights", tags=["low level"])
+    async def save_weights(tenant: str, who: Who) -> dict[str, Any]:
+        """Publish the current head as a new policy version."""
+        who.may_act_on(tenant)
+        await gw.check_storage(tenant, (await backend.tenant_view(tenant))["output_dir"])
+        async with gw.queued(tenant):
+            return await backend.op(tenant, "save_weights")
+
+    @app.post("/v1/tenants/{tenant}/predict", tags=["low level"])
+    async def predict(tenant: str, body: PredictBody, who: Who) -> dict[str, Any]:
+        """An action from the inference engine, grouped with other tenants' requests."""
+        who.may_act_on(tenant)
+        _, schema = await gw.spec_schema(tenant)
+        lim = gw.limits(tenant)
+        obs = check_observation(body.observation, schema, max_instruction_chars=lim.max_instruction_chars)
+        async with gw.queued(tenant):
+            return await backend.predict(tenant, obs, body.version, body.deterministic)
+
+    # -- admin --------------------------------------------------------------------------------
+    @app.get("/v1/admin/monitoring", tags=["admin"])
+    async def monitoring(who: Who, since: Annotated[float, Query(ge=0, le=1e12)] = 0.0) -> dict[str, Any]:
+        who.require_operator("monitoring")
+        return await backend.monitoring(since)
+
+    @app.post("/v1/admin/flush", tags=["admin"])
+    async def flush(who: Who) -> dict[str, Any]:
+        who.require_operator("flush")
+        return {"flushed": await backend.flush()}
+
+    @app.post("/v1/admin/scale", tags=["admin"])
+    async def scale(body: ScaleBody, who: Who) -> Any:
+        who.require_operator("scaling the inference service")
+        return await backend.scale_inference(body.engines)
+
+    @app.get("/v1/admin/ready", tags=["admin"])
+    async def ready(who: Who, timeout: float = Query(60.0, ge=0, le=600)) -> Any:
+        """Wait until the actor group and an inference engine serve."""
+        who.require_operator("waiting for the service")
+        return await backend.wait_ready(timeout)
+
+    @app.get("/v1/admin/tenants", tags=["admin"])
+    async def all_tenants(who: Who) -> dict[str, Any]:
+        who.require_operator("listing all tenants")
+        return {"tenants": (await backend.status())["tenants"], "with_token": tokens.tenants(),
+                "time": time.time()}
+
+    return app
+
+
+# folders of an output dir the service writes and prunes itself (nexus.data.output_dir): no export goes there
+_MANAGED = frozenset({"weights", "checkpoints", "trajectories", "eval", "jobs"})
+
+
+def export_target(path: str, output_dir: str, operator: bool) -> str:
+    """The absolute export path a caller may name. Relative paths are inside the tenant's output dir; a
+    tenant's path must stay inside it (no '..', no symlink on the way, not the dir itself or a folder the
+    service manages); the operator may name any absolute path."""
+    if "\x00" in path or not path.strip():
+        raise SpecError(f"export path {path!r} is not a path")
+    full = path if os.path.isabs(path) else os.path.join(output_dir, path)
+    if operator:
+        return os.path.normpath(full)
+    if ".." in path.split("/"):
+        raise Forbidden(f"export path {path!r}: '..' is not allowed")
+    try:
+        target = confine(full, output_dir)
+        rel = target.relative_to(confine(output_dir, output_dir))
+    except (Forbidden, ValueError):
+        raise Forbidden(f"export path {path!r} refused: a tenant exports only inside its own output dir "
+                        "(default: exports/vNNNNNN)") from None
+    if not rel.parts or rel.parts[0] in _MANAGED or rel.parts[0] == "manifest.json":
+        raise Forbidden(f"export path {path!r} refused: it is the output dir or a folder the service manages; "
+                        "use a path under exports/")
+    return str(target)
+
+
+def init_from_allowed(path: str, own_dir: str | None) -> None:
+    """A tenant token may start a new tenant only from an export inside its own output dir."""
+    if own_dir is None:
+        raise Forbidden("init_from needs the operator token, or a tenant token whose output dir holds the export")
+    if not os.path.isabs(path) or ".." in path.split("/"):
+        raise Forbidden(f"init_from {path!r} refused: give the absolute path of an export in your output dir")
+    try:
+        confine(path, own_dir, must_exist=True)
+    except (Forbidden, NotFound):
+        raise Forbidden(f"init_from {path!r} refused: a tenant may start from an export inside its own output "
+                        "dir only") from None
+
+
+def _list_files(root: str) -> list[dict[str, Any]]:
+    out = []
+    base = confine(root, root)
+    for dirpath, dirs, files in os.walk(base):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(dirpath, d))]
+        for f in files:
+            p = os.path.join(dirpath, f)
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode):
+                out.append({"path": os.path.relpath(p, base), "bytes": st.st_size})
+    return sorted(out, key=lambda x: x["path"])
+
+
+def _read_file(root: str, rel: str) -> bytes:
+    if rel.startswith("/") or "\x00" in rel:
+        raise SpecError(f"path {rel!r}: give a path relative to the tenant's output dir")
+    if ".." in rel.split("/"):
+        raise Forbidden(f"path {rel!r}: '..' is not allowed")
+    path = confine(os.path.join(root, rel), root, must_exist=True)
+    if os.path.isdir(path):
+        raise SpecError(f"path {rel!r} is a directory; GET .../files lists them")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except IsADirectoryError:
+        raise SpecError(f"path {rel!r} is a directory") from None
+    except OSError as e:
+        raise NotFound(f"no file {rel!r} ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise SpecError(f"path {rel!r} is not a regular file")
+        return f.read()
+
+
+__all__ = ["Gateway", "create_app", "export_target", "init_from_allowed", "jsonable"]

@@ -1,0 +1,92 @@
+"""Scheduling policies: the catalog of ``schedulers/*.toml`` (validated here, applied by ``ServiceConfig``).
+
+A policy file names every dispatch knob of the service in one place: the actor's concurrency, the
+inference group's wait T and target size B, the admission defaults of tenants that do not set their own
+(in-flight cap, staleness bound), the evaluation fan-out, the weight-sync rule, the training queue's
+order, and whether tenants share the service at all (``isolated``: one tenant's jobs after another's).
+
+No torch, no I/O at import; :func:`load` reads one small TOML file (at service configuration, never on
+the scheduler's event loop). A bad file is refused with a :class:`~nexus.errors.SpecError` that names the
+file and the field.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from nexus.errors import SpecError
+
+DEFAULT = "priority"  # the default policy: it won experiments/multitenant/ (median efficiency, 2 runs)
+
+
+class SchedulerPolicy(BaseModel):
+    """One ``schedulers/<name>.toml`` file (flat keys; unknown keys are refused)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    name: str = Field(DEFAULT, description="the catalog name (the file's stem); set by the loader")
+    description: str = ""
+    queue_order: Literal["fifo", "priority"] = Field(
+        "priority", description="training queue: 'priority' (highest TenantSpec.priority first, FIFO within "
+        "one) or 'fifo' (submission order, priorities ignored)")
+    isolated: bool = Field(False, description="the isolated baseline: a job waits 'queued' until no other "
+                           "tenant's job runs (tenants one after another, FIFO by submission)")
+    max_concurrent_updates: int = Field(1, ge=1, description="training items running at once on the actor group")
+    infer_max_wait_s: float = Field(0.005, ge=0, description="inference group: max wait T (s)")
+    infer_max_batch: int = Field(8, ge=1, description="inference group: target size B (rows)")
+    default_max_inflight: int = Field(2, ge=1, description="TenantSpec.max_inflight of tenants that leave it unset")
+    default_max_staleness: int = Field(128, ge=0, description="TenantSpec.max_staleness of tenants that leave it "
+                                       "unset")
+    eval_fanout: int = Field(2, ge=1, description="rollout tasks an evaluation job splits its episodes over")
+    sync_policy: Literal["lazy", "eager"] = Field("lazy", description="weight sync to inference (DataPathSettings)")
+    sync_every: int = Field(0, ge=0, description="lazy sync: also push every N versions (0: never)")
+
+
+def catalog_dir() -> Path:
+    """``schedulers/`` next to ``envs/`` and ``datasets/`` (``NEXUS_CATALOG_ROOT`` moves all three)."""
+    return Path(os.environ.get("NEXUS_CATALOG_ROOT", Path(__file__).resolve().parents[1])) / "schedulers"
+
+
+def names() -> list[str]:
+    return sorted(f.stem for f in catalog_dir().glob("*.toml"))
+
+
+def _path(ref: str) -> Path:
+    if ref.endswith(".toml") or "/" in ref or os.sep in ref:
+        return Path(ref).expanduser()
+    path = catalog_dir() / f"{ref}.toml"
+    if not path.is_file():
+        raise SpecError(f"unknown scheduler {ref!r}; schedulers/ has: {', '.join(names()) or 'none'} "
+                        "(or give a path to a .toml file)")
+    return path
+
+
+def parse(text: str, where: str, name: str) -> SchedulerPolicy:
+    """A policy from TOML text; ``where`` names the file in errors."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"scheduler file {where}: not valid TOML ({e})") from None
+    if "name" in raw and raw["name"] != name:
+        raise SpecError(f"scheduler file {where}: field 'name' = {raw['name']!r} differs from the file's "
+                        f"stem {name!r}")
+    try:
+        return SchedulerPolicy.model_validate({**raw, "name": name})
+    except ValidationError as e:
+        errs = "; ".join(f"field {'.'.join(str(p) for p in err['loc']) or '?'!r}: {err['msg']}"
+                         f" (got {err.get('input')!r})" for err in e.errors())
+        raise SpecError(f"scheduler file {where}: {errs}") from None
+
+
+def load(ref: str) -> SchedulerPolicy:
+    """A catalog name (``"fifo"`` → ``schedulers/fifo.toml``) or a path to a policy file."""
+    path = _path(ref)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError(f"scheduler file {path}: cannot be read ({e.strerror or e})") from None
+    return parse(text, str(path), path.stem)

@@ -1,0 +1,89 @@
+"""Retention (``TenantOutputDir.prune``, the one mechanism behind ``[retention]`` and ``ServiceLimits``): version
+weights — the newest N, plus the initial and every evaluated one — and the newest M DeepSpeed checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nexus.config import ServiceConfig
+from nexus.data.output_dir import TenantOutputDir, mark_evaluation
+from nexus.errors import NotFound
+
+
+def _publish(out: TenantOutputDir, versions: range, keep_last: int, checkpoints: int = 3) -> None:
+    for v in versions:  # what the actor does per version: write the head once, record it, prune
+        out.write_weights(v, b"w" * 16 + bytes([v]))
+        out.add_version(v, "test", keep=(keep_last, checkpoints))
+
+
+def _on_disk(out: TenantOutputDir) -> set[int]:
+    return {int(p.stem[1:]) for p in (out.path / "weights").glob("v*.pt")}
+
+
+def test_keeps_last_n_evaluated_and_initial(tmp_path):
+    out = TenantOutputDir(tmp_path / "t")
+    out.create({"name": "t"}, {})
+    _publish(out, range(0, 10), keep_last=3)
+    assert _on_disk(out) == {0, 7, 8, 9}
+    mark_evaluation(str(out.path), "t-eval-1", 8)  # an evaluation starts on version 8
+    _publish(out, range(10, 20), keep_last=3)
+    assert _on_disk(out) == {0, 8, 17, 18, 19}
+    m = out.read()
+    pruned = {e["version"] for e in m["versions"] if e.get("pruned")}
+    assert pruned == set(range(20)) - {0, 8, 17, 18, 19}  # the manifest says what is gone
+    assert len(m["versions"]) == 20  # the history of versions stays complete
+    assert all(len(e["sha256"]) == 64 for e in m["versions"])  # with the digest of the weights written once
+
+
+def test_checkpoints_beyond_the_limit_are_pruned(tmp_path):
+    out = TenantOutputDir(tmp_path / "t")
+    out.create({"name": "t"}, {})
+    for v in range(4):
+        (out.checkpoints / f"v{v}").mkdir(parents=True)
+        out.add_checkpoint(v, f"v{v}")
+    assert out.prune(0, 2) == {"weights": [], "checkpoints": [0, 1]}
+    assert sorted(p.name for p in out.checkpoints.iterdir()) == ["v2", "v3"]
+    assert out.latest_checkpoint()["version"] == 3
+
+
+def test_retention_settings_are_the_limits():
+    cfg = ServiceConfig.model_validate({"root": "/r", "retention": {"keep_last": 4, "keep_checkpoints": 2}})
+    assert (cfg.limits.max_versions_kept, cfg.limits.max_checkpoints_kept) == (4, 2)
+    assert cfg.retention.keep_last == 4 and cfg.limits_for("any").max_versions_kept == 4
+    over = ServiceConfig.model_validate({"root": "/r", "retention": {"keep_last": 4},
+                                         "tenant_limits": {"big": {"max_versions_kept": 0}}})
+    assert over.limits_for("big").max_versions_kept == 0 and over.limits_for("other").max_versions_kept == 4
+    with pytest.raises(ValueError, match="disagree"):
+        ServiceConfig.model_validate({"root": "/r", "retention": {"keep_last": 4}, "limits": {"max_versions_kept": 5}})
+
+
+def test_keep_last_zero_keeps_everything_and_pruning_later_applies_the_rule(tmp_path):
+    out = TenantOutputDir(tmp_path / "t")
+    out.create({"name": "t"}, {})
+    _publish(out, range(0, 6), keep_last=0)
+    assert _on_disk(out) == set(range(6))
+    assert out.prune(2, 3)["weights"] == [1, 2, 3] and _on_disk(out) == {0, 4, 5}
+
+
+def test_an_evaluation_of_a_pruned_version_is_refused(tmp_path):
+    out = TenantOutputDir(tmp_path / "t")
+    out.create({"name": "t"}, {})
+    _publish(out, range(0, 6), keep_last=2)
+    with pytest.raises(NotFound, match="version 2 of 't' has no weights any more"):
+        mark_evaluation(str(out.path), "t-eval-9", 2)
+    assert not list(out.eval_dir.glob("t-eval-9*"))  # no marker left behind
+    assert 2 not in out.evaluated_versions()
+
+
+def test_job_history_goes_to_its_own_file(tmp_path):
+    out = TenantOutputDir(tmp_path / "t")
+    out.create({"name": "t"}, {})
+    history = [{"kind": "train", "step": i, "loss": 1.0 / (i + 1)} for i in range(1, 50)]
+    out.add_job({"job": "t-sft-1", "t_submit": 12.5, "state": "done", "history": history})
+    rec = out.read()["jobs"][0]
+    assert "history" not in rec and rec["history_file"] == "jobs/t-sft-1.json"
+    full = json.loads((out.path / rec["history_file"]).read_text())  # the job's record file (nexus.services.recovery)
+    assert full["history"] == history and full["state"] == "done"
+    assert out.job_records() == [full]
