@@ -26,6 +26,7 @@ from nexus.config import load_submission
 from nexus.history import by_kind, per_version
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "demo"
+DEMO_CHECKPOINT_EVERY = 50
 FILES = {"pick-sft": "pick-sft.toml", "push-rl": "push-rl.toml", "pick-rgb": "pick-rgb.toml"}
 EVAL_EPISODES = 20  # the trained versions
 BEFORE_EPISODES = 10  # the untrained head (its success is 0: fewer episodes leave the cores to training)
@@ -121,7 +122,9 @@ def run_demo(root: str = "runs/demo", sft_steps: int | None = None, rl_updates: 
     subs = {name: load_submission([configs / f], overrides[name]) for name, f in FILES.items()}  # refuse bad files now
     t0 = time.time()
     console.print(f"[bold]JoyNexus demo[/] — starting a local Dask cluster in {Path(root).resolve()} …")
-    with Nexus.local(root) as nx:
+    # a DeepSpeed checkpoint at every version (the service default: nothing lost on an actor crash) is most
+    # of an SFT step's actor time here; the demo keeps one every 50 versions (up to 49 steps redone)
+    with Nexus.local(root, checkpoint_every=DEMO_CHECKPOINT_EVERY) as nx:
         link = nx.dashboard_link
         console.print(f"Dask dashboard: {link}   Nexus page: {link.replace('/status', '/nexus')}")
         tenants = {name: nx.create_tenant(sub.tenant) for name, sub in subs.items()}
