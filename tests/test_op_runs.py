@@ -5,6 +5,8 @@ a real Tracker on a sqlite MLflow store (and a tracker restart in between)."""
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 
@@ -133,6 +135,9 @@ def test_one_run_per_session_monotonic_steps_idle_close_and_tracker_restart(tmp_
     assert "train/version" not in r1.data.metrics
     assert r1.data.tags["nexus.version"] == "1"
     assert [a.path for a in client.list_artifacts(r1.info.run_id, "weights")] == ["weights/v000001.pt"]
+    result = json.loads(Path(client.download_artifacts(r1.info.run_id, "result.json", str(tmp_path))).read_text())
+    assert result == {"session": "s1", "ended": "idle", "ops": 5, "forward_backward": 2, "optim_step": 2,
+                      "save_weights": 1, "version": 1}
     names = sorted(r.info.run_name for r in found)
     assert names == ["a-ops-s1", "a-ops-s1", "a-ops-s2", f"b-ops-{DEFAULT_SESSION[:8]}"]
     s2 = next(r for r in found if r.info.run_name == "a-ops-s2")

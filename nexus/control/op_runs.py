@@ -123,28 +123,29 @@ class OpRuns:
             if s.run is None:
                 del self.sessions[k]
             elif now - s.run.t_last >= self.idle_s:
-                ended.append(self._end(s))
+                ended.append(self._end(s, "idle"))
                 del self.sessions[k]
         return ended
 
     def close_tenant(self, tenant: str) -> list[str]:
         """The tenant was deleted: end its sessions' runs now (an op still in flight is not recorded)."""
-        return [key for k in list(self.sessions) if k[0] == tenant and (key := self._close(k))]
+        return [key for k in list(self.sessions) if k[0] == tenant and (key := self._close(k, "tenant deleted"))]
 
     def close_all(self) -> list[str]:
         """The service closes: end every run now."""
-        return [key for k in list(self.sessions) if (key := self._close(k))]
+        return [key for k in list(self.sessions) if (key := self._close(k, "service closing"))]
 
-    def _close(self, k: tuple[str, str]) -> str | None:
+    def _close(self, k: tuple[str, str], reason: str) -> str | None:
         s = self.sessions.pop(k)
         s.closed = True
-        return self._end(s) if s.run is not None else None
+        return self._end(s, reason) if s.run is not None else None
 
-    def _end(self, s: Session) -> str:
+    def _end(self, s: Session, reason: str) -> str:
         run = s.run
         assert run is not None
         s.run = None
-        result = {"session": s.session, "ops": run.seq, **run.counts}
+        # the run's result.json: why it ended, how many ops of each verb
+        result = {"session": s.session, "ended": reason, "ops": run.seq, **run.counts}
         if run.published is not None:
             result["version"] = run.published  # the tracker tags the run with it
         self.tracker.end_run(run.key, "done", [run.weights] if run.weights else [], result, None, None, run.t_last)
