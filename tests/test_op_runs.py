@@ -142,3 +142,25 @@ def test_one_run_per_session_monotonic_steps_idle_close_and_tracker_restart(tmp_
     assert names == ["a-ops-s1", "a-ops-s1", "a-ops-s2", f"b-ops-{DEFAULT_SESSION[:8]}"]
     s2 = next(r for r in found if r.info.run_name == "a-ops-s2")
     assert (s2.info.start_time, s2.info.end_time) == (1_002_000, 1_003_000)
+
+
+def test_gateway_refuses_a_bad_session_header_before_anything_runs(tmp_path):
+    """The gateway's op routes check the session header first: a bad id is a 422 SpecError and the backend (not
+    even connected here: no service behind it) is never asked."""
+    from fastapi.testclient import TestClient
+
+    from nexus.config import ServiceConfig
+    from nexus.gateway.app import create_app
+    from nexus.gateway.auth import TokenStore
+    from nexus.gateway.backend import Backend
+    from nexus.spec import SESSION_HEADER
+
+    cfg = ServiceConfig(root=str(tmp_path))
+    tokens = TokenStore(tmp_path / "gateway")
+    operator = (tmp_path / "gateway" / "operator.token").read_text().strip()
+    api = TestClient(create_app(cfg, Backend("tcp://127.0.0.1:9"), tokens))  # no lifespan: never connects
+    for verb in ("optim_step", "save_weights", "forward_backward"):
+        r = api.post(f"/v1/tenants/a/{verb}", json={"batch": {}} if verb == "forward_backward" else None,
+                     headers={"Authorization": f"Bearer {operator}", SESSION_HEADER: "two words"})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["class"] == "SpecError" and "session id" in r.json()["error"]["message"]
