@@ -242,6 +242,7 @@ class LocalService:
         return self.n_sim + 1 + self.n_infer
 
     def stop(self) -> None:
+        self._end_sessions()
         for p in reversed(self.procs):  # workers first, scheduler last
             try:
                 os.killpg(p.pid, signal.SIGTERM)
@@ -257,6 +258,36 @@ class LocalService:
             self.scheduler_file.unlink(missing_ok=True)
         self.procs.clear()
         self._lock.release()
+
+    def _end_sessions(self, timeout: float = 15.0) -> None:
+        """While the tracker still runs: end the MLflow runs of the low-level op sessions (FINISHED, not
+        left RUNNING for the next start to mark failed). Best effort, bounded: a dead scheduler is skipped."""
+        if not self.procs or self.address is None or self.procs[0].poll() is not None:
+            return
+        import asyncio
+        import threading
+
+        from nexus.tls import security
+
+        async def call() -> None:
+            from distributed.core import rpc
+
+            sec = security(self.config)
+            r = rpc(self.address, timeout=5, connection_args=sec.get_connection_args("client") if sec else {})
+            try:
+                await asyncio.wait_for(r.nexus_end_sessions(timeout=timeout), timeout + 5)
+            finally:
+                await r.close_rpc()
+
+        def run() -> None:  # its own event loop: stop() may be called from async code
+            try:
+                asyncio.run(call())
+            except Exception as e:
+                print(f"ending the op sessions' MLflow runs: {type(e).__name__}: {e}", file=sys.stderr)
+
+        t = threading.Thread(target=run, daemon=True, name="nexus-end-sessions")
+        t.start()
+        t.join(timeout + 10)
 
     def listening(self) -> list[tuple[int, str, str, int]]:
         """(pid, process, ip, port) of every listening socket of the service's processes (and children)."""

@@ -208,6 +208,8 @@ class ServiceConfig(BaseModel):
     infer_max_batch: int = Field(8, ge=1, description="inference queue: target group size B")
     tracking_uri: str | None = Field(None, description="MLflow URI; default sqlite in root")
     experiment: str | None = Field(None, description="MLflow experiment; default: one per service root")
+    ops_idle_s: float = Field(120.0, gt=0, description="a client session's low-level ops are one MLflow run; it "
+                                                       "ends after this long without an op")
     checkpoint_every: int = Field(1, ge=0, description="DeepSpeed checkpoint every N versions, saved before the "
                                   "version is published (0: at job end only)")
     inference_engines: int = Field(1, ge=1, description="inference engines at start (Nexus.scale_inference changes it)")

@@ -5,11 +5,30 @@ A spec is plain data; ``nexus.catalog`` checks it against the environment and da
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nexus.errors import SpecError
+
 TenantName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,39}$")]
+
+# A client connection's id (``Nexus.session``): it names the MLflow run of its low-level ops, lands in tags
+# and run names, so a short token of safe characters; calls without one share the tenant's default session.
+SESSION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+DEFAULT_SESSION = "default"
+SESSION_HEADER = "X-Nexus-Session"  # how the HTTP transport sends it to the gateway
+
+
+def check_session(session: str | None) -> str:
+    """The session id of a low-level op (None: the tenant's default session); a bad one is a SpecError."""
+    if session is None:
+        return DEFAULT_SESSION
+    if not isinstance(session, str) or not SESSION_PATTERN.fullmatch(session):
+        raise SpecError(f"session id {str(session)[:80]!r}: 1 to 64 letters, digits, '-' or '_', starting with a "
+                        "letter or digit")
+    return session
 # Action-module families with exact action log-probabilities (Gaussian policies): the only ones RL can train.
 RL_ACTION_HEADS = frozenset({"oft"})
 

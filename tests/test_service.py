@@ -22,7 +22,8 @@ pytestmark = pytest.mark.cluster
 @pytest.fixture(scope="module")
 def nx(tmp_path_factory):
     root = tmp_path_factory.mktemp("service")
-    with Nexus.local(root, n_sim=2, infer_max_wait_s=0.005) as nexus:
+    # ops_idle_s: a low-level op session's MLflow run ends after 10 s without an op (the default is 120 s)
+    with Nexus.local(root, n_sim=2, infer_max_wait_s=0.005, ops_idle_s=10) as nexus:
         yield nexus
 
 
@@ -137,6 +138,104 @@ def test_low_level_api_futures(nx):
     assert after["metrics"]["loss"] < l1
     with pytest.raises(SpecError, match="unknown op|loss"):
         nx.call("nexus_op", tenant="tinker", verb="forward_backward", data=None, loss="bogus")
+
+
+def _ops_runs(client, experiment: str, tenant: str) -> dict[str, object]:
+    """The ops runs of ``tenant`` by run key (tag ``nexus.job``)."""
+    exp = client.get_experiment_by_name(experiment)
+    found = client.search_runs([exp.experiment_id],
+                               filter_string=f"tags.`nexus.kind` = 'ops' and tags.`nexus.tenant` = '{tenant}'")
+    return {r.data.tags["nexus.job"]: r for r in found}
+
+
+def _wait_ended(nx: Nexus, client, tenant: str, n: int, timeout: float = 180.0) -> dict[str, object]:
+    deadline = time.time() + timeout
+    while True:
+        nx.flush()
+        runs = _ops_runs(client, nx.service.config.resolved_experiment(), tenant)
+        if sum(r.info.status == "FINISHED" for r in runs.values()) >= n or time.time() > deadline:
+            return runs
+        time.sleep(1.0)
+
+
+def _result(client, run, tmp_path) -> dict:
+    path = client.download_artifacts(run.info.run_id, "result.json", str(tmp_path / run.info.run_id))
+    return json.loads(open(path).read())
+
+
+def test_low_level_ops_one_mlflow_run_per_client_connection(nx, tmp_path):
+    """Two clients (two Nexus instances on the gateway, one tenant's token) doing ops on one tenant: two runs
+    with their ops' metrics at monotonic steps, ending after idle; a later op opens a new run, which ends when
+    the service ends its sessions (as it stops) or when the tenant is deleted."""
+    import httpx
+    from mlflow.tracking import MlflowClient
+
+    from nexus import catalog
+    from nexus.client.api import Tenant
+    from nexus.data.offline_dataset import OfflineDataset
+    from nexus.spec import SESSION_HEADER
+
+    name = "ops-two"
+    nx.create_tenant(TenantSpec(name=name, dataset="pickcube-scripted", action_dim=4, seed=11))
+    token, url = nx.tokens[name], nx.service.gateway_url
+    ds = OfflineDataset(catalog.dataset("pickcube-scripted"))
+    batch = ds.sample_batch(8, step=0, seed=0)
+    data = {"observations": ds.observations(batch), "actions": batch["action"]}
+    client = MlflowClient(tracking_uri=nx.service.config.resolved_tracking_uri())
+    a, b, c = (Nexus(url, token=token) for _ in range(3))
+    try:
+        assert len({a.session, b.session, c.session}) == 3
+        ta, tb, tc = (Tenant(x, name, {}) for x in (a, b, c))
+        t0 = time.time()
+        # one slot: gradients accumulate across sessions, so each client steps right after its backward
+        la = [ta.forward_backward(data).result(120)["metrics"]["loss"]]
+        ta.optim_step().result(120)
+        lb = [tb.forward_backward(data).result(120)["metrics"]["loss"]]
+        tb.optim_step().result(120)
+        la.append(ta.forward_backward(data).result(120)["metrics"]["loss"])
+        va = ta.save_weights().result(120)
+        lb.append(tb.forward_backward(data).result(120)["metrics"]["loss"])
+        tb.optim_step().result(120)
+        t1 = time.time()
+        # a bad session id: refused (422) before anything runs
+        r = httpx.post(f"{url}/v1/tenants/{name}/optim_step",
+                       headers={"Authorization": f"Bearer {token}", SESSION_HEADER: "not a token!"})
+        assert r.status_code == 422 and r.json()["error"]["class"] == "SpecError"
+
+        runs = _wait_ended(nx, client, name, 2)  # both idle
+        assert len(runs) == 2 and all(x.info.status == "FINISHED" for x in runs.values())
+        by_session = {x.data.tags["nexus.session"]: x for x in runs.values()}
+        ra, rb = by_session[a.session], by_session[b.session]
+        assert ra.info.run_name == f"{name}-ops-{a.session[:8]}" and rb.info.run_name == f"{name}-ops-{b.session[:8]}"
+        for run, losses, n_ops, n_steps in ((ra, la, 4, 1), (rb, lb, 4, 2)):
+            hist = client.get_metric_history(run.info.run_id, "train/loss")
+            assert [m.value for m in hist] == pytest.approx(losses)
+            steps = [m.step for m in hist]
+            assert steps == sorted(set(steps)), steps  # strictly growing
+            grads = client.get_metric_history(run.info.run_id, "train/grad_norm")
+            assert len(grads) == n_steps and not {g.step for g in grads} & set(steps)
+            # start = the first op, end = the last op (not when the idle check ended it)
+            assert t0 * 1000 - 1 <= run.info.start_time < run.info.end_time <= t1 * 1000 + 1
+            assert {k: _result(client, run, tmp_path)[k] for k in ("ended", "ops")} == {"ended": "idle", "ops": n_ops}
+        assert [m.value for m in client.get_metric_history(ra.info.run_id, "train/published_version")] == [va]
+        assert ra.data.tags["nexus.version"] == str(va)
+        assert [x.path for x in client.list_artifacts(ra.info.run_id, "weights")] == [f"weights/v{va:06d}.pt"]
+
+        tc.forward_backward(data).result(120)  # a third client: ended as a stopping service ends its sessions
+        nx.service._end_sessions()
+        tb.forward_backward(data).result(120)  # client b again, after its idle end: a new run
+        nx.delete_tenant(name)
+        runs = _wait_ended(nx, client, name, 4)
+        assert len(runs) == 4 and all(x.info.status == "FINISHED" for x in runs.values())
+        rc = next(x for x in runs.values() if x.data.tags["nexus.session"] == c.session)
+        rb2 = next(x for k, x in runs.items() if x.data.tags["nexus.session"] == b.session
+                   and k != rb.data.tags["nexus.job"])
+        assert _result(client, rc, tmp_path)["ended"] == "service closing"
+        assert _result(client, rb2, tmp_path)["ended"] == "tenant deleted"
+        assert rb2.info.start_time > rb.info.end_time
+    finally:
+        for x in (a, b, c):
+            x.close()
 
 
 def test_mlflow_one_run_per_job(nx):

@@ -11,7 +11,8 @@ SFT / RL / Eval job, stream its progress, wait for its result.
 Low level, Tinker-style: ``forward_backward(batch, loss)``, ``optim_step()``, ``save_weights()``
 and ``predict_action(obs, version=...)``, each returning a :class:`~nexus.client.futures.NexusFuture`
 (``.result()`` or ``await``). A tenant's training calls run in the order they were made; each datum is
-self-contained (observations + actions).
+self-contained (observations + actions). Each ``Nexus`` instance is a session (``nx.session``, a uuid
+unless given): the service groups its low-level ops in one MLflow run.
 
 Everything can come from files too: ``Nexus.local(config="service.toml")``, ``nx.submit("tenant.toml",
 "job.toml")``, ``nx.create_tenant("tenant.toml")``, ``tenant.submit("job.toml")`` (see ``nexus.config``).
@@ -31,7 +32,7 @@ from nexus.client.futures import NexusFuture
 from nexus.config import ServiceConfig, load_service_config, load_submission, read_toml
 from nexus.errors import Conflict, Forbidden, JobFailed, NotFound, SpecError, Unavailable
 from nexus.features import Observation
-from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec
+from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec, check_session
 
 PathLike = str | Path
 TERMINAL = ("done", "failed", "cancelled")
@@ -41,8 +42,10 @@ class Nexus:
     """A connection to a JoyNexus service."""
 
     def __init__(self, address: str, *, token: str | None = None, service: Any = None, timeout: float = 120,
-                 security: Any = None) -> None:
+                 security: Any = None, session: str | None = None) -> None:
         self.service = service
+        # this connection's id, sent with every low-level op: a session's ops are one MLflow run
+        self.session = check_session(session) if session is not None else uuid.uuid4().hex
         self.transport = None  # HttpTransport when talking to the gateway
         self._client = None
         self._predictor = None
@@ -456,7 +459,8 @@ class Tenant:
         (a PPOConfig dict). The batch goes to a worker directly; the scheduler sees its name only.
         """
         if self.nexus.transport is not None:  # to the gateway, which sends it to the actor worker directly
-            return NexusFuture.run(self._ops, self.nexus.transport.forward_backward, self.name, batch, loss)
+            return NexusFuture.run(self._ops, self.nexus.transport.forward_backward, self.name, batch, loss,
+                                   self.nexus.session)
 
         def run() -> dict[str, Any]:
             client = self.nexus.client
@@ -466,7 +470,7 @@ class Tenant:
             client.publish_dataset(fut, name=name)
             try:
                 return self.nexus.call("nexus_op", tenant=self.name, verb="forward_backward", data=name,
-                                      loss=loss)
+                                      loss=loss, session=self.nexus.session)
             finally:
                 if name in client.list_datasets():
                     client.unpublish_dataset(name)
@@ -474,12 +478,13 @@ class Tenant:
         return NexusFuture.run(self._ops, run)
 
     def optim_step(self) -> NexusFuture[dict[str, Any]]:
-        return NexusFuture.run(self._ops, self.nexus.call, "nexus_op", tenant=self.name, verb="optim_step")
+        return NexusFuture.run(self._ops, self.nexus.call, "nexus_op", tenant=self.name, verb="optim_step",
+                               session=self.nexus.session)
 
     def save_weights(self) -> NexusFuture[int]:
         """Publish the current head as a new policy version; the future gives the version."""
-        return NexusFuture.run(self._ops,
-                               lambda: self.nexus.call("nexus_op", tenant=self.name, verb="save_weights")["version"])
+        return NexusFuture.run(self._ops, lambda: self.nexus.call("nexus_op", tenant=self.name, verb="save_weights",
+                                                                  session=self.nexus.session)["version"])
 
     def export(self, version: int | None = None, path: str | Path | None = None, *,
                server_path: str | None = None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import numpy as np
 from nexus.errors import NexusError, NotSupported, Unavailable, error_class
 from nexus.features import Observation
 from nexus.inputs import encode_array
+from nexus.spec import SESSION_HEADER
 
 
 def _wire(x: Any) -> Any:
@@ -89,11 +90,13 @@ class HttpTransport:
         return self.tokens.get(tenant, self.token) if tenant else self.token
 
     def request(self, method: str, path: str, *, tenant: str | None = None, json_body: Any = None,
-                params: dict[str, Any] | None = None, raw: bool = False) -> Any:
+                params: dict[str, Any] | None = None, raw: bool = False, session: str | None = None) -> Any:
         import httpx
 
         token = self._token(tenant)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if session is not None:
+            headers[SESSION_HEADER] = session
         content = None
         if json_body is not None:
             content = json.dumps(_wire(json_body)).encode()
@@ -137,11 +140,11 @@ class HttpTransport:
             return self.request("GET", f"/v1/jobs/{_q(kw['job_id'])}/result", tenant=kw.get("owner"),
                                 params={"timeout": 30.0 if timeout is None else min(float(timeout), 60.0)})
         if handler == "nexus_op":
-            verb = kw["verb"]
+            verb, session = kw["verb"], kw.get("session")
             if verb == "forward_backward":
-                return self.request("POST", f"/v1/tenants/{_q(t)}/forward_backward", tenant=t,
+                return self.request("POST", f"/v1/tenants/{_q(t)}/forward_backward", tenant=t, session=session,
                                     json_body={"batch": kw.get("batch"), "loss": kw.get("loss", "sft")})
-            return self.request("POST", f"/v1/tenants/{_q(t)}/{_q(verb)}", tenant=t)
+            return self.request("POST", f"/v1/tenants/{_q(t)}/{_q(verb)}", tenant=t, session=session)
         if handler == "nexus_tenant_log":
             return self.request("GET", f"/v1/tenants/{_q(t)}/logs", tenant=t)
         if handler == "nexus_monitoring":
@@ -164,8 +167,9 @@ class HttpTransport:
             return self.request("POST", f"/v1/tenants/{_q(t)}/export", tenant=t, json_body=opts)
         raise NotSupported(f"no gateway route for {handler!r}")
 
-    def forward_backward(self, tenant: str, batch: dict[str, Any], loss: str = "sft") -> dict[str, Any]:
-        return self.call("nexus_op", tenant=tenant, verb="forward_backward", batch=batch, loss=loss)
+    def forward_backward(self, tenant: str, batch: dict[str, Any], loss: str = "sft",
+                         session: str | None = None) -> dict[str, Any]:
+        return self.call("nexus_op", tenant=tenant, verb="forward_backward", batch=batch, loss=loss, session=session)
 
     def predict(self, tenant: str, obs: Observation | dict[str, Any], version: int | None = None,
                 deterministic: bool = True) -> dict[str, Any]:

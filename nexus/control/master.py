@@ -10,6 +10,7 @@ actor group          :mod:`nexus.control.actors` (N ranks)
 inference pool       :mod:`nexus.control.engines` (M engines, routing, scaling)
 health + restarts    :mod:`nexus.control.health`, :mod:`nexus.control.supervisor`
 tracking             :mod:`nexus.control.tracking_link` (the tracker itself runs on a worker)
+ops' MLflow runs     :mod:`nexus.control.op_runs` (one run per client session of low-level ops)
 Dask                 :mod:`nexus.control.runtime`, tasks by import path :mod:`nexus.control.tasks`
 ===================  ==============================================================================
 
@@ -32,13 +33,16 @@ from nexus.control.health import HealthManager, HealthPolicy
 from nexus.control.jobs import JobManager
 from nexus.control.lifecycle import TenantLifecycle
 from nexus.control.monitoring import MonitoringState
+from nexus.control.op_runs import OpRuns
 from nexus.control.queues import TrainingItem, TrainingQueue
 from nexus.control.runtime import DaskRuntime
 from nexus.control.supervisor import DaskEngineOps, Supervisor
 from nexus.control.tenants import TenantRegistry
 from nexus.control.tracking_link import TrackerLink
+from nexus.data.output_dir import TenantOutputDir
 from nexus.errors import NotFound, SpecError, Unavailable
 from nexus.messages import UpdateRequest
+from nexus.spec import check_session
 
 logger = logging.getLogger("nexus.master")
 
@@ -60,6 +64,7 @@ class Master:
                                      DispatchPolicy.from_settings(config.dispatch), lambda: self.actors.ready)
         self.tracker = TrackerLink(self._send_tracker)
         self.tracker.on_error = lambda e: self.health.error("tracker", e)
+        self.op_runs = OpRuns(self.tracker, config.ops_idle_s)
         ctx = flows.FlowContext(self.dispatcher, self.queue, self.pool, self.health, self.runtime,
                                 config.dispatch.rollout_attempts, log=lambda *a: None, datapath=config.datapath,
                                 eval_fanout=config.dispatch.eval_fanout)
@@ -82,6 +87,8 @@ class Master:
     async def close(self) -> None:
         if self._sampler is not None:
             self._sampler.cancel()
+        if self.op_runs.close_all() and self.tracker.address is not None:  # e.g. the scheduler stops first
+            await self.tracker.flush(timeout=3.0)
         await self.supervisor.close()
         await self.tracker.close()
         await self.dispatcher.close()
@@ -127,6 +134,7 @@ class Master:
                 "by_tenant": {n: {"queued": c.queued, "inflight": c.inflight, "version": versions.get(n, 0)}
                               for n, c in self.queue.counters.items()},
                 "lag": self.queue.lags(versions)})
+            self.op_runs.close_idle()
             await asyncio.sleep(period_s)
 
     # -- handlers (names and argument shapes are the public RPC contract) ------------------------------------
@@ -157,14 +165,18 @@ class Master:
                          for j in t.jobs if j in self.jobs.jobs],
                 "spans": [vars(sp) for sp in self.monitoring.spans]}
 
-    async def op(self, tenant: str, verb: str, data: str | None = None, loss: str = "sft") -> dict[str, Any]:
+    async def op(self, tenant: str, verb: str, data: str | None = None, loss: str = "sft",
+                 session: str | None = None) -> dict[str, Any]:
         """Low-level, Tinker-style operations, ordered through the training queue.
 
-        ``data`` names a dataset published by the client (its payload never passes through here)."""
+        ``data`` names a dataset published by the client (its payload never passes through here).
+        ``session``: the calling client's connection id (``Nexus.session``; None: the tenant's default
+        session); a session's ops are one MLflow run (:mod:`nexus.control.op_runs`)."""
         if verb not in ("forward_backward", "optim_step", "save_weights"):
             raise SpecError(f"unknown op {verb!r}: forward_backward, optim_step or save_weights")
         if verb == "forward_backward" and loss not in ("sft", "ppo", "grpo"):
             raise SpecError(f"unknown loss {loss!r}: 'sft', 'ppo' or 'grpo'")
+        session = check_session(session)
         t = self.registry.get(tenant)
         client = await self.runtime.client()
         fut = None
@@ -172,10 +184,23 @@ class Master:
             if data is None:
                 raise SpecError("forward_backward needs a batch")
             fut = await client.get_dataset(data)
-        res = await flows.run_op(self.jobs.ctx, t, verb, loss, fut)
+        token, res = self.op_runs.begin(tenant, session), None
+        try:
+            res = await flows.run_op(self.jobs.ctx, t, verb, loss, fut)
+        finally:
+            alive = self.registry.find(tenant) is t and t.phase != "deleting"  # a deleted tenant's: not recorded
+            self.op_runs.finish(token, verb, res if alive else None, lambda: t.spec.model_dump(),
+                                lambda v: str(TenantOutputDir(t.output_dir).weights_path(v)))
         if data is not None:
             await client.unpublish_dataset(data)
         return res
+
+    async def end_sessions(self, timeout: float = 10.0) -> dict[str, Any]:
+        """End every low-level op session's MLflow run now and wait (up to ``timeout``) until the tracker
+        wrote it: a stopping service calls this while its tracker still runs."""
+        ended = self.op_runs.close_all()
+        flushed = await self.tracker.flush(timeout=float(timeout)) if ended else True
+        return {"ended": ended, "flushed": flushed}
 
     async def flush(self) -> bool:
         """Wait until pending metering signals arrived and the tracker wrote everything sent so far."""
@@ -241,7 +266,12 @@ class Master:
         return await self.jobs.cancel(job_id)
 
     async def delete_tenant(self, tenant: str, keep_output: bool = True) -> dict[str, Any]:
-        return await self.lifecycle.delete(tenant, keep_output)
+        t = self.registry.find(tenant)
+        try:
+            return await self.lifecycle.delete(tenant, keep_output)
+        finally:
+            if t is not None and self.registry.find(tenant) is not t:  # it left the service: its sessions end
+                self.op_runs.close_tenant(tenant)
 
     async def scale_inference(self, n: int) -> dict[str, Any]:
         return await self.pool.scale(int(n))

@@ -53,6 +53,7 @@ class NexusPlugin(SchedulerPlugin):
             "nexus_engines": m.engines,
             "nexus_wait_ready": m.wait_ready,
             "nexus_export": m.export,
+            "nexus_end_sessions": m.end_sessions,
             "nexus_accounting": m.accounting,
             "nexus_scheduling": m.scheduling,
             "nexus_set_policy": m.set_policy,

@@ -38,10 +38,12 @@ class TrackerLink:
 
     # -- calls (never wait) -----------------------------------------------------------------------------
     def start_run(self, job_id: str, tenant: str, kind: str, params: dict[str, Any],
-                  parent_job: str | None = None, start_time: float | None = None) -> None:
+                  parent_job: str | None = None, start_time: float | None = None, run_name: str | None = None,
+                  tags: dict[str, str] | None = None) -> None:
         # the job's own times (not when the tracker got to the call): a resent batch keeps them
+        extra = {k: v for k, v in (("run_name", run_name), ("tags", tags)) if v}
         self._queue("start_run", job_id=job_id, tenant=tenant, kind=kind, params=params, parent_job=parent_job,
-                    start_time=start_time)
+                    start_time=start_time, **extra)
 
     def log_metrics(self, job_id: str, metrics: dict[str, Any], step: int, kind: str = "train") -> None:
         plain = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
-from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi import Body, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -38,7 +38,7 @@ from nexus.gateway.backend import Backend
 from nexus.gateway.backend import plain as jsonable
 from nexus.inputs import check_batch, check_observation
 from nexus.paths import confine, dir_bytes
-from nexus.spec import RL_ACTION_HEADS, JobSpec, TenantSpec
+from nexus.spec import RL_ACTION_HEADS, SESSION_HEADER, JobSpec, TenantSpec, check_session
 
 logger = logging.getLogger("nexus.gateway")
 
@@ -108,6 +108,15 @@ async def optional_principal(request: Request, cred: Credentials) -> Principal |
 
 Who = Annotated[Principal, Depends(principal)]
 MaybeWho = Annotated[Principal | None, Depends(optional_principal)]
+
+
+async def op_session(session: Annotated[str | None, Header(alias=SESSION_HEADER, description=(
+        "the client connection's id: its low-level ops are one MLflow run (default: the tenant's default "
+        "session)"))] = None) -> str:
+    return check_session(session)  # a bad one: SpecError, 422
+
+
+OpSession = Annotated[str, Depends(op_session)]
 
 
 class Gateway:
@@ -365,7 +374,8 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
 
     # -- low level (Tinker-style) -------------------------------------------------------------
     @app.post("/v1/tenants/{tenant}/forward_backward", tags=["low level"])
-    async def forward_backward(tenant: str, body: ForwardBackwardBody, who: Who) -> dict[str, Any]:
+    async def forward_backward(tenant: str, body: ForwardBackwardBody, who: Who,
+                               session: OpSession) -> dict[str, Any]:
         """Accumulate gradients of ``loss`` on a self-contained batch (goes to the actor worker directly)."""
         who.may_act_on(tenant)
         spec, schema = await gw.spec_schema(tenant)
@@ -377,21 +387,21 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         else:  # the actor checks it against the slot
             batch = body.batch
         async with gw.queued(tenant):
-            return await backend.op(tenant, "forward_backward", batch, body.loss)
+            return await backend.op(tenant, "forward_backward", batch, body.loss, session)
 
     @app.post("/v1/tenants/{tenant}/optim_step", tags=["low level"])
-    async def optim_step(tenant: str, who: Who) -> dict[str, Any]:
+    async def optim_step(tenant: str, who: Who, session: OpSession) -> dict[str, Any]:
         who.may_act_on(tenant)
         async with gw.queued(tenant):
-            return await backend.op(tenant, "optim_step")
+            return await backend.op(tenant, "optim_step", session=session)
 
     @app.post("/v1/tenants/{tenant}/save_weights", tags=["low level"])
-    async def save_weights(tenant: str, who: Who) -> dict[str, Any]:
+    async def save_weights(tenant: str, who: Who, session: OpSession) -> dict[str, Any]:
         """Publish the current head as a new policy version."""
         who.may_act_on(tenant)
         await gw.check_storage(tenant, (await backend.tenant_view(tenant))["output_dir"])
         async with gw.queued(tenant):
-            return await backend.op(tenant, "save_weights")
+            return await backend.op(tenant, "save_weights", session=session)
 
     @app.post("/v1/tenants/{tenant}/predict", tags=["low level"])
     async def predict(tenant: str, body: PredictBody, who: Who) -> dict[str, Any]:

@@ -108,10 +108,12 @@ class Backend:
             self._actor = next((a for a, w in info["workers"].items() if "ACTOR" in w.get("resources", {})), None)
         return self._actor
 
-    async def op(self, tenant: str, verb: str, batch: dict[str, Any] | None = None, loss: str = "sft") -> Any:
-        """A Tinker-style op; the batch goes to the actor worker directly, the scheduler sees its name."""
+    async def op(self, tenant: str, verb: str, batch: dict[str, Any] | None = None, loss: str = "sft",
+                 session: str | None = None) -> Any:
+        """A Tinker-style op; the batch goes to the actor worker directly, the scheduler sees its name.
+        ``session``: the client connection's id (its ops are one MLflow run)."""
         if batch is None:
-            return await self._call("nexus_op", tenant=tenant, verb=verb, loss=loss)
+            return await self._call("nexus_op", tenant=tenant, verb=verb, loss=loss, session=session)
         name = f"nexus-op-{tenant}-{uuid.uuid4().hex[:12]}"
         actor = await self._actor_address()
         workers = [actor] if actor else None
@@ -123,7 +125,7 @@ class Backend:
             (fut,) = await self.client.scatter([batch], direct=True, workers=workers, hash=False)
         await self.client.publish_dataset(fut, name=name)
         try:
-            return await self._call("nexus_op", tenant=tenant, verb=verb, data=name, loss=loss)
+            return await self._call("nexus_op", tenant=tenant, verb=verb, data=name, loss=loss, session=session)
         finally:
             try:
                 await self.client.unpublish_dataset(name)

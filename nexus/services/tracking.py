@@ -15,6 +15,7 @@ What a run holds, faithfully:
 * start and end times are the job's own (submitted, ended), not when this actor got to them
 * artifacts are the manifest and the weights of the version the job evaluated or produced
 * evaluations are nested runs under the tenant's training run
+* low-level ops are grouped in one run per client connection (kind ``ops``: ``nexus.control.op_runs``)
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class Tracker:
         return self._experiment_id  # type: ignore[return-value]
 
     def start_run(self, job_id: str, tenant: str, kind: str, params: dict[str, Any],
-                  parent_job: str | None = None, start_time: float | None = None) -> str:
+                  parent_job: str | None = None, start_time: float | None = None, run_name: str | None = None,
+                  tags: dict[str, str] | None = None) -> str:
+        """``job_id``: the run's key (tag ``nexus.job``, default name); ``tags``: more of them (e.g. an ops
+        run's ``nexus.session``)."""
         from mlflow.entities import Param
 
         if job_id in self.runs:  # a resent call (the tracker was restarted): the run exists
@@ -91,10 +95,11 @@ class Tracker:
             self.runs[job_id] = existing
             self._adopted.add(job_id)
             return existing
-        tags = {"nexus.tenant": tenant, "nexus.job": job_id, "nexus.kind": kind, "nexus.root": self._root()}
+        tags = {**(tags or {}), "nexus.tenant": tenant, "nexus.job": job_id, "nexus.kind": kind,
+                "nexus.root": self._root()}
         if parent_job in self.runs:
             tags["mlflow.parentRunId"] = self.runs[parent_job]
-        run = client.create_run(self._experiment_id, run_name=job_id, tags=tags,
+        run = client.create_run(self._experiment_id, run_name=run_name or job_id, tags=tags,
                                 start_time=int((start_time or time.time()) * 1000))
         flat = {k: v for k, v in _flatten(params).items() if v is not None}
         client.log_batch(run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in flat.items()])
