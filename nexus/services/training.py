@@ -134,7 +134,7 @@ def slot_states() -> dict[str, dict[str, int]]:
     """Operator view of this actor's slots: version and pending backward passes per tenant (tests, audits)."""
     from nexus.services.worker_plugin import state
 
-    svc = state()._training
+    svc = state().training_built
     slots = svc.slots if svc is not None else {}
     return {t: {"version": s.version, "pending_backward": s._pending_backward} for t, s in slots.items()}
 

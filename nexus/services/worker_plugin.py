@@ -135,16 +135,10 @@ class EngineHost:
             return await self.engine.load_weights(tenant, version, weights)
 
     async def call(self, method: str, args: list, kwargs: dict) -> Any:
-        if method == "predict":
-            return await self.predict(*args, **kwargs)
-        if method == "predict_batch":
-            return await self.predict_batch(*args, **kwargs)
-        if method == "load_weights":
-            return await self.load_weights(*args, **kwargs)
+        if method in ("predict", "predict_batch", "load_weights"):  # gated here (draining, schema, late pushes)
+            return await getattr(self, method)(*args, **kwargs)
         if method.startswith("_"):
             raise AttributeError(f"engine method {method!r} is private")
-        if method.startswith("predict") and self.draining:
-            raise Draining(f"inference engine {self.id} is draining")
         fn = getattr(self.engine, method)
         out = fn(*args, **kwargs)
         return await out if asyncio.iscoroutine(out) else out
@@ -294,6 +288,11 @@ class NexusWorkerPlugin(WorkerPlugin):
         w.log_event(HEALTH_TOPIC, hb.to_dict())
 
     # -- per-process state (used by tasks, from worker threads) ---------------------------------------
+    @property
+    def training_built(self):
+        """This process's training model service if it hosts one (None otherwise); never builds it."""
+        return self._training
+
     def training(self):
         """The training model service of this process (frozen backbone + tenant slots), built once."""
         with self._lock:
