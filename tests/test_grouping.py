@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import io
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -240,3 +241,29 @@ def test_features_only_when_asked_and_narrow_enough(engine):
         loop.call(eng.predict_batch("ta", [])).result(60)
     with pytest.raises(KeyError):
         loop.call(eng.predict_batch("nobody", o)).result(60)
+
+
+def test_a_new_t_applies_to_a_request_already_waiting(engine):
+    eng, loop = engine
+    eng.reset_stats()
+
+    async def set_batching(t: float, b: int) -> dict:
+        return eng.set_batching(t, b)
+
+    for p in ("held", "other"):  # "other" is open and not waiting: the group waits up to T (5 s) for it
+        loop.call(eng.open_producer(p, "ta")).result(10)
+    try:
+        pending = loop.call(eng.predict_batch("ta", [obs_for(9)], None, True, None, "held"))
+        time.sleep(0.3)
+        assert not pending.done()
+        assert loop.call(set_batching(0.0, 16)).result(10) == {"max_wait_s": 0.0, "max_batch": 16}
+        reply = pending.result(10)  # fired on the new T, not after the old 5 s
+    finally:
+        loop.call(set_batching(5.0, 16)).result(10)
+        for p in ("held", "other"):
+            loop.call(eng.close_producer(p)).result(10)
+    assert eng.engine_stats()["reasons"] == {"timeout": 1}
+    assert 0.3 <= reply["wait_s"] < 5.0
+    with pytest.raises(ValueError, match="B >= 1"):
+        loop.call(set_batching(0.01, 0)).result(10)
+    assert eng.batching() == {"max_wait_s": 5.0, "max_batch": 16}

@@ -62,3 +62,22 @@ def test_isolated_tenants_never_overlap_and_accounting_holds(nx):
     assert sim["split_s"]["stepping"] > 0 and sim["split_s"]["waiting_for_actions"] > 0
     assert sum(sim["split_s"].values()) == pytest.approx(sim["busy_s"], rel=1e-6)
     assert nx.status()["accounting"]["services"]["actor"]["busy_s"] >= acc["services"]["actor"]["busy_s"] - 1e-6
+
+
+def test_a_policy_switched_on_the_idle_service_moves_t_and_b_to_the_engines(nx):
+    engine = nx.engine()
+    first = nx.internal("nexus_scheduling")["policy"]
+    before = engine.batching().result(timeout=30)
+    assert before == {"max_wait_s": first["infer_max_wait_s"], "max_batch": first["infer_max_batch"]}
+    shared = {**first, "name": "shared-wide", "isolated": False, "infer_max_wait_s": 0.02, "infer_max_batch": 12}
+    try:
+        view = nx.internal("nexus_set_policy", policy=shared)
+        assert not view["admission"]["isolated"] and view["policy"]["name"] == "shared-wide"
+        assert engine.batching().result(timeout=30) == {"max_wait_s": 0.02, "max_batch": 12}
+        with pytest.raises(Exception, match="infer_max_batch"):  # refused whole: nothing of it applies
+            nx.internal("nexus_set_policy", policy={**shared, "isolated": True, "infer_max_batch": 0})
+        assert not nx.internal("nexus_scheduling")["admission"]["isolated"]
+        assert engine.batching().result(timeout=30)["max_batch"] == 12
+    finally:
+        nx.internal("nexus_set_policy", policy=first)
+    assert engine.batching().result(timeout=30) == before

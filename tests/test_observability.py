@@ -50,7 +50,8 @@ def _shared_forward(nx: Nexus, output_dirs: list[str], tenants: list[str], tries
         engine.open_producer(f"probe-{t}", t).result(timeout=30)
     try:
         for _ in range(tries):
-            futures = [engine.predict_batch(t, [o], None, True, None, f"probe-{t}") for t, o in zip(tenants, obs)]
+            futures = [engine.predict_batch(t, [o], None, True, None, f"probe-{t}")
+                       for t, o in zip(tenants, obs, strict=True)]
             if all(f.result(timeout=60)["group_rows"] == len(tenants) for f in futures):
                 return True
     finally:

@@ -228,9 +228,9 @@ class Master:
         return {"policy": self.config.scheduler_policy.model_dump() if self.config.scheduler_policy else None,
                 "admission": self.jobs.admission.view(), "queue_order": self.queue.order}
 
-    def set_policy(self, policy: dict[str, Any]) -> dict[str, Any]:
+    async def set_policy(self, policy: dict[str, Any]) -> dict[str, Any]:
         """Switch the scheduling policy of a running, idle service (benchmarks compare policies on one
-        cluster). T and B live in the engines: a policy with other values is refused (restart with it)."""
+        cluster). Its T and B go to every serving engine (and to engines started later)."""
         from nexus.errors import Conflict
         from nexus.scheduling import SchedulerPolicy
 
@@ -242,13 +242,18 @@ class Master:
         if busy or len(self.queue) or self.dispatcher.running:
             raise Conflict(f"the policy changes only while no job runs (running or queued: {busy})")
         cfg = self.config
-        if (pol.infer_max_wait_s, pol.infer_max_batch) != (cfg.infer_max_wait_s, cfg.infer_max_batch):
-            raise SpecError(f"scheduler {pol.name!r}: T={pol.infer_max_wait_s} and B={pol.infer_max_batch} differ "
-                            f"from the engines' (T={cfg.infer_max_wait_s}, B={cfg.infer_max_batch}); start the "
-                            "service with this policy instead")
         if pol.default_max_inflight > cfg.limits.max_inflight:
             raise SpecError(f"scheduler {pol.name!r}: default_max_inflight {pol.default_max_inflight} exceeds "
                             f"limits.max_inflight {cfg.limits.max_inflight}")
+        if (pol.infer_max_wait_s, pol.infer_max_batch) != (cfg.infer_max_wait_s, cfg.infer_max_batch):
+            cfg.infer_max_wait_s, cfg.infer_max_batch = pol.infer_max_wait_s, pol.infer_max_batch
+            self.engine_ops.config.update(infer_max_wait_s=pol.infer_max_wait_s, infer_max_batch=pol.infer_max_batch)
+            pushed = await asyncio.gather(*(self.engine_ops.set_batching(m.endpoint, pol.infer_max_wait_s,
+                                                                         pol.infer_max_batch)
+                                            for m in self.pool.serving()), return_exceptions=True)
+            for e in pushed:  # an engine lost meanwhile restarts with the new values from the config
+                if isinstance(e, BaseException):
+                    logger.warning("scheduler %r: an engine kept its old T/B: %s", pol.name, e)
         cfg.dispatch = cfg.dispatch.model_copy(update={
             "queue_order": pol.queue_order, "isolated": pol.isolated, "eval_fanout": pol.eval_fanout,
             "max_concurrent_updates": pol.max_concurrent_updates, "default_max_inflight": pol.default_max_inflight,

@@ -105,6 +105,10 @@ class DaskEngineOps:
     async def flush_signals(self, ep: EngineEndpoint) -> None:
         await self._ctl(ep, "flush_signals", timeout=30)
 
+    async def set_batching(self, ep: EngineEndpoint, max_wait_s: float, max_batch: int) -> dict[str, Any]:
+        """T and B for a serving engine (engines started later read theirs from ``config``)."""
+        return await self._ctl(ep, "batching", timeout=30, max_wait_s=max_wait_s, max_batch=max_batch)
+
 
 class Supervisor:
     def __init__(self, config: ServiceConfig, runtime: DaskRuntime, health: HealthManager, actors: ActorGroup,

@@ -13,7 +13,7 @@ Handlers (plain msgpack from the scheduler; ``nexus_engine`` carries pickled pay
   load_weights, engine_stats, ...); ``predict`` is refused with ``Draining`` once the engine drains and
   with ``SpecError`` when its observation does not fit the tenant's schema (before it joins a group).
 * ``nexus_engine_ctl(engine, action, ...)`` — the control plane's engine operations: sync, drain, stop,
-  unregister, pin, unpin, stats, flush_signals.
+  unregister, pin, unpin, stats, flush_signals, batching (T and B of a new scheduling policy).
 * ``nexus_tracker(calls)`` — an ordered batch of tracker calls.
 * ``nexus_io(action, ...)`` — small file writes (job records), in a thread.
 
@@ -357,6 +357,8 @@ class NexusWorkerPlugin(WorkerPlugin):
             return {**host.engine.engine_stats(), **host.report()}
         if op == "flush_signals":
             return await host.engine.flush_signals()
+        if op == "batching":
+            return host.engine.set_batching(float(msg["max_wait_s"]), int(msg["max_batch"]))
         raise ValueError(f"unknown engine op {op!r}")
 
     async def _h_tracker(self, calls: list[list[Any]]) -> list[Any]:
