@@ -92,12 +92,23 @@ def test_a_port_that_is_not_a_scheduler_does_not_hang(http_port):
     assert debug.returncode != 0 and "Traceback" in debug.stderr  # --debug shows it
 
 
+def _wait_until_connecting(pid: int, port: int, timeout_s: float = 60.0) -> None:
+    import psutil
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if any(c.raddr and c.raddr.port == port for c in psutil.Process(pid).net_connections("tcp")):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the CLI (pid {pid}) opened no connection to port {port} within {timeout_s:g} s")
+
+
 def test_ctrl_c_is_one_line(http_port):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "nexus.client.cli", "status", "--address",
                              f"tcp://127.0.0.1:{http_port}", "--timeout", "60"], stderr=subprocess.PIPE, text=True,
                             env=env)
-    time.sleep(4)  # imported and waiting on the connection
+    _wait_until_connecting(proc.pid, http_port)  # imported and waiting on the connection (a cold import is slow)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err

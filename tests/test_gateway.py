@@ -423,6 +423,8 @@ def test_quotas_versions_kept_storage_and_queued_calls(env):
     # retention: the newest 2 and the initial version (nexus.data.output_dir.TenantOutputDir.prune)
     assert weights == ["weights/v000000.pt", "weights/v000002.pt", "weights/v000003.pt"]
     manifest = json.loads(keep2.read_file("manifest.json"))
+    on_disk = Path(keep2.info["output_dir"]) / "weights" / "v000003.pt"
+    assert keep2.read_file("weights/v000003.pt") == on_disk.read_bytes()  # streamed whole, byte for byte
     assert [v["version"] for v in manifest["versions"] if v.get("pruned")] == [1]
     with pytest.raises(NotFound, match="pruned"):
         keep2.evaluate(episodes=1, version=1)

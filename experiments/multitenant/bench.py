@@ -39,12 +39,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 PAPER = {"efficiency": 1.39, "utilization": {"actor": (0.208, 0.413), "inference": (0.281, 0.375)}}
 WORKER_NAMES: dict[str, str] = {}  # worker address -> name (timeline labels)
-TENANTS = {  # name -> (spec fields, job)
+WORKLOAD = {  # name -> (spec fields, job): the paper's 3 RL + 1 SFT mix
     "ms-state": ({"env": "maniskill/pushcube-state", "action_dim": 4, "priority": 1}, "rl"),
     "ms-rgb": ({"env": "maniskill/pickcube-rgb", "action_dim": 4, "priority": 1}, "rl"),
     "rs-lift": ({"env": "robosuite/lift-state", "action_dim": 7, "priority": 1}, "rl"),
     "sft": ({"dataset": "pickcube-scripted", "env": "maniskill/pickcube-state", "action_dim": 4, "lr": 1e-3}, "sft"),
 }
+TENANTS: dict[str, tuple[dict, str]] = dict(WORKLOAD)  # the run's tenants (--tenants 8: the mix twice)
+
+
+def scale_workload(n: int) -> dict[str, tuple[dict, str]]:
+    """``n`` tenants (a multiple of 4): the mix repeated, copies named ``<name>-<i>``."""
+    if n < 4 or n % 4:
+        raise SystemExit(f"--tenants must be a multiple of 4 (the 3 RL + 1 SFT mix), got {n}")
+    return {(name if i == 0 else f"{name}-{i}"): spec for i in range(n // 4) for name, spec in WORKLOAD.items()}
 
 
 def _jobs(args, warm: bool = False) -> dict[str, dict]:
@@ -79,8 +87,9 @@ def run_mode(nx, mode: str, policy: dict, args, warm: bool = False) -> dict:
     def delta(key: str, tenant: str, field: str) -> float:
         return mon[key].get(tenant, {}).get(field, 0.0) - before[key].get(tenant, {}).get(field, 0.0)
 
-    sft_actor = delta("metering", "sft", "actor")
-    sft_sync = delta("weight_sync", "sft", "seconds")
+    sfts = [n for n, (_, kind) in TENANTS.items() if kind == "sft"]
+    sft_actor = sum(delta("metering", n, "actor") for n in sfts)
+    sft_sync = sum(delta("weight_sync", n, "seconds") for n in sfts)
     groups = max(sum(sizes.values()), 1)
     return {
         "mode": mode, "policy": policy["name"], "t0": t0, "t1": t1, "makespan_s": t1 - t0,
@@ -109,7 +118,7 @@ def draw_timelines(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = dict(zip(TENANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red"), strict=True))
+    colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(TENANTS)}
     span = max(r["makespan_s"] for r in runs)
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.2 + 1.1 * len(runs) * 2), squeeze=False)
     for ax, run in zip(axes[:, 0], runs, strict=True):
@@ -147,9 +156,12 @@ def main() -> None:
     ap.add_argument("--collectors", type=int, default=1, help="rollout tasks in flight per RL job")
     ap.add_argument("--envs", type=int, default=4, help="K: envs per producer")
     ap.add_argument("--sft-steps", type=int, default=40)
-    ap.add_argument("--n-sim", type=int, default=2)
-    ap.add_argument("--out", default=None, help="JSON path (default: results_<device>.json here)")
+    ap.add_argument("--n-sim", type=int, default=2, help="SIM workers (one producer each at a time)")
+    ap.add_argument("--tenants", type=int, default=4, help="tenants: the 3 RL + 1 SFT mix, repeated (4, 8, ...)")
+    ap.add_argument("--out", default=None, help="JSON path (default: results_<device>[_<N>t].json here)")
     args = ap.parse_args()
+    TENANTS.clear()
+    TENANTS.update(scale_workload(args.tenants))
 
     from nexus import scheduling
     from nexus.client.api import Nexus
@@ -158,7 +170,8 @@ def main() -> None:
     policies = {n: scheduling.load(n).model_dump() for n in ["isolated", *args.policies.split(",")]}
     backbone = {"device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32"}
     work = Path(tempfile.mkdtemp(prefix="nexus-multitenant-"))
-    print(f"4 tenants ({', '.join(TENANTS)}), K={args.envs}, {args.updates} updates x {args.episodes} episodes "
+    print(f"{len(TENANTS)} tenants ({', '.join(TENANTS)}), {args.n_sim} SIM workers, K={args.envs}, "
+          f"{args.updates} updates x {args.episodes} episodes "
           f"per RL job, SFT {args.sft_steps} steps; {args.pairs} rounds of isolated + {args.policies}; "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
     rounds: list[dict[str, dict]] = []
@@ -218,9 +231,10 @@ def main() -> None:
 
     # timelines of one round: the one whose efficiency (winner) is the median
     order_idx = sorted(range(len(rounds)), key=lambda i: eff[winner][i])[len(rounds) // 2]
-    png = HERE / f"timeline_{args.device}.png"
+    suffix = args.device if args.tenants == 4 else f"{args.device}_{args.tenants}t"
+    png = HERE / f"timeline_{suffix}.png"
     draw_timelines([rounds[order_idx]["isolated"], rounds[order_idx][winner]], png)
-    out = Path(args.out) if args.out else HERE / f"results_{args.device}.json"
+    out = Path(args.out) if args.out else HERE / f"results_{suffix}.json"
     summary = {"efficiency": {m: {"median": statistics.median(eff[m]), "min": min(eff[m]), "max": max(eff[m]),
                                   "rounds": eff[m]} for m in shared}, "winner": winner,
                "median": {m: {"makespan_s": med(m, lambda x: x["makespan_s"]),
@@ -237,7 +251,7 @@ def main() -> None:
         for run in rd.values():
             run.pop("spans")
     out.write_text(json.dumps({
-        "meta": {**vars(args), "tenants": TENANTS, "jobs": _jobs(args), "policies": policies,
+        "meta": {**vars(args), "tenant_specs": TENANTS, "jobs": _jobs(args), "policies": policies,
                  "cpu_count": os.cpu_count(), "python": platform.python_version(), "load_avg_end": os.getloadavg(),
                  "bench_s": time.time() - t_bench,
                  "command": "python experiments/multitenant/bench.py " + " ".join(sys.argv[1:])},

@@ -87,7 +87,8 @@ class Master:
     async def close(self) -> None:
         if self._sampler is not None:
             self._sampler.cancel()
-        if self.op_runs.close_all() and self.tracker.address is not None:  # e.g. the scheduler stops first
+        ended = self.op_runs.close_all()
+        if (ended or self.tracker.pending) and self.tracker.address is not None:  # what was sent still lands
             await self.tracker.flush(timeout=3.0)
         await self.supervisor.close()
         await self.tracker.close()

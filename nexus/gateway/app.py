@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, BinaryIO, Literal
 
 from fastapi import Body, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,6 +43,7 @@ from nexus.spec import RL_ACTION_HEADS, SESSION_HEADER, JobSpec, TenantSpec, che
 logger = logging.getLogger("nexus.gateway")
 
 MAX_WAIT_S = 60.0  # one result / stream poll holds a request at most this long
+FILE_CHUNK = 1 << 20  # bytes per chunk when a file is streamed to a client
 
 
 class NexusJSON(JSONResponse):
@@ -315,8 +316,16 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         """One file of the tenant's output dir; paths leaving it (``..``, symlinks) are refused."""
         who.may_act_on(tenant)
         root = (await backend.tenant_view(tenant))["output_dir"]
-        data = await asyncio.to_thread(_read_file, root, path)
-        return Response(data, media_type="application/octet-stream")
+        f = await asyncio.to_thread(_open_file, root, path)
+        size = os.fstat(f.fileno()).st_size
+
+        def chunks():  # streamed from the opened file: never whole in memory (checkpoints can be large)
+            with f:
+                while block := f.read(FILE_CHUNK):
+                    yield block
+
+        return StreamingResponse(chunks(), media_type="application/octet-stream",
+                                 headers={"Content-Length": str(size)})
 
     # -- jobs -------------------------------------------------------------------------------
     @app.post("/v1/tenants/{tenant}/jobs", status_code=201, tags=["jobs"])
@@ -497,7 +506,8 @@ def _list_files(root: str) -> list[dict[str, Any]]:
     return sorted(out, key=lambda x: x["path"])
 
 
-def _read_file(root: str, rel: str) -> bytes:
+def _open_file(root: str, rel: str) -> BinaryIO:
+    """The opened regular file at ``rel`` inside ``root`` (not through a symlink)."""
     if rel.startswith("/") or "\x00" in rel:
         raise SpecError(f"path {rel!r}: give a path relative to the tenant's output dir")
     if ".." in rel.split("/"):
@@ -511,10 +521,11 @@ def _read_file(root: str, rel: str) -> bytes:
         raise SpecError(f"path {rel!r} is a directory") from None
     except OSError as e:
         raise NotFound(f"no file {rel!r} ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise SpecError(f"path {rel!r} is not a regular file")
-        return f.read()
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise SpecError(f"path {rel!r} is not a regular file")
+    return f
 
 
 __all__ = ["Gateway", "create_app", "export_target", "init_from_allowed", "jsonable"]
