@@ -9,7 +9,7 @@ scripted PickCube demonstrations (``pickcube-scripted``). One ``Nexus.local`` se
 - isolated: the ``isolated`` policy (``schedulers/isolated.toml``): the four jobs are submitted at once
   and the service's admission runs them one tenant after another (FIFO by submission), through the
   same flows, queues and services;
-- multi-<policy>: the shared policies (``schedulers/fifo.toml``, ``schedulers/priority.toml``): the four
+- multi-<policy>: the shared policies (default ``schedulers/priority.toml`` and ``schedulers/grouped.toml``): the four
   jobs at once, sharing the actor, the engine (cross-tenant groups) and the simulators.
 
 The policy is switched between runs on the idle service (``nexus_set_policy``), the order of the modes
@@ -150,7 +150,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--pairs", type=int, default=3, help="measured rounds (each: isolated + every shared policy)")
-    ap.add_argument("--policies", default="fifo,priority", help="shared policies compared against isolated")
+    ap.add_argument("--policies", default="priority,grouped", help="shared policies compared against isolated")
     ap.add_argument("--updates", type=int, default=2, help="PPO updates per RL job")
     ap.add_argument("--episodes", type=int, default=4, help="episodes per RL batch")
     ap.add_argument("--collectors", type=int, default=1, help="rollout tasks in flight per RL job")
