@@ -105,7 +105,11 @@ def _wait_until_connecting(pid: int, port: int, timeout_s: float = 60.0) -> None
 
 def test_ctrl_c_is_one_line(http_port):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "nexus.client.cli", "status", "--address",
+    # as from a terminal: a runner started in the background (`make test &`, some CI) ignores SIGINT and its
+    # children inherit that, so the CLI's process gets Python's handler back before the CLI runs
+    as_terminal = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "sys.argv[0] = 'nexus'; runpy.run_module('nexus.client.cli', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", as_terminal, "status", "--address",
                              f"tcp://127.0.0.1:{http_port}", "--timeout", "60"], stderr=subprocess.PIPE, text=True,
                             env=env)
     _wait_until_connecting(proc.pid, http_port)  # imported and waiting on the connection (a cold import is slow)

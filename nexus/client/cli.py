@@ -21,7 +21,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -442,29 +441,8 @@ def _one_line(e: BaseException) -> str:
     return text if isinstance(e, NexusError) else f"{type(e).__name__}: {text}"
 
 
-def _interrupt_raises() -> Callable[[], None]:
-    """Make Ctrl-C raise KeyboardInterrupt wherever the command is; returns what restores the old handler.
-
-    Inside ``asyncio.run`` the default handler only cancels the main task, and a library that loses the
-    cancel (a connect retry loop) would keep the command running to its timeout instead of stopping."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is not signal.default_int_handler:  # the caller chose its own handling
-        return lambda: None
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    return lambda: signal.signal(signal.SIGINT, previous)
-
-
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)  # usage errors: argparse's message, exit status 2
-    restore_sigint = _interrupt_raises()
     try:
         return a.fn(a)
     except KeyboardInterrupt:
@@ -482,8 +460,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nexus {a.cmd}: error: {_one_line(e)}"
               + ("" if isinstance(e, NexusError) else "  (--debug shows the traceback)"), file=sys.stderr)
         return EXIT_UNAVAILABLE if isinstance(e, Unavailable) else EXIT_ERROR
-    finally:
-        restore_sigint()
 
 
 if __name__ == "__main__":
