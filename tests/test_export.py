@@ -33,6 +33,7 @@ from nexus.services import recovery, training, worker_plugin
 from nexus.services.export import export_version
 from nexus.services.inference import InferenceEngine, _Request
 from nexus.spec import LoraConfig, TenantSpec
+from tests.checkpoints import save_hf_checkpoint
 
 torch.set_num_threads(1)
 
@@ -327,25 +328,13 @@ def test_mlflow_pyfunc_model_and_mlflow_models_predict(svc, tmp_path):
     np.testing.assert_allclose(preds, want, atol=1e-5)
 
 
-def _save_hf_checkpoint(backbone, path: Path) -> Path:
-    """The tiny backbone as a Hugging Face checkpoint dir, laid out like a hub Qwen3-VL model."""
-    from transformers import Qwen3VLForConditionalGeneration
-
-    full = Qwen3VLForConditionalGeneration(backbone.model.config)
-    full.model.load_state_dict(backbone.model.state_dict())
-    full.save_pretrained(path)
-    backbone.processor.tokenizer.save_pretrained(path)
-    backbone.processor.image_processor.save_pretrained(path)
-    return path
-
-
 def test_backbone_checkpoint_dirs_in_config_and_exports(tiny_backbone, tmp_path, monkeypatch):
     """``backbone.local_path`` (service config / CLI) takes a Hugging Face checkpoint directory; an export
     made on it names the checkpoint and loads from where it lives now."""
     from nexus.model.backbone import BackboneConfig, SharedBackbone
     from nexus.model.policy import TenantPolicy
 
-    ckpt = _save_hf_checkpoint(tiny_backbone, tmp_path / "ckpt")
+    ckpt = save_hf_checkpoint(tiny_backbone, tmp_path / "ckpt")
     monkeypatch.chdir(tmp_path)
     cfg = ServiceConfig(root=str(tmp_path / "svc"), backbone={"local_path": "ckpt"})
     assert cfg.backbone.local_path == str(ckpt.resolve())  # service processes run in another cwd

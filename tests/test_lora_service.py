@@ -33,19 +33,13 @@ def checkpoint(tmp_path_factory) -> Path:
     """A Qwen3-VL checkpoint directory as the hub lays it out (conditional-generation weights + tokenizer
     + image processor): the tiny offline model's weights, saved with save_pretrained."""
     import torch
-    from transformers import Qwen3VLForConditionalGeneration
 
     from nexus.model.backbone import BackboneConfig, SharedBackbone
+    from tests.checkpoints import save_hf_checkpoint
 
     torch.set_num_threads(1)
-    path = tmp_path_factory.mktemp("qwen3vl-checkpoint")
-    bb = SharedBackbone(BackboneConfig(size="tiny", image_size=64))
-    full = Qwen3VLForConditionalGeneration(bb.model.config)
-    full.model.load_state_dict(bb.model.state_dict())
-    full.save_pretrained(path)
-    bb.processor.tokenizer.save_pretrained(path)
-    bb.processor.image_processor.save_pretrained(path)
-    return path
+    return save_hf_checkpoint(SharedBackbone(BackboneConfig(size="tiny", image_size=64)),
+                              tmp_path_factory.mktemp("qwen3vl-checkpoint"))
 
 
 @pytest.fixture(scope="module")

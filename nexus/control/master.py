@@ -57,7 +57,7 @@ class Master:
         self.registry = TenantRegistry()
         self.queue = TrainingQueue(config.dispatch.queue_order)
         self.actors = ActorGroup(self.runtime, config.actor_ranks)
-        self.engine_ops = DaskEngineOps(self.runtime, config.model_dump())
+        self.engine_ops = DaskEngineOps(self.runtime, config)
         self.pool = EnginePool(self.engine_ops, lambda: [t.setup() for t in self.registry if t.phase == "ready"],
                                PoolPolicy(engines=config.inference_engines), self.health)
         self.dispatcher = Dispatcher(self.queue, self._execute, self.registry.versions,
@@ -247,8 +247,7 @@ class Master:
             raise SpecError(f"scheduler {pol.name!r}: default_max_inflight {pol.default_max_inflight} exceeds "
                             f"limits.max_inflight {cfg.limits.max_inflight}")
         if (pol.infer_max_wait_s, pol.infer_max_batch) != (cfg.infer_max_wait_s, cfg.infer_max_batch):
-            cfg.infer_max_wait_s, cfg.infer_max_batch = pol.infer_max_wait_s, pol.infer_max_batch
-            self.engine_ops.config.update(infer_max_wait_s=pol.infer_max_wait_s, infer_max_batch=pol.infer_max_batch)
+            cfg.infer_max_wait_s, cfg.infer_max_batch = pol.infer_max_wait_s, pol.infer_max_batch  # later engines
             pushed = await asyncio.gather(*(self.engine_ops.set_batching(m.endpoint, pol.infer_max_wait_s,
                                                                          pol.infer_max_batch)
                                             for m in self.pool.serving()), return_exceptions=True)

@@ -52,9 +52,9 @@ PLACEMENT_GRACE_S = 30.0  # how long a role waits for its own (restarting) or a 
 class DaskEngineOps:
     """:class:`nexus.control.engines.EngineOps` over the cluster: engines live in workers' Nexus plugins."""
 
-    def __init__(self, runtime: DaskRuntime, config: dict[str, Any]) -> None:
+    def __init__(self, runtime: DaskRuntime, config: ServiceConfig) -> None:
         self.runtime = runtime
-        self.config = config
+        self.config = config  # the master's: an engine starts with its settings of the moment (a new T, B)
 
     def place(self, prefer_worker: str | None, load: dict[str, int], waited_s: float) -> str | None:
         """In place first: a lost engine waits (up to ``PLACEMENT_GRACE_S``) for its restarted worker of
@@ -72,7 +72,7 @@ class DaskEngineOps:
 
     async def start(self, slot: int, epoch: int, address: str) -> tuple[EngineEndpoint, str]:
         engine_id = f"engine-{slot}.{epoch}"
-        info = await asyncio.wait_for(self.runtime.run(tasks.START_ENGINE, engine_id, self.config,
+        info = await asyncio.wait_for(self.runtime.run(tasks.START_ENGINE, engine_id, self.config.model_dump(),
                                                        key=f"nexus-engine-start-{engine_id}", workers=[address]),
                                       START_TIMEOUT_S)
         return EngineEndpoint(engine_id, info["address"]), info["worker"]
@@ -106,7 +106,7 @@ class DaskEngineOps:
         await self._ctl(ep, "flush_signals", timeout=30)
 
     async def set_batching(self, ep: EngineEndpoint, max_wait_s: float, max_batch: int) -> dict[str, Any]:
-        """T and B for a serving engine (engines started later read theirs from ``config``)."""
+        """T and B for a serving engine (engines started later read theirs from the config)."""
         return await self._ctl(ep, "batching", timeout=30, max_wait_s=max_wait_s, max_batch=max_batch)
 
 

@@ -22,6 +22,7 @@ Plain data: no torch, no I/O; every method takes an optional ``now`` so tests dr
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,8 +73,15 @@ class GroupBatcher:
     _producers: dict[str, _Producer] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.max_wait_s < 0 or self.max_batch < 1 or self.producer_lease_s <= 0:
-            raise ValueError("max_wait_s >= 0, max_batch >= 1 and producer_lease_s > 0 required")
+        self.set_limits(self.max_wait_s, self.max_batch)
+        if self.producer_lease_s <= 0:
+            raise ValueError(f"producer_lease_s > 0 required, got {self.producer_lease_s}")
+
+    def set_limits(self, max_wait_s: float, max_batch: int) -> None:
+        """T and B for the groups that fire from now on (a scheduling policy's)."""
+        if not (math.isfinite(max_wait_s) and max_wait_s >= 0) or max_batch < 1:
+            raise ValueError(f"T >= 0 (finite) and B >= 1 required, got T={max_wait_s}, B={max_batch}")
+        self.max_wait_s, self.max_batch = float(max_wait_s), int(max_batch)
 
     @staticmethod
     def _now(now: float | None) -> float:

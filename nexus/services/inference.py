@@ -215,9 +215,7 @@ class InferenceEngine:
     def set_batching(self, max_wait_s: float, max_batch: int) -> dict[str, Any]:
         """New T and B (a scheduling policy's) for the groups formed from now on; pending requests are
         re-checked at once against the new rule."""
-        if not (max_wait_s >= 0 and float(max_wait_s) != float("inf")) or int(max_batch) < 1:
-            raise ValueError(f"T >= 0 (finite) and B >= 1 required, got T={max_wait_s}, B={max_batch}")
-        self._batcher.max_wait_s, self._batcher.max_batch = float(max_wait_s), int(max_batch)
+        self._batcher.set_limits(max_wait_s, max_batch)
         if self._timer is not None:  # armed for the old deadline
             self._timer.cancel()
             self._timer = None
