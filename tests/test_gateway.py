@@ -425,7 +425,7 @@ def test_quotas_versions_kept_storage_and_queued_calls(env):
     manifest = json.loads(keep2.read_file("manifest.json"))
     on_disk = Path(keep2.info["output_dir"]) / "weights" / "v000003.pt"
     assert keep2.read_file("weights/v000003.pt") == on_disk.read_bytes()  # streamed whole, byte for byte
-    assert [v["version"] for v in manifest["versions"] if v.get("pruned")] == [1]
+    assert manifest["pruned_versions"] == [[1, 1]] and [v["version"] for v in manifest["versions"]] == [0, 2, 3]
     with pytest.raises(NotFound, match="pruned"):
         keep2.evaluate(episodes=1, version=1)
     with pytest.raises(LimitExceeded, match="max_storage_bytes=1"):

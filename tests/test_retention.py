@@ -31,10 +31,53 @@ def test_keeps_last_n_evaluated_and_initial(tmp_path):
     _publish(out, range(10, 20), keep_last=3)
     assert _on_disk(out) == {0, 8, 17, 18, 19}
     m = out.read()
-    pruned = {e["version"] for e in m["versions"] if e.get("pruned")}
+    pruned = set(out.pruned_versions(m))
     assert pruned == set(range(20)) - {0, 8, 17, 18, 19}  # the manifest says what is gone
-    assert len(m["versions"]) == 20  # the history of versions stays complete
-    assert all(len(e["sha256"]) == 64 for e in m["versions"])  # with the digest of the weights written once
+    assert m["pruned_versions"] == [[1, 7], [9, 16]]
+    assert [e["version"] for e in m["versions"]] == [0, 8, 17, 18, 19]  # it lists the kept ones
+    history = out.version_history()
+    assert [e["version"] for e in history] == list(range(20))  # the history of versions stays complete
+    assert {e["version"] for e in history if e.get("pruned")} == pruned
+    assert all(len(e["sha256"]) == 64 for e in history)  # with the digest of the weights written once
+    out.add_version(3, "again")  # listing a pruned version again changes nothing
+    assert out.read() == m
+
+
+def test_the_manifest_stays_bounded_however_many_versions_are_published(tmp_path):
+    """It is rewritten at every version: its size follows retention, not the versions ever published
+    (a long SFT job publishes one per step)."""
+    out = TenantOutputDir(tmp_path / "t")
+    out.create({"name": "t"}, {})
+    sizes = {}
+    for v in range(400):
+        out.write_weights(v, b"w" * 16 + v.to_bytes(2, "big"))
+        (out.checkpoints / f"v{v}").mkdir(parents=True)
+        out.add_version(v, "sft", keep=(5, 2), checkpoint=f"v{v}")
+        sizes[v] = out.manifest_path.stat().st_size
+    m = out.read()
+    assert [e["version"] for e in m["versions"]] == [0, 395, 396, 397, 398, 399]
+    assert [c["version"] for c in m["checkpoints"]] == [398, 399]
+    assert sorted(p.name for p in out.checkpoints.iterdir()) == ["v398", "v399"]
+    assert m["pruned_versions"] == [[1, 394]] and out.highest_version() == 399
+    assert sizes[399] < sizes[50] * 1.1  # bounded (a version record is ~200 bytes: unbounded would be 8x)
+    history = out.version_history()
+    assert [e["version"] for e in history] == list(range(400))
+    kinds = [json.loads(line).get("kind", "version") for line in out.history_path.read_text().splitlines()]
+    assert kinds.count("checkpoint") == 398 and kinds.count("version") == 394
+
+
+def test_a_manifest_of_the_earlier_layout_moves_its_pruned_records_to_the_history(tmp_path):
+    out = TenantOutputDir(tmp_path / "t")
+    out.create({"name": "t"}, {})
+    _publish(out, range(0, 4), keep_last=0)
+    m = out.read()  # as the earlier layout wrote it: pruned records stayed in the manifest
+    m["versions"][1]["pruned"] = True
+    (out.path / "weights" / "v000001.pt").unlink()
+    out.write(m)
+    _publish(out, range(4, 6), keep_last=3)
+    m = out.read()
+    assert [e["version"] for e in m["versions"]] == [0, 3, 4, 5] and m["pruned_versions"] == [[1, 2]]
+    assert [e["version"] for e in out.version_history()] == list(range(6))
 
 
 def test_checkpoints_beyond_the_limit_are_pruned(tmp_path):

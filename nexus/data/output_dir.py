@@ -2,10 +2,13 @@
 
 Layout::
 
-    manifest.json        spec, schema, versions (with the sha256 of their weights), checkpoints, job records
+    manifest.json        spec, schema, the kept versions (with the sha256 of their weights) and checkpoints,
+                         ``pruned_versions`` (ranges), job records; bounded by retention, not by the versions
+                         ever published, because it is rewritten at every version
+    versions.jsonl       append-only history: the record of every pruned version and checkpoint (``"pruned"``)
     weights/vNNNNNN.pt   exported head weights of policy versions (inference pins load these); written once:
                          a published version's file never changes. Retention (``prune``) keeps the newest N,
-                         the initial and every evaluated version, and marks the others ``"pruned"``
+                         the initial and every evaluated version, and moves the others' records to the history
     checkpoints/         DeepSpeed checkpoints (engine + optimizer state), one tag per saved version
     trajectories/        Arrow IPC batches of rollouts (nexus.data.trajectory_store)
     eval/                eval reports, one JSON per eval job (written when the evaluation starts, so its
@@ -22,6 +25,7 @@ quota (``ServiceLimits.max_versions_kept`` / ``max_checkpoints_kept``) are prune
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -71,6 +75,10 @@ class TenantOutputDir:
         return self.path / "manifest.json"
 
     @property
+    def history_path(self) -> Path:
+        return self.path / "versions.jsonl"
+
+    @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
@@ -103,7 +111,8 @@ class TenantOutputDir:
 
     def highest_version(self) -> int:
         """The highest version this tenant ever wrote or published: the next one must be above it."""
-        listed = [v["version"] for v in self.read()["versions"]] if self.exists() else []
+        m = self.read() if self.exists() else {"versions": []}
+        listed = [v["version"] for v in m["versions"]] + [hi for _, hi in m.get("pruned_versions", [])]
         return max([0, *listed, *self.weight_versions()])
 
     # -- manifest --------------------------------------------------------------------------
@@ -131,12 +140,16 @@ class TenantOutputDir:
         return m
 
     def add_version(self, version: int, source: str, keep: tuple[int, int] | None = None,
-                    **extra: Any) -> dict[str, list[int]]:
-        """List a published version (once: listing it again is a no-op); with ``keep`` =
-        (versions_kept, checkpoints_kept) also apply retention in the same manifest write (see ``prune``).
-        Returns what was pruned now."""
+                    checkpoint: str | None = None, **extra: Any) -> dict[str, list[int]]:
+        """List a published version (once: listing it again is a no-op) and, given its tag, the checkpoint
+        saved with it; with ``keep`` = (versions_kept, checkpoints_kept) also apply retention. One
+        manifest write for all of it (see ``prune``). Returns what was pruned now."""
         m = self.read()
-        if any(v["version"] == version for v in m["versions"]):
+        if checkpoint is not None:
+            self._list_checkpoint(m, version, checkpoint)
+        if any(v["version"] == version for v in m["versions"]) or version in self.pruned_versions(m):
+            if checkpoint is not None:
+                self.write(m)
             return {"weights": [], "checkpoints": []}
         path = self.weights_path(version)
         digest = extra.pop("sha256", None) or (sha256(path.read_bytes()) if path.exists() else None)
@@ -149,10 +162,39 @@ class TenantOutputDir:
 
     def add_checkpoint(self, version: int, tag: str) -> None:
         m = self.read()
+        if self._list_checkpoint(m, version, tag):
+            self.write(m)
+
+    def _list_checkpoint(self, m: dict[str, Any], version: int, tag: str) -> bool:
         if any(c["tag"] == tag and not c.get("pruned") for c in m["checkpoints"]):
-            return
+            return False
         m["checkpoints"].append({"version": version, "tag": tag, "path": str(self.checkpoints), "time": time.time()})
-        self.write(m)
+        return True
+
+    @staticmethod
+    def pruned_versions(m: dict[str, Any]) -> _Ranges:
+        """The versions whose weights retention deleted (the manifest keeps them as ranges)."""
+        return _Ranges(m.get("pruned_versions", []))
+
+    def version_history(self) -> list[dict[str, Any]]:
+        """Every version ever listed, oldest first: the pruned ones' records from ``versions.jsonl``, the
+        kept ones' from the manifest."""
+        kept = self.read()["versions"] if self.exists() else []
+        gone = {r["version"]: r for r in self._history() if r.get("kind", "version") == "version"}
+        return sorted([*gone.values(), *kept], key=lambda r: r["version"])
+
+    def _history(self) -> list[dict[str, Any]]:
+        if not self.history_path.exists():
+            return []
+        return [json.loads(line) for line in self.history_path.read_text().splitlines() if line.strip()]
+
+    def _append_history(self, records: list[dict[str, Any]]) -> None:
+        # before the manifest drops them: a crash in between leaves a record twice, never none
+        fd = os.open(self.history_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, FILE_MODE)
+        with os.fdopen(fd, "a") as f:
+            f.write("".join(json.dumps(r, default=str) + "\n" for r in records))
+            f.flush()
+            os.fsync(f.fileno())
 
     def add_job(self, record: dict[str, Any]) -> None:
         """Record a finished job in the manifest (replacing an earlier record of the same job). Its metric
@@ -199,21 +241,34 @@ class TenantOutputDir:
         return keep
 
     def _prune(self, m: dict[str, Any], versions_kept: int, checkpoints_kept: int) -> dict[str, list[int]]:
+        """Delete what retention drops and move its records from the manifest to the history (records a
+        manifest of an earlier layout still holds, marked pruned, move too)."""
         gone: dict[str, list[int]] = {"weights": [], "checkpoints": []}
         keep = self.protected_versions(m, versions_kept)
+        moved, live = [], []
         for v in m["versions"]:
-            if v["version"] in keep or v.get("pruned"):
+            if v["version"] in keep and not v.get("pruned"):
+                live.append(v)
                 continue
-            Path(v["weights"]).unlink(missing_ok=True)
-            v["pruned"] = True
-            gone["weights"].append(v["version"])
+            if not v.get("pruned"):
+                Path(v["weights"]).unlink(missing_ok=True)
+                gone["weights"].append(v["version"])
+            moved.append({**v, "pruned": True})
         cks = [c for c in m["checkpoints"] if not c.get("pruned")]
-        for c in cks[:max(0, len(cks) - checkpoints_kept)] if checkpoints_kept else ():
+        drop = cks[:max(0, len(cks) - checkpoints_kept)] if checkpoints_kept else []
+        for c in drop:
             tag_dir = self.checkpoints / c["tag"].rsplit("/", 1)[-1]
             if tag_dir.is_dir() and not tag_dir.is_symlink():
                 shutil.rmtree(tag_dir)
-            c["pruned"] = True
             gone["checkpoints"].append(c["version"])
+        old_cks = [c for c in m["checkpoints"] if c.get("pruned") or c in drop]
+        if moved or old_cks:
+            self._append_history([*moved, *({**c, "kind": "checkpoint", "pruned": True} for c in old_cks)])
+            ranges = self.pruned_versions(m)
+            for v in moved:
+                ranges.add(v["version"])
+            m["versions"], m["pruned_versions"] = live, ranges.spans
+            m["checkpoints"] = [c for c in m["checkpoints"] if not (c.get("pruned") or c in drop)]
         return gone
 
     def latest_checkpoint(self) -> dict[str, Any] | None:
@@ -254,3 +309,28 @@ def mark_evaluation(output_dir: str, job: str, version: int) -> str:
                        "the service keeps the newest versions, the initial and every evaluated one; see "
                        "limits.max_versions_kept / retention.keep_last)")
     return str(path)
+
+
+class _Ranges:
+    """A sorted set of ints kept as inclusive ``[lo, hi]`` spans (pruned versions: nearly one span)."""
+
+    def __init__(self, spans: list[list[int]]) -> None:
+        self.spans = [list(map(int, r)) for r in spans]
+
+    def __contains__(self, v: int) -> bool:
+        i = bisect.bisect_right(self.spans, [v, float("inf")]) - 1
+        return i >= 0 and self.spans[i][0] <= v <= self.spans[i][1]
+
+    def add(self, v: int) -> None:
+        if v in self:
+            return
+        i = bisect.bisect_right(self.spans, [v, float("inf")])
+        self.spans.insert(i, [v, v])
+        if i + 1 < len(self.spans) and self.spans[i + 1][0] == v + 1:  # join the next span
+            self.spans[i][1] = self.spans.pop(i + 1)[1]
+        if i > 0 and self.spans[i - 1][1] == v - 1:  # join the previous one
+            self.spans[i - 1][1] = self.spans.pop(i)[1]
+
+    def __iter__(self):
+        for lo, hi in self.spans:
+            yield from range(lo, hi + 1)

@@ -31,14 +31,15 @@ def _state():
 
 
 # -- durable versions (called by nexus.services.training._publish_version) ----------------------------
-def make_durable(svc, slot, out, version: int, weights: bytes) -> str:
-    """Write a new version's weights once and, when due, its checkpoint; returns the weights' sha256."""
+def make_durable(svc, slot, out, version: int, weights: bytes, source: str) -> dict[str, list[int]]:
+    """Write a new version's weights once and, when due, its checkpoint, then list both in the manifest
+    (one write, retention applied in it). Returns what retention pruned."""
     digest = out.write_weights(version, weights)
     every = svc.config.checkpoint_every
-    if every and version % every == 0:
-        tag = slot.save_checkpoint(str(out.checkpoints))
-        out.add_checkpoint(version, tag)
-    return digest
+    tag = slot.save_checkpoint(str(out.checkpoints)) if every and version % every == 0 else None
+    limits = svc.config.limits_for(slot.spec.name)
+    return out.add_version(version, source, keep=(limits.max_versions_kept, limits.max_checkpoints_kept),
+                           checkpoint=tag, sha256=digest)
 
 
 # -- slots ------------------------------------------------------------------------------------------------

@@ -167,13 +167,11 @@ def _publish_version(svc: TrainingModelService, tenant: str, out, engine, source
     slot = svc.slots[tenant]
     version = slot.bump_version()
     weights = slot.export_weights()
-    make_durable(svc, slot, out, version, weights)  # weights written once (+ checkpoint when due) first
+    make_durable(svc, slot, out, version, weights, source)  # weights (+ checkpoint when due), listed, first
     pushed = {"weight_sync_s": 0.0, "weight_sync_bytes": 0.0}
     if should_push(version, sync):
         pushed = _push_weights(engine, tenant, version, weights)
         svc.synced[tenant] = version
-    limits = svc.config.limits_for(tenant)
-    out.add_version(version, source, keep=(limits.max_versions_kept, limits.max_checkpoints_kept))  # + retention
     return version, pushed
 
 
