@@ -3,22 +3,26 @@
 The workload of the paper's sharing experiment at small scale: RL on ManiSkill state
 (``maniskill/pushcube-state``), ManiSkill rgb (``maniskill/pickcube-rgb``, 64 px camera) and robosuite
 Lift (``robosuite/lift-state``, standing in for LIBERO: same engine and Panda schema), and SFT on the
-scripted PickCube demonstrations (``pickcube-scripted``). One ``Nexus.local`` service (scheduler,
-2 SIM workers, 1 actor rank, 1 inference engine); every round runs the same work in each mode:
+scripted PickCube demonstrations (``pickcube-scripted``), each job sized to take about the same time
+alone (``--mix equal-time``, the default; ``equal-updates``: the same updates for every RL job). One
+``Nexus.local`` service (scheduler, 2 SIM workers, 1 actor rank, 1 inference engine); every round runs
+the same work in each mode:
 
 - isolated: the ``isolated`` policy (``schedulers/isolated.toml``): the four jobs are submitted at once
   and the service's admission runs them one tenant after another (FIFO by submission), through the
   same flows, queues and services;
-- multi-<policy>: the shared policies (default ``schedulers/priority.toml`` and ``schedulers/grouped.toml``): the four
-  jobs at once, sharing the actor, the engine (cross-tenant groups) and the simulators.
+- multi-<policy>: the shared policies (default ``priority``, ``grouped`` and ``gather`` from
+  ``schedulers/``): the four jobs at once, sharing the actor, the engine (cross-tenant groups) and the
+  simulators.
 
 The policy is switched between runs on the idle service (``nexus_set_policy``), the order of the modes
 rotates from round to round, and one warm-up run is not counted. Accounting comes from the services' own
 records (``nexus_accounting``: spans per slot): device time = allocated slots x wall time, utilization =
 busy / allocated, the simulator's busy time split into stepping vs waiting for actions. Efficiency =
-isolated / multi device time (= makespan ratio: both modes hold the same slots the whole time).
+isolated / multi device time (= makespan ratio: both modes hold the same slots the whole time); also
+against an isolated baseline charged only the slots each job used (``partition_device_s``).
 
-    python experiments/multitenant/bench.py                  # CPU, ~11 min on 2 cores
+    python experiments/multitenant/bench.py                  # CPU, ~17 min on 2 cores
     python experiments/multitenant/bench.py --device cuda    # GPU (bf16 backbone), not run here
 """
 
@@ -46,20 +50,37 @@ WORKLOAD = {  # name -> (spec fields, job): the paper's 3 RL + 1 SFT mix
     "sft": ({"dataset": "pickcube-scripted", "env": "maniskill/pickcube-state", "action_dim": 4, "lr": 1e-3}, "sft"),
 }
 TENANTS: dict[str, tuple[dict, str]] = dict(WORKLOAD)  # the run's tenants (--tenants 8: the mix twice)
+BASE: dict[str, str] = {n: n for n in WORKLOAD}  # tenant -> its name in WORKLOAD (copies: "<name>-<i>")
+# Job sizes per tenant (overrides of --updates / --sft-steps). "equal-time" follows the paper's baseline
+# ("... then an equal amount of SFT work"): each job takes about the same time alone, ~25 s on these CPUs,
+# sized from the isolated job times in results_cpu_equal-updates.json (a PPO update of 4
+# episodes: ms-state 3.1 s, ms-rgb 24.5 s, rs-lift 9.1 s; an SFT step of 32 samples 0.08 s).
+# "equal-updates": every RL job the same updates (ms-rgb's ~8x slower steps then dominate the makespan).
+MIXES: dict[str, dict[str, dict]] = {
+    "equal-time": {"ms-state": {"updates": 8}, "ms-rgb": {"updates": 1}, "rs-lift": {"updates": 3},
+                   "sft": {"steps": 300}},
+    "equal-updates": {},
+}
 
 
 def scale_workload(n: int) -> dict[str, tuple[dict, str]]:
     """``n`` tenants (a multiple of 4): the mix repeated, copies named ``<name>-<i>``."""
     if n < 4 or n % 4:
         raise SystemExit(f"--tenants must be a multiple of 4 (the 3 RL + 1 SFT mix), got {n}")
-    return {(name if i == 0 else f"{name}-{i}"): spec for i in range(n // 4) for name, spec in WORKLOAD.items()}
+    BASE.clear()
+    BASE.update({(name if i == 0 else f"{name}-{i}"): name for i in range(n // 4) for name in WORKLOAD})
+    return {copy: WORKLOAD[name] for copy, name in BASE.items()}
 
 
 def _jobs(args, warm: bool = False) -> dict[str, dict]:
-    rl = {"kind": "rl", "updates": 1 if warm else args.updates, "episodes_per_batch": args.episodes,
+    rl = {"kind": "rl", "updates": args.updates, "episodes_per_batch": args.episodes,
           "collectors": args.collectors, "ppo": {"update_epochs": 2, "minibatch_size": 64}}
-    sft = {"kind": "sft", "steps": 3 if warm else args.sft_steps, "batch_size": 32}
-    return {n: (rl if kind == "rl" else sft) for n, (_, kind) in TENANTS.items()}
+    sft = {"kind": "sft", "steps": args.sft_steps, "batch_size": 32}
+    jobs = {}
+    for n, (_, kind) in TENANTS.items():
+        size = ({"updates": 1} if kind == "rl" else {"steps": 3}) if warm else MIXES[args.mix].get(BASE[n], {})
+        jobs[n] = {**(rl if kind == "rl" else sft), **size}
+    return jobs
 
 
 def run_mode(nx, mode: str, policy: dict, args, warm: bool = False) -> dict:
@@ -91,13 +112,15 @@ def run_mode(nx, mode: str, policy: dict, args, warm: bool = False) -> dict:
     sft_actor = sum(delta("metering", n, "actor") for n in sfts)
     sft_sync = sum(delta("weight_sync", n, "seconds") for n in sfts)
     groups = max(sum(sizes.values()), 1)
+    spans = [s for s in mon["spans"] if s["t1"] >= t0 and s["t0"] <= t1]
+    job_s = {n: v["t_end"] - v["t_start"] for n, v in views.items()}
     return {
         "mode": mode, "policy": policy["name"], "t0": t0, "t1": t1, "makespan_s": t1 - t0,
         "device_s": acc["device_s"], "accounting": acc,
         "utilization": {s: r["utilization"] for s, r in acc["services"].items()},
         "simulator_split_s": acc["services"]["simulator"]["split_s"],
         "completion_s": {n: v["t_end"] - t0 for n, v in views.items()},
-        "job_s": {n: v["t_end"] - v["t_start"] for n, v in views.items()},
+        "job_s": job_s, "partition_device_s": partition_device_s(spans, job_s),
         "queued_s": {n: v["t_start"] - v["t_submit"] for n, v in views.items()},
         "env_steps": {n: r.get("env_steps", 0) for n, r in results.items()},
         "groups": sum(sizes.values()), "mean_group_rows": sum(k * v for k, v in sizes.items()) / groups,
@@ -107,8 +130,20 @@ def run_mode(nx, mode: str, policy: dict, args, warm: bool = False) -> dict:
         "fire_reasons": stats["reasons"],
         "sft_actor_s": sft_actor, "sft_sync_s": sft_sync,
         "sft_sync_share": sft_sync / sft_actor if sft_actor > 0 else 0.0,
-        "spans": [s for s in mon["spans"] if s["t1"] >= t0 and s["t0"] <= t1],
+        "spans": spans,
     }
+
+
+def partition_device_s(spans: list[dict], job_s: dict[str, float]) -> float:
+    """Device time if each tenant's job had held only the slots it used (one SIM worker for one
+    producer, no engine for an SFT job): sum over tenants of its slots x its job's wall time. The
+    isolated baseline on a right-sized partition; the run's own charge holds every slot."""
+    used: dict[str, set] = {n: set() for n in job_s}
+    for s in spans:
+        for t in s["tenant"].split("+"):
+            if t in used:
+                used[t].add((s["service"], s["worker"]))
+    return sum(len(used[n]) * job_s[n] for n in job_s)
 
 
 def draw_timelines(runs: list[dict], path: Path) -> None:
@@ -150,12 +185,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--pairs", type=int, default=3, help="measured rounds (each: isolated + every shared policy)")
-    ap.add_argument("--policies", default="priority,grouped", help="shared policies compared against isolated")
+    ap.add_argument("--policies", default="priority,grouped,gather", help="shared policies compared against isolated")
     ap.add_argument("--updates", type=int, default=2, help="PPO updates per RL job")
     ap.add_argument("--episodes", type=int, default=4, help="episodes per RL batch")
     ap.add_argument("--collectors", type=int, default=1, help="rollout tasks in flight per RL job")
     ap.add_argument("--envs", type=int, default=4, help="K: envs per producer")
     ap.add_argument("--sft-steps", type=int, default=40)
+    ap.add_argument("--mix", choices=tuple(MIXES), default="equal-time",
+                    help="job sizes per tenant (equal-time: each job about as long alone; equal-updates: "
+                         "--updates / --sft-steps for every tenant)")
     ap.add_argument("--n-sim", type=int, default=2, help="SIM workers (one producer each at a time)")
     ap.add_argument("--tenants", type=int, default=4, help="tenants: the 3 RL + 1 SFT mix, repeated (4, 8, ...)")
     ap.add_argument("--out", default=None, help="JSON path (default: results_<device>[_<N>t].json here)")
@@ -170,10 +208,10 @@ def main() -> None:
     policies = {n: scheduling.load(n).model_dump() for n in ["isolated", *args.policies.split(",")]}
     backbone = {"device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32"}
     work = Path(tempfile.mkdtemp(prefix="nexus-multitenant-"))
-    print(f"{len(TENANTS)} tenants ({', '.join(TENANTS)}), {args.n_sim} SIM workers, K={args.envs}, "
-          f"{args.updates} updates x {args.episodes} episodes "
-          f"per RL job, SFT {args.sft_steps} steps; {args.pairs} rounds of isolated + {args.policies}; "
-          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
+    sizes = ", ".join(f"{n} {j.get('updates', j.get('steps'))}" for n, j in _jobs(args).items())
+    print(f"{len(TENANTS)} tenants, {args.n_sim} SIM workers, K={args.envs}; mix {args.mix}: {sizes} "
+          f"(RL updates of {args.episodes} episodes, SFT steps); {args.pairs} rounds of isolated + "
+          f"{args.policies}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
     rounds: list[dict[str, dict]] = []
     t_bench = time.time()
     with Nexus.local(work / "service", n_sim=args.n_sim, backbone=backbone, scheduler=args.policies.split(",")[0],
@@ -196,6 +234,7 @@ def main() -> None:
             rounds.append(got)
     shared = [m for m in policies if m != "isolated"]
     eff = {m: [rd["isolated"]["device_s"] / rd[m]["device_s"] for rd in rounds] for m in shared}
+    eff_used = {m: [rd["isolated"]["partition_device_s"] / rd[m]["device_s"] for rd in rounds] for m in shared}
     winner = max(shared, key=lambda m: statistics.median(eff[m]))
 
     def med(m: str, f) -> float:
@@ -215,6 +254,10 @@ def main() -> None:
         f"{statistics.median(eff[m]):>10.2f}x{'':5s}" for m in shared) + f"{'1.39x':>18s}")
     print(f"{'  range over rounds':34s}{'':>12s}" + "".join(
         f"{min(eff[m]):>7.2f}-{max(eff[m]):.2f}{'':4s}" for m in shared))
+    used = med("isolated", lambda x: x["partition_device_s"])
+    print(f"{'isolated on used slots only, s':34s}{used:>12.1f}")
+    print(f"{'efficiency vs that partition':34s}{'':>12s}" + "".join(
+        f"{statistics.median(eff_used[m]):>10.2f}x{'':5s}" for m in shared))
     for s in ("actor", "inference", "simulator"):
         p = PAPER["utilization"].get(s)
         line(f"utilization {s}, %", lambda x, s=s: 100 * x["utilization"][s], ".1f",
@@ -231,14 +274,18 @@ def main() -> None:
 
     # timelines of one round: the one whose efficiency (winner) is the median
     order_idx = sorted(range(len(rounds)), key=lambda i: eff[winner][i])[len(rounds) // 2]
-    suffix = args.device if args.tenants == 4 else f"{args.device}_{args.tenants}t"
+    suffix = args.device + ("" if args.tenants == 4 else f"_{args.tenants}t") + (
+        "" if args.mix == "equal-time" else f"_{args.mix}")
     png = HERE / f"timeline_{suffix}.png"
     draw_timelines([rounds[order_idx]["isolated"], rounds[order_idx][winner]], png)
     out = Path(args.out) if args.out else HERE / f"results_{suffix}.json"
     summary = {"efficiency": {m: {"median": statistics.median(eff[m]), "min": min(eff[m]), "max": max(eff[m]),
-                                  "rounds": eff[m]} for m in shared}, "winner": winner,
+                                  "rounds": eff[m]} for m in shared},
+               "efficiency_vs_used_slots": {m: {"median": statistics.median(eff_used[m]), "rounds": eff_used[m]}
+                                            for m in shared}, "winner": winner,
                "median": {m: {"makespan_s": med(m, lambda x: x["makespan_s"]),
                               "device_s": med(m, lambda x: x["device_s"]),
+                              "partition_device_s": med(m, lambda x: x["partition_device_s"]),
                               "utilization": {s: med(m, lambda x, s=s: x["utilization"][s])
                                               for s in ("actor", "inference", "simulator")},
                               "completion_s": {n: med(m, lambda x, n=n: x["completion_s"][n]) for n in TENANTS},
