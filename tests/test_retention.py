@@ -74,6 +74,8 @@ def test_a_manifest_of_the_earlier_layout_moves_its_pruned_records_to_the_histor
     m["versions"][1]["pruned"] = True
     (out.path / "weights" / "v000001.pt").unlink()
     out.write(m)
+    assert out.prune(0, 3) == {"weights": [], "checkpoints": []}  # nothing deleted, the record moved
+    assert out.read()["pruned_versions"] == [[1, 1]] and len(out.history_path.read_text().splitlines()) == 1
     _publish(out, range(4, 6), keep_last=3)
     m = out.read()
     assert [e["version"] for e in m["versions"]] == [0, 3, 4, 5] and m["pruned_versions"] == [[1, 2]]

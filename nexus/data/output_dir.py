@@ -216,8 +216,9 @@ class TenantOutputDir:
         the newest ``checkpoints_kept`` DeepSpeed checkpoints; the manifest keeps their records, marked
         pruned. Returns what was pruned now."""
         m = self.read()
+        listed = len(m["versions"]), len(m["checkpoints"])
         gone = self._prune(m, versions_kept, checkpoints_kept)
-        if gone["weights"] or gone["checkpoints"]:
+        if (len(m["versions"]), len(m["checkpoints"])) != listed:  # records moved to the history
             self.write(m)
         return gone
 
