@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nexus.errors import SpecError
 
-DEFAULT = "grouped"  # the default policy: it won experiments/multitenant/ (median efficiency, 4 and 8 tenants)
+DEFAULT = "grouped"  # the default: best or within the noise of the best in every experiments/multitenant/ run
 
 
 class SchedulerPolicy(BaseModel):

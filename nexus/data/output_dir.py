@@ -255,21 +255,21 @@ class TenantOutputDir:
                 Path(v["weights"]).unlink(missing_ok=True)
                 gone["weights"].append(v["version"])
             moved.append({**v, "pruned": True})
-        cks = [c for c in m["checkpoints"] if not c.get("pruned")]
-        drop = cks[:max(0, len(cks) - checkpoints_kept)] if checkpoints_kept else []
-        for c in drop:
+        old_cks = [c for c in m["checkpoints"] if c.get("pruned")]
+        live_cks = [c for c in m["checkpoints"] if not c.get("pruned")]
+        n_drop = max(0, len(live_cks) - checkpoints_kept) if checkpoints_kept else 0
+        for c in live_cks[:n_drop]:
             tag_dir = self.checkpoints / c["tag"].rsplit("/", 1)[-1]
             if tag_dir.is_dir() and not tag_dir.is_symlink():
                 shutil.rmtree(tag_dir)
             gone["checkpoints"].append(c["version"])
-        old_cks = [c for c in m["checkpoints"] if c.get("pruned") or c in drop]
+        old_cks += live_cks[:n_drop]
         if moved or old_cks:
             self._append_history([*moved, *({**c, "kind": "checkpoint", "pruned": True} for c in old_cks)])
             ranges = self.pruned_versions(m)
             for v in moved:
                 ranges.add(v["version"])
-            m["versions"], m["pruned_versions"] = live, ranges.spans
-            m["checkpoints"] = [c for c in m["checkpoints"] if not (c.get("pruned") or c in drop)]
+            m["versions"], m["pruned_versions"], m["checkpoints"] = live, ranges.spans, live_cks[n_drop:]
         return gone
 
     def latest_checkpoint(self) -> dict[str, Any] | None:
