@@ -91,6 +91,35 @@ def test_wave_sizes():
     assert rollout.wave_sizes(2, 4) == [1, 1]
 
 
+def test_producer_mode_follows_the_data_path_and_the_catalog():
+    single, vector = catalog.env("maniskill/pushcube-state"), catalog.env("maniskill/pushcube-state-vec2")
+    assert rollout.producer_mode(single, "lockstep") == "lockstep"
+    assert rollout.producer_mode(single, "async") == "async"
+    assert rollout.producer_mode(vector, "lockstep") == "async"  # the entry is an async vector env
+
+
+def test_prewarm_builds_the_envs_a_rollout_then_checks_out():
+    """A worker's pool (here this process's): after prewarm, a producer of the same K and waves gets the
+    envs that were built ahead, none new."""
+    name = "maniskill/pushcube-state"
+    entry = catalog.env(name)
+    pool = rollout._pool()
+    taken = [pool.checkout(entry, [pool.idle(name)], "lockstep")] if pool.idle(name) else []  # start empty
+    try:
+        assert rollout.prewarm(name, 3, waves=2) == 3
+        taken.append(built := pool.checkout(entry, rollout.wave_sizes(3, 2), "lockstep"))
+        assert [len(g.envs) for g in built] == [2, 1] and pool.idle(name) == 0
+        ids = {id(e) for g in built for e in g.envs}
+        pool.checkin(entry, taken.pop(), "lockstep")
+        assert rollout.prewarm(name, 3, waves=2) == 3  # nothing built twice
+        taken.append(again := pool.checkout(entry, [3], "lockstep"))
+        assert {id(e) for g in again for e in g.envs} == ids
+    finally:
+        for groups in taken:
+            for g in groups:
+                g.close()
+
+
 class LoopEngine:
     """Calls an in-process engine the way a Dask actor proxy does: each method call returns a
     future with ``result()``; the coroutine runs on the engine's own event loop."""

@@ -71,13 +71,22 @@ def _pool() -> EnvPool:
 
 def prewarm(env_name: str, envs: int, waves: int = 1, vector_mode: str = "lockstep") -> int:
     """Build a producer's envs in this worker's pool ahead of the first rollout (env creation takes
-    seconds, ~7 s for a camera env); returns the number of envs now idle in the pool."""
+    seconds, ~7 s for a camera env): the groups a rollout of ``envs`` envs in ``waves`` waves checks out
+    (``vector_mode``: the data path's ``producer_vector_mode``); returns the env groups now idle."""
     from nexus import catalog
 
     entry = catalog.env(env_name)
+    mode = producer_mode(entry, vector_mode)
     pool = _pool()
-    pool.checkin(entry, pool.checkout(entry, wave_sizes(envs, waves), vector_mode), vector_mode)
+    pool.checkin(entry, pool.checkout(entry, wave_sizes(max(envs, entry.num_envs), waves), mode), mode)
     return pool.idle(entry.name)
+
+
+def producer_mode(entry, vector_mode: str) -> str:
+    """How a producer steps its envs: "async" (a gymnasium vector env of processes) when the data path
+    asks for it or the catalog entry is an async vector env, else "lockstep" (single envs in turn)."""
+    return "async" if vector_mode == "async" or (entry.num_envs > 1 and entry.vector_mode == "async") \
+        else "lockstep"
 
 
 def wave_sizes(envs: int, waves: int) -> list[int]:
@@ -149,8 +158,7 @@ def collect(tenant: str, env_name: str, output_dir: str, schema: dict, episodes:
     dp = DataPathSettings.model_validate(producer or {})
     entry = catalog.env(env_name)
     k = max(1, min(episodes, max(dp.envs_per_producer, entry.num_envs)))
-    mode = "async" if dp.producer_vector_mode == "async" or (entry.num_envs > 1 and entry.vector_mode == "async") \
-        else "lockstep"
+    mode = producer_mode(entry, dp.producer_vector_mode)
     rl = version is None
     pid = f"{tenant}/{job}/{uuid.uuid4().hex[:8]}"
     link = ProducerLink(engine, tenant, version, deterministic, job, pid,
