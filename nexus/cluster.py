@@ -158,6 +158,7 @@ class LocalService:
         env.update({ENV_VAR: str(self.root / "service.json"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                     "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "TOKENIZERS_PARALLELISM": "false", "MLFLOW_ENABLE_ASYNC_LOGGING": "false"})
+        env.update(self.config.cluster.dask_env())  # Dask's own way to configure a child process
         return env
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:

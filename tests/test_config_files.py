@@ -53,6 +53,24 @@ def test_bad_service_files_are_refused_with_the_field(tmp_path, text, override, 
     assert "\n" not in str(e.value)
 
 
+def test_dask_settings_of_the_service_processes(tmp_path):
+    """cluster.dask_config: dotted Dask keys over DASK_DEFAULTS, handed to the child processes as the
+    environment variables Dask reads; a key that is not a dotted setting is refused."""
+    env = ServiceConfig(root=str(tmp_path)).cluster.dask_env()
+    assert env["DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED"] == "False"
+    assert env["DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL"] == "1s"
+    path = tmp_path / "s.toml"
+    path.write_text('[cluster.dask_config]\n"distributed.worker.profile.enabled" = true\n'
+                    '"distributed.comm.timeouts.connect" = "45s"\n')
+    env = load_service_config(path, [f"root={tmp_path}"]).cluster.dask_env()
+    assert env["DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED"] == "True"  # the file wins over the default
+    assert env["DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT"] == "45s"
+    assert env["DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL"] == "500ms"  # the other defaults stay
+    path.write_text('[cluster.dask_config]\n"tick interval" = "1s"\n')
+    with pytest.raises(SpecError, match="'tick interval' is not a dotted Dask setting"):
+        load_service_config(path, [f"root={tmp_path}"])
+
+
 def test_missing_file_is_a_spec_error(tmp_path):
     with pytest.raises(SpecError, match="no such file"):
         load_service_config(tmp_path / "nope.toml")

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.cluster
 def nx(tmp_path_factory):
     root = tmp_path_factory.mktemp("service")
     # ops_idle_s: a low-level op session's MLflow run ends after 10 s without an op (the default is 120 s)
-    with Nexus.local(root, n_sim=2, infer_max_wait_s=0.005, ops_idle_s=10) as nexus:
+    # cluster.dask_config: one setting over the service's Dask defaults (checked below)
+    with Nexus.local(root, n_sim=2, infer_max_wait_s=0.005, ops_idle_s=10,
+                     cluster={"dask_config": {"distributed.admin.tick.interval": "750ms"}}) as nexus:
         yield nexus
 
 
@@ -34,6 +36,23 @@ def _tenants(nx: Nexus) -> list[str]:
 def test_scheduler_process_never_imports_torch(nx):
     assert nx.client.run_on_scheduler(lambda: "torch" in sys.modules) is False
     assert "nexus" in nx.client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+
+
+def test_service_processes_run_with_the_service_dask_settings(nx):
+    """Every process of the embedded deployment reads cluster.dask_config over DASK_DEFAULTS (the idle
+    service's CPU: no 10 ms stack sampling, no 20 ms loop checks)."""
+    import dask
+
+    def settings() -> tuple:
+        return tuple(dask.config.get(k) for k in ("distributed.worker.profile.enabled",
+                                                  "distributed.admin.tick.interval",
+                                                  "distributed.worker.memory.monitor-interval"))
+
+    want = (False, "750ms", "1s")  # two defaults and the override given above
+    assert set(nx.client.run(settings).values()) == {want} and len(nx.client.run(settings)) >= 4
+    assert nx.client.run_on_scheduler(settings) == want
+    sampling = nx.client.run(lambda dask_worker: "profile" in dask_worker.periodic_callbacks)
+    assert not any(sampling.values())  # the 10 ms stack sampling is really off, not only configured off
 
 
 @pytest.mark.parametrize("spec, message", [
