@@ -22,7 +22,7 @@ busy / allocated, the simulator's busy time split into stepping vs waiting for a
 isolated / multi device time (= makespan ratio: both modes hold the same slots the whole time); also
 against an isolated baseline charged only the slots each job used (``partition_device_s``).
 
-    python experiments/multitenant/bench.py                  # CPU, ~17 min on 2 cores
+    python experiments/multitenant/bench.py                  # CPU, ~9 min on 2 cores
     python experiments/multitenant/bench.py --device cuda    # GPU (bf16 backbone), not run here
 """
 
@@ -43,6 +43,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 PAPER = {"efficiency": 1.39, "utilization": {"actor": (0.208, 0.413), "inference": (0.281, 0.375)}}
 WORKER_NAMES: dict[str, str] = {}  # worker address -> name (timeline labels)
+WORKER_PIDS: dict[str, int] = {}  # worker address -> process id (CPU accounting)
 WORKLOAD = {  # name -> (spec fields, job): the paper's 3 RL + 1 SFT mix
     "ms-state": ({"env": "maniskill/pushcube-state", "action_dim": 4, "priority": 1}, "rl"),
     "ms-rgb": ({"env": "maniskill/pickcube-rgb", "action_dim": 4, "priority": 1}, "rl"),
@@ -83,16 +84,56 @@ def _jobs(args, warm: bool = False) -> dict[str, dict]:
     return jobs
 
 
+def warm_up(nx, policy: dict, args) -> dict[str, dict[str, int]]:
+    """Build every RL tenant's envs on every SIM worker (``rollout.prewarm``: ms-rgb's first rgb envs on a
+    worker cost ~13 s), so that no measured run pays env construction wherever its rollouts land; then
+    one short run of every job. Returns SIM worker -> env -> env groups idle in its pool."""
+    from nexus.services import rollout
+
+    envs = sorted({kw["env"] for kw, kind in TENANTS.values() if kind == "rl"})
+    sims = [a for a, info in nx.client.scheduler_info()["workers"].items() if "SIM" in info["resources"]]
+    futs = {(WORKER_NAMES[w], e): nx.client.submit(rollout.prewarm, e, args.envs, workers=[w], resources={"SIM": 1},
+                                                   pure=False) for w in sims for e in envs}
+    idle: dict[str, dict[str, int]] = {}
+    for (w, e), f in futs.items():
+        idle.setdefault(w, {})[e] = f.result()
+    run_mode(nx, "warm-up", policy, args, warm=True)
+    return idle
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU time (user + system) of this process and every process it started, by role: the Dask scheduler,
+    each worker by its name (actor-0, infer-0, sim-0, ...), the nannies, the gateway, this client."""
+    import psutil
+
+    me = psutil.Process()
+    names = {pid: WORKER_NAMES.get(a, a) for a, pid in WORKER_PIDS.items()}
+    out: dict[str, float] = {}
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:  # a process that ended in between
+            continue
+        role = names.get(p.pid) or ("client" if p.pid == me.pid else "scheduler" if "dask_scheduler" in cmd
+                                    else "nannies" if "dask_worker" in cmd else "gateway" if "gateway" in cmd
+                                    else "other")
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    return out
+
+
 def run_mode(nx, mode: str, policy: dict, args, warm: bool = False) -> dict:
     """Submit the four jobs at once under ``policy``; the run's timing, accounting and groups."""
     nx.internal("nexus_set_policy", policy=policy)
     engine = nx.engine()
     engine.reset_stats().result()
     before = nx.call("nexus_monitoring", since=time.time())
+    cpu0 = cpu_seconds()
     t0 = time.time()
     handles = {n: nx.tenant(n).submit(job) for n, job in _jobs(args, warm).items()}
     results = {n: h.result(timeout=3600) for n, h in handles.items()}
     t1 = time.time()
+    cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_seconds().items()}
     nx.flush()
     views = {n: h.info() for n, h in handles.items()}
     for n, v in views.items():
@@ -128,6 +169,8 @@ def run_mode(nx, mode: str, policy: dict, args, warm: bool = False) -> dict:
         "cross_tenant_share": sum(v for k, v in tenants_hist.items() if k > 1) / groups,
         "group_rows_hist": sizes, "group_requests_hist": calls, "group_tenants_hist": tenants_hist,
         "fire_reasons": stats["reasons"],
+        # CPU: on a machine of few cores the shared run is CPU-bound; cores_busy = CPU-s / wall
+        "cpu_s": cpu, "cpu_total_s": sum(cpu.values()), "cores_busy": sum(cpu.values()) / (t1 - t0),
         "sft_actor_s": sft_actor, "sft_sync_s": sft_sync,
         "sft_sync_share": sft_sync / sft_actor if sft_actor > 0 else 0.0,
         "spans": spans,
@@ -217,10 +260,12 @@ def main() -> None:
     with Nexus.local(work / "service", n_sim=args.n_sim, backbone=backbone, scheduler=args.policies.split(",")[0],
                      datapath={"envs_per_producer": args.envs}) as nx:
         WORKER_NAMES.update({a: str(i.get("name", a)) for a, i in nx.client.scheduler_info()["workers"].items()})
+        WORKER_PIDS.update(nx.client.run(os.getpid))
         for name, (kw, _) in TENANTS.items():
             nx.create_tenant(TenantSpec(name=name, hidden_dim=128, seed=len(name), **kw))
-        run_mode(nx, "warm-up", policies[args.policies.split(",")[0]], args, warm=True)
-        print(f"service up, warm-up done in {time.time() - t_bench:.0f} s", flush=True)
+        idle = warm_up(nx, policies[args.policies.split(",")[0]], args)
+        print(f"service up, warm-up done in {time.time() - t_bench:.0f} s; env groups built per SIM worker: {idle}",
+              flush=True)
         modes = list(policies)
         for r in range(args.pairs):
             order = modes[r % len(modes):] + modes[:r % len(modes)]
@@ -230,7 +275,8 @@ def main() -> None:
                 print(f"round {r} {m:9s} makespan {got[m]['makespan_s']:6.1f} s  util actor "
                       f"{got[m]['utilization']['actor']:.2f} inference {got[m]['utilization']['inference']:.2f} "
                       f"simulator {got[m]['utilization']['simulator']:.2f}  groups {got[m]['groups']} mean rows "
-                      f"{got[m]['mean_group_rows']:.2f}  load {os.getloadavg()[0]:.1f}", flush=True)
+                      f"{got[m]['mean_group_rows']:.2f}  CPU {got[m]['cpu_total_s']:.0f} s "
+                      f"({got[m]['cores_busy']:.2f} cores)  load {os.getloadavg()[0]:.1f}", flush=True)
             rounds.append(got)
     shared = [m for m in policies if m != "isolated"]
     eff = {m: [rd["isolated"]["device_s"] / rd[m]["device_s"] for rd in rounds] for m in shared}
@@ -240,7 +286,8 @@ def main() -> None:
     def med(m: str, f) -> float:
         return statistics.median(f(rd[m]) for rd in rounds)
 
-    print(f"\nmedian over {len(rounds)} rounds (CPU, 2 cores; measured under load from other engineers)")
+    print(f"\nmedian over {len(rounds)} rounds ({args.device}, {os.cpu_count()} cores; load average at the end "
+          f"{os.getloadavg()[0]:.1f}, this benchmark's own processes included)")
     head = f"{'':34s}{'isolated':>12s}" + "".join(f"{'multi ' + m:>16s}" for m in shared) + f"{'paper':>18s}"
     print(head)
 
@@ -266,6 +313,15 @@ def main() -> None:
     line("  simulator waiting for actions, s", lambda x: x["simulator_split_s"]["waiting_for_actions"], ".1f")
     for n in TENANTS:
         line(f"completion {n}, s", lambda x, n=n: x["completion_s"][n], ".1f")
+    line("CPU time, all processes, s", lambda x: x["cpu_total_s"], ".1f")
+    for label, roles in (("actor", "actor"), ("inference", "infer"), ("simulators", "sim")):
+        line(f"  CPU {label}, s", lambda x, r=roles: sum(v for k, v in x["cpu_s"].items() if k.startswith(r)), ".1f")
+    line("  CPU scheduler + nannies + client, s", lambda x: sum(
+        x["cpu_s"].get(k, 0.0) for k in ("scheduler", "nannies", "client", "gateway", "other")), ".1f")
+    line(f"cores busy (of {os.cpu_count()})", lambda x: x["cores_busy"], ".2f")
+    ceiling = os.cpu_count() / med("isolated", lambda x: x["cores_busy"])
+    print(f"{'ceiling: cores / isolated busy':34s}{ceiling:>11.2f}x   (efficiency if sharing cost no extra CPU "
+          "and kept every core busy)")
     line("mean inference group, rows", lambda x: x["mean_group_rows"], ".2f", ">= 4 (target)")
     line("mean inference group, requests", lambda x: x["mean_group_requests"], ".2f")
     line("groups mixing tenants, %", lambda x: 100 * x["cross_tenant_share"], ".1f")
@@ -292,7 +348,10 @@ def main() -> None:
                               "mean_group_rows": med(m, lambda x: x["mean_group_rows"]),
                               "mean_group_requests": med(m, lambda x: x["mean_group_requests"]),
                               "cross_tenant_share": med(m, lambda x: x["cross_tenant_share"]),
-                              "sft_sync_share": med(m, lambda x: x["sft_sync_share"])} for m in policies},
+                              "sft_sync_share": med(m, lambda x: x["sft_sync_share"]),
+                              "cpu_total_s": med(m, lambda x: x["cpu_total_s"]),
+                              "cores_busy": med(m, lambda x: x["cores_busy"])} for m in policies},
+               "cpu_ceiling": ceiling,
                "paper": PAPER, "timeline_round": order_idx}
     for rd in rounds:  # the spans stay out of the JSON (the PNG shows one round's)
         for run in rd.values():
