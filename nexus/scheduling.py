@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nexus.errors import SpecError
 
-DEFAULT = "grouped"  # the default: best or within the noise of the best in every experiments/multitenant/ run
+DEFAULT = "grouped"  # the default: the best median efficiency in experiments/multitenant/ (grouped.toml)
 
 
 class SchedulerPolicy(BaseModel):
