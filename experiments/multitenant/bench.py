@@ -20,7 +20,10 @@ rotates from round to round, and one warm-up run is not counted. Accounting come
 records (``nexus_accounting``: spans per slot): device time = allocated slots x wall time, utilization =
 busy / allocated, the simulator's busy time split into stepping vs waiting for actions. Efficiency =
 isolated / multi device time (= makespan ratio: both modes hold the same slots the whole time); also
-against an isolated baseline charged only the slots each job used (``partition_device_s``).
+against an isolated baseline charged only the slots each job used (``partition_device_s``). Before the
+rounds every RL tenant's envs are built on every SIM worker (``rollout.prewarm``), so no measured run
+pays env construction; each run also records the CPU time of every process of the service, by role
+(``cpu_seconds``): on a machine of few cores the shared runs are CPU-bound.
 
     python experiments/multitenant/bench.py                  # CPU, ~9 min on 2 cores
     python experiments/multitenant/bench.py --device cuda    # GPU (bf16 backbone), not run here
