@@ -128,6 +128,7 @@ class LocalService:
         self.memory_limit = memory_limit or config.cluster.memory_limit
         self.root = Path(config.root).resolve()
         self.procs: list[subprocess.Popen] = []
+        self.names: dict[int, str] = {}  # pid of a spawned process -> its name (scheduler, gateway, sim-0, ...)
         self.address: str | None = None
         self.gateway_url: str | None = None
         self.tls = None  # TLSFiles once started with config.tls
@@ -168,6 +169,7 @@ class LocalService:
         self.procs.append(subprocess.Popen([sys.executable, "-m", *args], env={**self._env(), **(env or {})},
                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                            cwd=self.root, preexec_fn=_child_setup))
+        self.names[self.procs[-1].pid] = name
 
     def _worker(self, name: str, resources: str) -> None:
         # simulator workers may run vector envs with a process per sub-env: Dask's daemonic worker
@@ -258,6 +260,7 @@ class LocalService:
         if self.procs:  # only the service that started the scheduler removes its file
             self.scheduler_file.unlink(missing_ok=True)
         self.procs.clear()
+        self.names.clear()
         self._lock.release()
 
     def _end_sessions(self, timeout: float = 15.0) -> None:
@@ -310,6 +313,30 @@ class LocalService:
                 for c in conns:
                     if c.status == psutil.CONN_LISTEN or (c.type == 2 and not c.raddr):  # TCP listen, UDP bound
                         out.append((q.pid, name, c.laddr.ip, c.laddr.port))
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) the service's processes used so far, by name: ``scheduler``, ``gateway``,
+        each worker with its children (``actor-0``, ``infer-0``, ``sim-0``, ...) and ``nannies`` (the
+        process a worker runs under). Benchmarks read it around a run."""
+        import psutil
+
+        out: dict[str, float] = {}
+        for p in self.procs:
+            name = self.names[p.pid]
+            try:
+                root = psutil.Process(p.pid)
+                parts = [(root, name), *((q, name) for q in root.children(recursive=True))]
+            except psutil.NoSuchProcess:
+                continue
+            if name not in ("scheduler", "gateway"):  # a worker's spawned process is its nanny
+                parts[0] = (root, "nannies")
+            for q, role in parts:
+                try:
+                    t = q.cpu_times()
+                except psutil.NoSuchProcess:  # ended in between
+                    continue
+                out[role] = out.get(role, 0.0) + t.user + t.system
         return out
 
     def __enter__(self) -> LocalService:

@@ -49,10 +49,24 @@ def test_service_processes_run_with_the_service_dask_settings(nx):
                                                   "distributed.worker.memory.monitor-interval"))
 
     want = (False, "750ms", "1s")  # two defaults and the override given above
-    assert set(nx.client.run(settings).values()) == {want} and len(nx.client.run(settings)) >= 4
+    seen = nx.client.run(settings)
+    assert set(seen.values()) == {want} and len(seen) >= 4
     assert nx.client.run_on_scheduler(settings) == want
     sampling = nx.client.run(lambda dask_worker: "profile" in dask_worker.periodic_callbacks)
     assert not any(sampling.values())  # the 10 ms stack sampling is really off, not only configured off
+
+
+def test_cpu_seconds_name_every_process_of_the_service(nx):
+    """LocalService.cpu_seconds (what the benchmarks read): every spawned process by its name, a worker's
+    nanny apart, and CPU time only grows."""
+    before = nx.service.cpu_seconds()
+    workers = {str(i["name"]) for i in nx.client.scheduler_info()["workers"].values()}
+    assert set(before) == {"scheduler", "gateway", "nannies", *workers}
+    assert {"actor-0", "infer-0", "sim-0", "sim-1"} <= workers and all(v > 0 for v in before.values())
+    nx.client.run(lambda: sum(i * i for i in range(2_000_000)), workers=[
+        a for a, i in nx.client.scheduler_info()["workers"].items() if i["name"] == "sim-0"])
+    after = nx.service.cpu_seconds()
+    assert all(after[k] >= before[k] for k in before) and after["sim-0"] > before["sim-0"]
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -23,7 +23,7 @@ isolated / multi device time (= makespan ratio: both modes hold the same slots t
 against an isolated baseline charged only the slots each job used (``partition_device_s``). Before the
 rounds every RL tenant's envs are built on every SIM worker (``rollout.prewarm``), so no measured run
 pays env construction; each run also records the CPU time of every process of the service, by role
-(``cpu_seconds``): on a machine of few cores the shared runs are CPU-bound.
+(``LocalService.cpu_seconds``): on a machine of few cores the shared runs are CPU-bound.
 
     python experiments/multitenant/bench.py                  # CPU, ~9 min on 2 cores
     python experiments/multitenant/bench.py --device cuda    # GPU (bf16 backbone), not run here
@@ -46,7 +46,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 PAPER = {"efficiency": 1.39, "utilization": {"actor": (0.208, 0.413), "inference": (0.281, 0.375)}}
 WORKER_NAMES: dict[str, str] = {}  # worker address -> name (timeline labels)
-WORKER_PIDS: dict[str, int] = {}  # worker address -> process id (CPU accounting)
 WORKLOAD = {  # name -> (spec fields, job): the paper's 3 RL + 1 SFT mix
     "ms-state": ({"env": "maniskill/pushcube-state", "action_dim": 4, "priority": 1}, "rl"),
     "ms-rgb": ({"env": "maniskill/pickcube-rgb", "action_dim": 4, "priority": 1}, "rl"),
@@ -104,25 +103,10 @@ def warm_up(nx, policy: dict, args) -> dict[str, dict[str, int]]:
     return idle
 
 
-def cpu_seconds() -> dict[str, float]:
-    """CPU time (user + system) of this process and every process it started, by role: the Dask scheduler,
-    each worker by its name (actor-0, infer-0, sim-0, ...), the nannies, the gateway, this client."""
-    import psutil
-
-    me = psutil.Process()
-    names = {pid: WORKER_NAMES.get(a, a) for a, pid in WORKER_PIDS.items()}
-    out: dict[str, float] = {}
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            cmd = " ".join(p.cmdline())
-        except psutil.Error:  # a process that ended in between
-            continue
-        role = names.get(p.pid) or ("client" if p.pid == me.pid else "scheduler" if "dask_scheduler" in cmd
-                                    else "nannies" if "dask_worker" in cmd else "gateway" if "gateway" in cmd
-                                    else "other")
-        out[role] = out.get(role, 0.0) + t.user + t.system
-    return out
+def cpu_seconds(nx) -> dict[str, float]:
+    """CPU time of the service's processes by name (``LocalService.cpu_seconds``) and of this client."""
+    t = os.times()
+    return {**nx.service.cpu_seconds(), "client": t.user + t.system}
 
 
 def run_mode(nx, mode: str, policy: dict, args, warm: bool = False) -> dict:
@@ -131,12 +115,12 @@ def run_mode(nx, mode: str, policy: dict, args, warm: bool = False) -> dict:
     engine = nx.engine()
     engine.reset_stats().result()
     before = nx.call("nexus_monitoring", since=time.time())
-    cpu0 = cpu_seconds()
+    cpu0 = cpu_seconds(nx)
     t0 = time.time()
     handles = {n: nx.tenant(n).submit(job) for n, job in _jobs(args, warm).items()}
     results = {n: h.result(timeout=3600) for n, h in handles.items()}
     t1 = time.time()
-    cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_seconds().items()}
+    cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_seconds(nx).items()}
     nx.flush()
     views = {n: h.info() for n, h in handles.items()}
     for n, v in views.items():
@@ -263,7 +247,6 @@ def main() -> None:
     with Nexus.local(work / "service", n_sim=args.n_sim, backbone=backbone, scheduler=args.policies.split(",")[0],
                      datapath={"envs_per_producer": args.envs}) as nx:
         WORKER_NAMES.update({a: str(i.get("name", a)) for a, i in nx.client.scheduler_info()["workers"].items()})
-        WORKER_PIDS.update(nx.client.run(os.getpid))
         for name, (kw, _) in TENANTS.items():
             nx.create_tenant(TenantSpec(name=name, hidden_dim=128, seed=len(name), **kw))
         idle = warm_up(nx, policies[args.policies.split(",")[0]], args)
@@ -320,7 +303,7 @@ def main() -> None:
     for label, roles in (("actor", "actor"), ("inference", "infer"), ("simulators", "sim")):
         line(f"  CPU {label}, s", lambda x, r=roles: sum(v for k, v in x["cpu_s"].items() if k.startswith(r)), ".1f")
     line("  CPU scheduler + nannies + client, s", lambda x: sum(
-        x["cpu_s"].get(k, 0.0) for k in ("scheduler", "nannies", "client", "gateway", "other")), ".1f")
+        x["cpu_s"].get(k, 0.0) for k in ("scheduler", "nannies", "client", "gateway")), ".1f")
     line(f"cores busy (of {os.cpu_count()})", lambda x: x["cores_busy"], ".2f")
     ceiling = os.cpu_count() / med("isolated", lambda x: x["cores_busy"])
     print(f"{'ceiling: cores / isolated busy':34s}{ceiling:>11.2f}x   (efficiency if sharing cost no extra CPU "

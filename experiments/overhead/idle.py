@@ -30,33 +30,15 @@ DASK_OWN = {  # Dask's defaults for the four settings DASK_DEFAULTS changes
 }
 
 
-def cpu_by_role(nx) -> dict[str, float]:
-    """CPU seconds of every process this one started, by role (worker names, nannies, scheduler, gateway)."""
-    import psutil
-
-    info = nx.client.scheduler_info()["workers"]
-    names = {pid: str(info[a].get("name", a)) for a, pid in nx.client.run(os.getpid).items()}
-    out: dict[str, float] = {}
-    for p in psutil.Process().children(recursive=True):
-        try:
-            t, cmd = p.cpu_times(), " ".join(p.cmdline())
-        except psutil.Error:
-            continue
-        role = names.get(p.pid) or ("scheduler" if "dask_scheduler" in cmd else "nannies" if "dask_worker" in cmd
-                                    else "gateway" if "gateway" in cmd else "other")
-        out[role] = out.get(role, 0.0) + t.user + t.system
-    return out
-
-
 def measure(dask_config: dict, args) -> dict[str, float]:
     from nexus.client.api import Nexus
 
     with Nexus.local(Path(tempfile.mkdtemp(prefix="nexus-idle-")) / "service", n_sim=args.n_sim,
                      cluster={"dask_config": dask_config}) as nx:
         time.sleep(args.settle)
-        a = cpu_by_role(nx)
+        a = nx.service.cpu_seconds()
         time.sleep(args.window)
-        b = cpu_by_role(nx)
+        b = nx.service.cpu_seconds()
     return {k: 100 * (v - a.get(k, 0.0)) / args.window for k, v in sorted(b.items())}  # % of one core
 
 
