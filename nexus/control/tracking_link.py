@@ -1,6 +1,8 @@
 """The control plane's ordered, never-blocking link to the MLflow tracker (hosted by a worker).
 
-Calls are queued in order and sent in batches by one sender; the caller never waits. When the
+Calls are queued in order and sent in batches by one sender; the caller never waits. The sender lets
+calls gather for a moment (``linger_s``) so that one message carries many, and the tracker writes
+each batch's metrics in one store transaction per run. When the
 tracker's worker is lost, the unacknowledged batch stays queued; once the supervisor has started a
 new tracker (a new epoch), the link first sends ``reopen`` with every run it knows, so the new
 tracker continues the same MLflow runs, and then resends. ``start_run`` is idempotent on the tracker
@@ -21,9 +23,13 @@ Send = Callable[[str, list[list[Any]]], Awaitable[list[Any]]]  # (address, calls
 
 
 class TrackerLink:
-    def __init__(self, send: Send, max_batch: int = 200) -> None:
+    def __init__(self, send: Send, max_batch: int = 200, linger_s: float = 0.5) -> None:
+        """``linger_s``: how long the sender lets calls gather before it sends what it has (a batch is one
+        message and one tracker write per run however many calls it holds; ``flush`` never lingers)."""
         self._send = send
         self.max_batch = max_batch
+        self.linger_s = linger_s
+        self._flushing = 0
         self.address: str | None = None
         self.epoch = 0
         self._sent_epoch = 0
@@ -83,15 +89,35 @@ class TrackerLink:
             self._task.cancel()
 
     async def flush(self, timeout: float = 60.0) -> bool:
+        self._flushing += 1
+        self._wake.set()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
         except TimeoutError:
             return False
+        finally:
+            self._flushing -= 1
 
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    def _in_a_hurry(self) -> bool:
+        return bool(self._flushing) or len(self._pending) >= self.max_batch or self.address is None
+
+    async def _linger(self) -> None:
+        """Let calls gather for up to ``linger_s``; a flush or a full batch ends the wait at once."""
+        deadline = asyncio.get_running_loop().time() + self.linger_s
+        while not self._in_a_hurry():
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                return
 
     # -- sender --------------------------------------------------------------------------------------------
     async def _sender(self) -> None:
@@ -101,6 +127,9 @@ class TrackerLink:
                     self._idle.set()
                 self._wake.clear()
                 await self._wake.wait()
+                continue
+            await self._linger()
+            if self.address is None:
                 continue
             address, epoch = self.address, self.epoch
             batch = [self._pending[i] for i in range(min(self.max_batch, len(self._pending)))]

@@ -24,6 +24,7 @@ Load it with ``dask worker --preload nexus.services.worker_plugin``; tasks insta
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -217,17 +218,27 @@ class TrackerHost:
         return await asyncio.get_running_loop().run_in_executor(self._thread, self._run_all, calls)
 
     def _run_all(self, calls: list[list[Any]]) -> list[Any]:
-        out = []
-        for method, kwargs in calls:
-            if method not in self.METHODS:
-                out.append(None)
+        """The calls in order; each run of consecutive ``log_metrics`` is one write per MLflow run."""
+        out: list[Any] = []
+        i = 0
+        while i < len(calls):
+            method, kwargs = calls[i]
+            if method == "log_metrics":
+                rows = list(itertools.takewhile(lambda c: c[0] == "log_metrics", calls[i:]))
+                self._call("log_metrics_many", {"rows": [kw for _, kw in rows]})
+                out += [None] * len(rows)
+                i += len(rows)
                 continue
-            try:
-                out.append(getattr(self.tracker, method)(**kwargs))
-            except Exception as e:  # one bad call must not lose the batch
-                logger.error("tracker %s failed: %s", method, e)
-                out.append(None)
+            out.append(self._call(method, kwargs) if method in self.METHODS else None)
+            i += 1
         return out
+
+    def _call(self, method: str, kwargs: dict[str, Any]) -> Any:
+        try:
+            return getattr(self.tracker, method)(**kwargs)
+        except Exception as e:  # one bad call must not lose the batch
+            logger.error("tracker %s failed: %s", method, e)
+            return None
 
 
 class NexusWorkerPlugin(WorkerPlugin):
