@@ -8,7 +8,7 @@ import json
 import pytest
 
 from nexus.config import ServiceConfig
-from nexus.data.output_dir import TenantOutputDir, mark_evaluation
+from nexus.data.output_dir import TenantOutputDir, mark_evaluation, unmark_evaluation
 from nexus.errors import NotFound
 
 
@@ -120,6 +120,21 @@ def test_an_evaluation_of_a_pruned_version_is_refused(tmp_path):
         mark_evaluation(str(out.path), "t-eval-9", 2)
     assert not list(out.eval_dir.glob("t-eval-9*"))  # no marker left behind
     assert 2 not in out.evaluated_versions()
+
+
+def test_an_evaluation_without_its_report_no_longer_keeps_its_version(tmp_path):
+    out = TenantOutputDir(tmp_path / "t")
+    out.create({"name": "t"}, {})
+    _publish(out, range(0, 6), keep_last=2)
+    for job, v in (("t-eval-1", 4), ("t-eval-2", 5), ("t-eval-3", 5)):
+        mark_evaluation(str(out.path), job, v)
+    (out.eval_dir / "t-eval-2-v000005.json").write_text(json.dumps({"job": "t-eval-2", "version": 5, "episodes": 3}))
+    assert unmark_evaluation(str(out.path), "t-eval-1") == [4]  # failed or cancelled: its marker goes
+    assert unmark_evaluation(str(out.path), "t-eval-2") == []  # a finished report stays
+    _publish(out, range(6, 9), keep_last=2)
+    assert _on_disk(out) == {0, 5, 7, 8}  # 4 pruned like any other; 5 kept by two evaluations
+    assert unmark_evaluation(str(out.path)) == [5]  # a crashed service's unfinished ones (t-eval-3)
+    assert out.evaluated_versions() == {5}  # t-eval-2's report still keeps it
 
 
 def test_job_history_goes_to_its_own_file(tmp_path):

@@ -10,6 +10,7 @@ episode ids and seeds, keeping its slot, up to ``rollout_attempts`` times.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from nexus.control.queues import TrainingQueue
     from nexus.control.runtime import DaskRuntime
     from nexus.control.tenants import TenantState
+
+logger = logging.getLogger("nexus.flows")
 
 
 @dataclass
@@ -207,6 +210,20 @@ async def run_eval(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, 
     # retention keeps every evaluated version: mark it before anything can prune it (refused if already pruned)
     await ctx.runtime.run(tasks.MARK_EVALUATION, t.output_dir, js.job_id, version,
                           key=f"nexus-evalmark-{js.job_id}", resources={"SIM": 1})
+    try:
+        return await _evaluate(ctx, js, t, version)
+    except BaseException as e:  # failed or cancelled: no report, so the version need not outlive retention
+        if js.cancel_requested or not isinstance(e, asyncio.CancelledError):  # closing: the next boot unmarks
+            try:
+                await ctx.runtime.run(tasks.UNMARK_EVALUATION, t.output_dir, js.job_id,
+                                      key=f"nexus-evalunmark-{js.job_id}", resources={"SIM": 1})
+            except Exception as err:
+                logger.warning("evaluation %s: its marker stays (%s)", js.job_id, err)
+        raise
+
+
+async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int) -> dict[str, Any]:
+    spec = js.spec
     role = producer_role(js.job_id)
     ctx.health.register(role, "rollout")
     js.progress.update(version=version, episodes=0)

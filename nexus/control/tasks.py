@@ -51,6 +51,7 @@ MARK_INTERRUPTED = TaskRef(f"{_R}:mark_interrupted")
 RUN_ROLLOUT = TaskRef(f"{_R}:run_rollout")
 WRITE_EVAL_REPORT = TaskRef("nexus.services.rollout:write_eval_report")
 MARK_EVALUATION = TaskRef("nexus.data.output_dir:mark_evaluation")  # retention keeps an evaluated version
+UNMARK_EVALUATION = TaskRef("nexus.data.output_dir:unmark_evaluation")  # ... unless it ended without a report
 # any worker: host a role in the worker's plugin (installs the plugin when the worker lacks it)
 START_ENGINE = TaskRef(f"{_W}:start_engine")
 START_TRACKER = TaskRef(f"{_W}:start_tracker")

@@ -312,6 +312,23 @@ def mark_evaluation(output_dir: str, job: str, version: int) -> str:
     return str(path)
 
 
+def unmark_evaluation(output_dir: str, job: str | None = None) -> list[int]:
+    """An evaluation that ended without its report (failed, cancelled; ``job=None``: every one a crashed
+    service left): its marker goes, so retention no longer keeps a version nobody evaluated. Returns
+    the versions unmarked; a finished report stays."""
+    out = TenantOutputDir(output_dir)
+    gone = []
+    for path in out.eval_dir.glob(f"{job or '*'}-v*.json") if out.eval_dir.exists() else ():
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(report, dict) and report.get("state") == "running" and (job is None or report.get("job") == job):
+            path.unlink(missing_ok=True)
+            gone.append(int(report["version"]))
+    return sorted(gone)
+
+
 class _Ranges:
     """A sorted set of ints kept as inclusive ``[lo, hi]`` spans (pruned versions: nearly one span)."""
 

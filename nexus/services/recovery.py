@@ -279,9 +279,11 @@ def discover(root: str) -> list[dict[str, Any]]:
 
 
 def mark_interrupted(output_dir: str, reason: str) -> list[str]:
-    """Jobs a crashed service left running: their records and the manifest say ``failed``."""
-    from nexus.data.output_dir import TenantOutputDir
+    """Jobs a crashed service left running: their records and the manifest say ``failed``; their unfinished
+    evaluations no longer keep a version from retention."""
+    from nexus.data.output_dir import TenantOutputDir, unmark_evaluation
 
+    unmark_evaluation(output_dir)
     out = TenantOutputDir(output_dir)
     marked = []
     for r in out.job_records():
