@@ -170,11 +170,16 @@ class DataPathSettings(BaseModel):
 # cores): each worker samples its threads' stacks every 10 ms for the dashboard's Profile tab, every
 # process checks its event loop every 20 ms, each nanny polls its worker's memory every 100 ms. These
 # bring it to 4 %; the service's own health checks (heartbeats, /nexus) do not use any of them.
-DASK_DEFAULTS: dict[str, str | bool] = {
+DaskValue = str | bool | int | float | dict[str, str | bool | int | float | None]
+DASK_DEFAULTS: dict[str, DaskValue] = {
     "distributed.worker.profile.enabled": False,  # the dashboard's Profile tab stays empty
     "distributed.admin.tick.interval": "500ms",  # "event loop unresponsive" warnings: 0.5 s resolution
     "distributed.admin.system-monitor.interval": "2s",  # dashboard System tab: a point every 2 s
     "distributed.worker.memory.monitor-interval": "1s",  # the nanny's memory-limit check
+    # Dask's nanny starts workers with MALLOC_TRIM_THRESHOLD_=65536, which also fixes glibc's mmap threshold at
+    # 128 KiB: every tensor or frame buffer above it is a fresh mmap whose pages fault in again, +50 % CPU
+    # for a training step (experiments/overhead/malloc.py). None unsets it: glibc's adaptive thresholds.
+    "distributed.nanny.pre-spawn-environ": {"MALLOC_TRIM_THRESHOLD_": None},
 }
 
 
@@ -186,9 +191,10 @@ class ClusterSettings(BaseModel):
     dashboard_address: str | None = Field(
         None, description="Dask dashboard host:port; default: 127.0.0.1:8787 for `nexus up`, a free port otherwise")
     memory_limit: str = Field("6GiB", description="per worker process (Dask's --memory-limit)")
-    dask_config: dict[str, str | bool | int | float] = Field(
+    dask_config: dict[str, DaskValue] = Field(
         default_factory=dict, description="Dask settings for the service's processes, dotted keys "
-        "(\"distributed.admin.tick.interval\" = \"20ms\"), over DASK_DEFAULTS")
+        "(\"distributed.admin.tick.interval\" = \"20ms\"), over DASK_DEFAULTS; a table value (e.g. "
+        "\"distributed.nanny.pre-spawn-environ\" = {MALLOC_TRIM_THRESHOLD_ = 65536}) adds to the default's")
 
     @model_validator(mode="after")
     def _dask_keys(self) -> ClusterSettings:
@@ -201,7 +207,11 @@ class ClusterSettings(BaseModel):
     def dask_env(self) -> dict[str, str]:
         """The Dask settings as the environment variables Dask reads at import in a child process
         (``DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL=500ms``)."""
-        merged = {**DASK_DEFAULTS, **self.dask_config}
+        merged = dict(DASK_DEFAULTS)
+        for k, v in self.dask_config.items():
+            base = merged.get(k)
+            merged[k] = {**base, **v} if isinstance(base, dict) and isinstance(v, dict) else v
+        # a table is a Python literal, which Dask parses (``ast.literal_eval``) keeping its keys' case
         return {"DASK_" + "__".join(p.upper().replace("-", "_") for p in k.split(".")): str(v)
                 for k, v in merged.items()}
 

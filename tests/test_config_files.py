@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,11 @@ def test_dask_settings_of_the_service_processes(tmp_path):
     assert env["DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED"] == "True"  # the file wins over the default
     assert env["DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT"] == "45s"
     assert env["DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL"] == "500ms"  # the other defaults stay
+    assert env["DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON"] == "{'MALLOC_TRIM_THRESHOLD_': None}"  # unset
+    path.write_text('[cluster.dask_config]\n"distributed.nanny.pre-spawn-environ" = {MALLOC_ARENA_MAX = 2}\n')
+    env = load_service_config(path, [f"root={tmp_path}"]).cluster.dask_env()  # a table adds to the default's
+    assert ast.literal_eval(env["DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON"]) == {"MALLOC_TRIM_THRESHOLD_": None,
+                                                                               "MALLOC_ARENA_MAX": 2}
     path.write_text('[cluster.dask_config]\n"tick interval" = "1s"\n')
     with pytest.raises(SpecError, match="'tick interval' is not a dotted Dask setting"):
         load_service_config(path, [f"root={tmp_path}"])

@@ -67,10 +67,11 @@ def _obs(dim: int = 35) -> Observation:
     return Observation(state=np.random.default_rng(0).normal(size=dim).astype(np.float32))
 
 
-def _run_two_and_kill(nx: Nexus, kill, updates: int = 4):
-    """Both tenants train; ``kill()`` runs once both have 2 updates; returns (results, hashes before, kill info)."""
+def _run_two_and_kill(nx: Nexus, kill, updates: int = 6, **job):
+    """Both tenants train; ``kill()`` runs once both have 2 updates (a tenant ahead still has updates left
+    then); returns (results, kill info)."""
     before = {t: _published(nx, t) for t in ("fa", "fb")}
-    jobs = {t: nx.tenant(t).rl(updates=updates, **RL) for t in ("fa", "fb")}
+    jobs = {t: nx.tenant(t).rl(updates=updates, **RL, **job) for t in ("fa", "fb")}
     wait_for(lambda: all(j.info()["progress"].get("updates", 0) >= 2 for j in jobs.values()), 600,
              what="two updates each")
     mid = {t: _published(nx, t) for t in ("fa", "fb")}
@@ -205,7 +206,8 @@ def test_kill_actor_worker_mid_update(nx):
         kill_worker(nx, "actor-0")
         return "actor-0"
 
-    _run_two_and_kill(nx, kill)
+    # updates of many minibatches: the kill lands while one runs, not just after it
+    _run_two_and_kill(nx, kill, ppo={"update_epochs": 12, "minibatch_size": 8})
     st = nx.status()
     assert _roles(nx)["actor/0"]["restarts"] == 1
     assert st["service"]["retried_items"]["role_lost"] >= lost_before + 1, "the interrupted update was re-run"
@@ -230,6 +232,21 @@ def test_cancel_returns_admission_slots_and_the_tenant_trains_again(nx):
     assert again.result(timeout=300)["updates"] == 1
     records = {p.stem: json.loads(p.read_text()) for p in (Path(row["output_dir"]) / "jobs").glob("*.json")}
     assert records[job.id]["state"] == "cancelled"
+
+
+def test_a_cancelled_evaluation_leaves_no_marker_that_keeps_its_version(nx):
+    t = nx.tenant("fa")
+    evals = Path({x["tenant"]: x for x in nx.status()["tenants"]}["fa"]["output_dir"]) / "eval"
+    job = t.evaluate(episodes=400)
+    marker = evals / f"{job.id}-v{t.version:06d}.json"
+    wait_for(marker.exists, 300, what="the evaluation's marker")
+    assert json.loads(marker.read_text())["state"] == "running"  # retention keeps this version meanwhile
+    assert job.info()["state"] == "running"
+    assert job.cancel()["state"] == "cancelled"
+    assert not marker.exists()  # no report will come: the version is retention's again
+    done = t.evaluate(episodes=1)
+    report = done.result(timeout=300)
+    assert json.loads(Path(report["report_path"]).read_text())["episodes"] == 1  # a finished report stays
 
 
 def test_delete_tenant_keeps_or_purges_its_output(nx, capsys):

@@ -4,6 +4,7 @@ DeepSpeed slots, ManiSkill rollouts, Arrow stores and a real MLflow store."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -54,6 +55,13 @@ def test_service_processes_run_with_the_service_dask_settings(nx):
     assert nx.client.run_on_scheduler(settings) == want
     sampling = nx.client.run(lambda dask_worker: "profile" in dask_worker.periodic_callbacks)
     assert not any(sampling.values())  # the 10 ms stack sampling is really off, not only configured off
+    # the nanny's pre-spawn environment without Dask's MALLOC_TRIM_THRESHOLD_=65536 (glibc's own thresholds,
+    # unless this process's environment sets one), with the rest of it kept
+    def environ() -> tuple:
+        return os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("OPENBLAS_NUM_THREADS")
+
+    mine = (os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("OPENBLAS_NUM_THREADS", "1"))
+    assert set(nx.client.run(environ).values()) == {mine}
 
 
 def test_cpu_seconds_name_every_process_of_the_service(nx):

@@ -24,9 +24,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HERE = Path(__file__).resolve().parent
-DASK_OWN = {  # Dask's defaults for the four settings DASK_DEFAULTS changes
+DASK_OWN = {  # Dask's defaults for the settings DASK_DEFAULTS changes
     "distributed.worker.profile.enabled": True, "distributed.admin.tick.interval": "20ms",
     "distributed.admin.system-monitor.interval": "500ms", "distributed.worker.memory.monitor-interval": "100ms",
+    "distributed.nanny.pre-spawn-environ": {"MALLOC_TRIM_THRESHOLD_": 65536},  # busy workers: malloc.py
 }
 
 
