@@ -177,7 +177,7 @@ DASK_DEFAULTS: dict[str, DaskValue] = {
     "distributed.admin.system-monitor.interval": "2s",  # dashboard System tab: a point every 2 s
     "distributed.worker.memory.monitor-interval": "1s",  # the nanny's memory-limit check
     # Dask's nanny starts workers with MALLOC_TRIM_THRESHOLD_=65536, which also fixes glibc's mmap threshold at
-    # 128 KiB: every tensor or frame buffer above it is a fresh mmap whose pages fault in again, +50 % CPU
+    # 128 KiB: every tensor or frame buffer above it is a fresh mmap whose pages fault in again, +42 % CPU
     # for a training step (experiments/overhead/malloc.py). None unsets it: glibc's adaptive thresholds.
     "distributed.nanny.pre-spawn-environ": {"MALLOC_TRIM_THRESHOLD_": None},
 }

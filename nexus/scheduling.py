@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nexus.errors import SpecError
 
-DEFAULT = "grouped"  # the default: the best median efficiency in experiments/multitenant/ (grouped.toml)
+DEFAULT = "priority"  # the default: the best median efficiency in experiments/multitenant/ (priority.toml)
 
 
 class SchedulerPolicy(BaseModel):
