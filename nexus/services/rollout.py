@@ -78,7 +78,7 @@ def prewarm(env_name: str, envs: int, waves: int = 1, vector_mode: str = "lockst
     entry = catalog.env(env_name)
     mode = producer_mode(entry, vector_mode)
     pool = _pool()
-    pool.checkin(entry, pool.checkout(entry, wave_sizes(max(envs, entry.num_envs), waves), mode), mode)
+    pool.checkin(entry, pool.checkout(entry, wave_sizes(producer_envs(entry, envs), waves), mode), mode)
     return pool.idle(entry.name)
 
 
@@ -87,6 +87,13 @@ def producer_mode(entry, vector_mode: str) -> str:
     asks for it or the catalog entry is an async vector env, else "lockstep" (single envs in turn)."""
     return "async" if vector_mode == "async" or (entry.num_envs > 1 and entry.vector_mode == "async") \
         else "lockstep"
+
+
+def producer_envs(entry, envs_per_producer: int, episodes: int | None = None) -> int:
+    """How many envs a producer steps: the data path's K, at least the catalog entry's own vector size,
+    and no more than the episodes it collects."""
+    k = max(envs_per_producer, entry.num_envs)
+    return k if episodes is None else max(1, min(episodes, k))
 
 
 def wave_sizes(envs: int, waves: int) -> list[int]:
@@ -157,7 +164,7 @@ def collect(tenant: str, env_name: str, output_dir: str, schema: dict, episodes:
     torch.set_num_threads(1)
     dp = DataPathSettings.model_validate(producer or {})
     entry = catalog.env(env_name)
-    k = max(1, min(episodes, max(dp.envs_per_producer, entry.num_envs)))
+    k = producer_envs(entry, dp.envs_per_producer, episodes)
     mode = producer_mode(entry, dp.producer_vector_mode)
     rl = version is None
     pid = f"{tenant}/{job}/{uuid.uuid4().hex[:8]}"

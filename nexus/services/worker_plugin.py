@@ -220,17 +220,13 @@ class TrackerHost:
     def _run_all(self, calls: list[list[Any]]) -> list[Any]:
         """The calls in order; each run of consecutive ``log_metrics`` is one write per MLflow run."""
         out: list[Any] = []
-        i = 0
-        while i < len(calls):
-            method, kwargs = calls[i]
+        for method, group in itertools.groupby(calls, key=lambda c: c[0]):
+            group = list(group)
             if method == "log_metrics":
-                rows = list(itertools.takewhile(lambda c: c[0] == "log_metrics", calls[i:]))
-                self._call("log_metrics_many", {"rows": [kw for _, kw in rows]})
-                out += [None] * len(rows)
-                i += len(rows)
-                continue
-            out.append(self._call(method, kwargs) if method in self.METHODS else None)
-            i += 1
+                self._call("log_metrics_many", {"rows": [kw for _, kw in group]})
+                out += [None] * len(group)
+            else:
+                out += [self._call(method, kw) if method in self.METHODS else None for _, kw in group]
         return out
 
     def _call(self, method: str, kwargs: dict[str, Any]) -> Any:
