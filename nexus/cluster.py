@@ -36,8 +36,9 @@ from pathlib import Path
 
 from nexus.config import ENV_VAR, ServiceConfig
 from nexus.errors import Conflict
+from nexus.gateway.auth import read_gateway_url, read_operator_token
 from nexus.paths import FILE_MODE, harden_process, private_mkdir
-from nexus.tls import ensure_certificates
+from nexus.tls import ensure_certificates, security
 
 
 def _cert_hosts(host: str) -> tuple[str, ...]:
@@ -137,7 +138,6 @@ class LocalService:
     @property
     def operator_token(self) -> str:
         """The gateway's operator token (admin calls), written 0600 under the root at start."""
-        from nexus.gateway.auth import read_operator_token
 
         return read_operator_token(self.config.gateway_dir)
 
@@ -189,7 +189,6 @@ class LocalService:
         self._spawn("gateway", ["nexus.gateway", "--config", str(self.root / "service.json")])
 
     def _wait_gateway(self, t0: float, timeout: float) -> None:
-        from nexus.gateway.auth import read_gateway_url
 
         gw = self.procs[-1] if self.procs else None
         while True:
@@ -271,7 +270,6 @@ class LocalService:
         import asyncio
         import threading
 
-        from nexus.tls import security
 
         async def call() -> None:
             from distributed.core import rpc

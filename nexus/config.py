@@ -22,7 +22,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from nexus import scheduling
-from nexus.errors import SpecError
+from nexus.errors import SpecError, describe_errors
+from nexus.paths import private_write_bytes
 from nexus.scheduling import SchedulerPolicy
 
 ENV_VAR = "NEXUS_SERVICE_CONFIG"
@@ -38,6 +39,12 @@ POLICY_FIELDS: dict[str, tuple[str | None, str]] = {
     "infer_max_wait_s": (None, "infer_max_wait_s"), "infer_max_batch": (None, "infer_max_batch"),
     "sync_policy": ("datapath", "sync_policy"), "sync_every": ("datapath", "sync_every"),
 }
+
+
+def policy_settings(policy: SchedulerPolicy, section: str | None) -> dict[str, Any]:
+    """The policy's knobs that live in one ``ServiceConfig`` section (None: its top-level fields), by the
+    section's field names (:data:`POLICY_FIELDS`)."""
+    return {name: getattr(policy, pf) for pf, (sec, name) in POLICY_FIELDS.items() if sec == section}
 
 
 class BackboneSettings(BaseModel):
@@ -81,9 +88,17 @@ class HealthSettings(BaseModel):
     restart_budget: int = Field(5, ge=0, description="in-place restarts of one role allowed within budget_window_s")
     budget_window_s: float = Field(600.0, gt=0)
 
+    @model_validator(mode="after")
+    def _suspect_before_failed(self) -> HealthSettings:
+        if not 0 < self.suspect_after_s < self.fail_after_s:
+            raise ValueError(f"need 0 < suspect_after_s < fail_after_s, got suspect_after_s={self.suspect_after_s:g}, "
+                             f"fail_after_s={self.fail_after_s:g}")
+        return self
+
 
 class DispatchSettings(BaseModel):
-    """The training-queue dispatcher's policy (``nexus.control.dispatcher.DispatchPolicy``)."""
+    """The training-queue dispatcher's settings (``nexus.control.dispatcher.Dispatcher`` reads
+    ``max_concurrent_updates`` and ``item_attempts``) and the admission defaults of the scheduling policy."""
 
     model_config = ConfigDict(extra="forbid")
     max_concurrent_updates: int = Field(1, ge=1, description="training items running at once on the actor group")
@@ -271,8 +286,7 @@ class ServiceConfig(BaseModel):
         try:
             r = RetentionSettings.model_validate(raw)
         except ValidationError as e:
-            raise ValueError("; ".join(f"retention.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
-                                       for err in e.errors())) from None
+            raise ValueError(describe_errors(e.errors(), prefix="retention.")) from None
         limits = data.get("limits")
         limits = limits.model_dump() if isinstance(limits, ServiceLimits) else dict(limits or {})
         for key, name in (("max_versions_kept", "keep_last"), ("max_checkpoints_kept", "keep_checkpoints")):
@@ -318,6 +332,19 @@ class ServiceConfig(BaseModel):
         self.scheduler_policy = policy.model_copy(update=effective)
         return self
 
+    def with_policy(self, policy: SchedulerPolicy) -> ServiceConfig:
+        """This config under another scheduling policy: every policy knob (:data:`POLICY_FIELDS`) set from
+        ``policy``, which becomes the effective one. Raises :class:`SpecError` when its admission default
+        exceeds this service's limits."""
+        if policy.default_max_inflight > self.limits.max_inflight:
+            raise SpecError(f"scheduler {policy.name!r}: default_max_inflight {policy.default_max_inflight} exceeds "
+                            f"limits.max_inflight {self.limits.max_inflight}")
+        sections = {sec for sec, _ in POLICY_FIELDS.values() if sec is not None}
+        update: dict[str, Any] = {sec: getattr(self, sec).model_copy(update=policy_settings(policy, sec))
+                                  for sec in sections}
+        return self.model_copy(update={**update, **policy_settings(policy, None), "scheduler": policy.name,
+                                       "scheduler_policy": policy})
+
     @model_validator(mode="after")
     def _overrides_name_limits(self) -> ServiceConfig:
         for over in self.tenant_limits.values():
@@ -349,7 +376,6 @@ class ServiceConfig(BaseModel):
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
-        from nexus.paths import private_write_bytes
 
         private_write_bytes(path, self.model_dump_json(indent=2).encode())
         return path
@@ -365,7 +391,7 @@ class ServiceConfig(BaseModel):
 # ------------------------------------------------------------------------------------------------ files
 def describe_validation_error(e: ValidationError) -> str:
     """A pydantic error as one line: ``field.path: message; ...``."""
-    return "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'spec'}: {err['msg']}" for err in e.errors())
+    return describe_errors(e.errors())
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:

@@ -7,7 +7,8 @@ preprocessor (model side, ``nexus.model.preprocessor``) turns it into a :class:`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,16 @@ class TenantSchema:
     action_dim: int
     cameras: tuple[CameraSpec, ...] = ()
     instruction: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values, as manifests and exported policies store it."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TenantSchema:
+        return cls(proprio_dim=d["proprio_dim"], action_dim=d["action_dim"],
+                   cameras=tuple(CameraSpec(**c) for c in d.get("cameras", ())),
+                   instruction=d.get("instruction", ""))
 
 
 @dataclass

@@ -28,7 +28,12 @@ LABELS = {
     "v_loss": ("value loss", ""),
     "approx_kl": ("approx. KL to the collecting policy", ""),
 }
-COUNTERS = {"steps", "updates", "episodes", "env_steps", "version", "dropped_stale"}
+COUNTERS = {"steps", "updates", "episodes", "env_steps", "version", "dropped_stale"}  # metrics that only count
+# per job kind: the counter that measures a job's progress (its spec's field of the same name is the total),
+# and the metrics worth a line (``nexus.client.api.JobProgress``, the ``/nexus`` page's jobs table)
+JOB_COUNTERS = {"sft": "steps", "rl": "updates", "eval": "episodes"}
+JOB_HEADLINE = {"sft": ("loss", "heldout_action_mse"), "rl": ("return", "success_rate"),
+                "eval": ("success_rate", "return")}
 SYSTEM = {"update_s", "weight_sync_s", "weight_sync_bytes"}
 
 

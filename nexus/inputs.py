@@ -18,8 +18,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
-from nexus.errors import LimitExceeded, SpecError
+from nexus.algorithms.grpo import GRPOConfig
+from nexus.algorithms.ppo import PPOConfig
+from nexus.errors import LimitExceeded, SpecError, describe_errors
 from nexus.features import Observation, TenantSchema
 
 WIRE_DTYPES = {"float32": np.float32, "float64": np.float64, "uint8": np.uint8, "int64": np.int64,
@@ -30,8 +33,7 @@ BATCH_FIELDS = {
     "ppo": ("observations", "actions", "logprobs", "advantages", "returns", "ppo"),
     "grpo": ("observations", "actions", "logprobs", "advantages", "ref_logprobs", "grpo"),
 }
-# nexus.algorithms.grpo.GRPOConfig's fields (that module imports torch; the gateway must not)
-GRPO_FIELDS = ("clip_coef", "kl_coef", "ent_coef", "eps")
+GRPO_FIELDS = tuple(GRPOConfig.model_fields)
 MAX_ELEMENTS = 1 << 26  # one array of a request: 64 Mi elements, far above any real observation
 MAX_ABS = 1e6  # states, actions and RL fields: larger magnitudes overflow float32 losses (x**2 > 3.4e38)
 
@@ -233,17 +235,12 @@ def check_batch(batch: Any, schema: TenantSchema, loss: str, *, chunk: int = 1, 
             continue
         out[k] = _floats(batch[k], f"batch.{k}", (n,), f"{n} numbers (one per observation)")
     if loss == "ppo" and "ppo" in batch:
-        from pydantic import ValidationError
-
-        from nexus.spec import PPOConfig
-
         if not isinstance(batch["ppo"], Mapping):
             raise SpecError(f"batch.ppo: expected an object of PPOConfig fields, got {_kind(batch['ppo'])}")
         try:
             out["ppo"] = PPOConfig.model_validate(dict(batch["ppo"])).model_dump()
         except ValidationError as e:
-            msg = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
-            raise SpecError(f"batch.ppo: {msg}") from None
+            raise SpecError(f"batch.ppo: {describe_errors(e.errors())}") from None
     if loss == "grpo" and "grpo" in batch:
         out["grpo"] = _config(batch["grpo"], "batch.grpo", GRPO_FIELDS)
     return out

@@ -1,16 +1,27 @@
 """Typed messages between the control plane (scheduler) and the workers.
 
-Plain dataclasses, no torch, no I/O: the scheduler imports them, and so do the workers.
+Plain dataclasses, no torch, no I/O: the scheduler imports them, and so do the workers. A spec is
+validated once where it enters the control plane (:mod:`nexus.validation`); from then on it travels as
+the typed object, never as a dict to be parsed again.
 
-* Task arguments and results travel pickled (Dask tasks), so they are the dataclasses themselves.
-* Worker RPC and Dask events travel as msgpack (the scheduler never unpickles worker data): those
-  messages have ``to_dict`` / ``from_dict`` and hold only plain values.
+* Task arguments and results travel pickled (Dask tasks), so they are the dataclasses themselves,
+  holding ``TenantSpec`` / ``TenantSchema`` / ``BatchRef`` objects.
+* The control plane's calls to a worker's roles carry the same objects pickled (``to_serialize``).
+* What a worker reports to the scheduler (heartbeats, events) travels as msgpack — the scheduler never
+  unpickles worker data — so those messages have ``to_dict`` / ``from_dict`` and hold only plain values.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from nexus.features import TenantSchema
+from nexus.spec import TenantSpec
+
+if TYPE_CHECKING:
+    from nexus.algorithms.ppo import PPOConfig
+    from nexus.config import DataPathSettings
 
 HEARTBEAT_S = 1.0  # every worker's plugin reports its roles this often (topic HEALTH_TOPIC)
 HEALTH_TOPIC = "nexus-health"
@@ -38,14 +49,34 @@ class EngineEndpoint(_Plain):
 
 @dataclass(frozen=True)
 class TenantSetup:
-    """What a role needs to host a tenant: the validated spec and schema (as dicts), where its durable
-    state lives, and the version it is at."""
+    """What a role needs to host a tenant: its validated spec and schema, where its durable state lives,
+    and the version it is at."""
 
     name: str
-    spec: dict[str, Any]
-    schema: dict[str, Any]
+    spec: TenantSpec
+    schema: TenantSchema
     output_dir: str
     version: int = 0
+
+
+@dataclass(frozen=True)
+class BatchRef(_Plain):
+    """A handle to one stored trajectory batch (``nexus.data.trajectory_store``).
+
+    ``policy_version`` is the *oldest* version that produced a row of the batch (conservative for
+    the staleness check when a batch straddles a weight update).
+    """
+
+    path: str
+    rows: int
+    episodes: int
+    policy_version: int
+    tenant: str
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BatchRef:
+        return cls(path=str(d["path"]), rows=int(d["rows"]), episodes=int(d["episodes"]),
+                   policy_version=int(d["policy_version"]), tenant=str(d["tenant"]))
 
 
 @dataclass(frozen=True)
@@ -60,13 +91,69 @@ class SlotInfo:
     job_seq: int = 0  # highest job number found in the tenant's job records
 
 
+# -- training-queue work (what one update does) --------------------------------------------------------
+@dataclass(frozen=True)
+class SyncRule:
+    """Lazy weight sync: when a new version goes to inference (decided on the actor, per version).
+
+    ``policy`` "eager" pushes every version; "lazy" only when something reads the tenant's live head now
+    (``live_consumers``: an RL job's rollouts) or every ``every`` versions (0: never). Pinned evaluations
+    load their version from the tenant's output dir, so they never need a push; a job's end pushes its
+    last version."""
+
+    policy: Literal["lazy", "eager"] = "eager"
+    every: int = 0
+    live_consumers: bool = False
+
+    def should_push(self, version: int) -> bool:
+        if self.policy == "eager":
+            return True
+        return self.live_consumers or (self.every > 0 and version % self.every == 0)
+
+
+EAGER = SyncRule()
+
+
+@dataclass(frozen=True)
+class SFTWork:
+    """One SFT step: a batch of ``batch_size`` rows of dataset ``dataset`` drawn for step ``step``."""
+
+    dataset: str
+    step: int
+    batch_size: int
+    eval_heldout: bool = False  # also report the held-out action error
+
+
+@dataclass(frozen=True)
+class RLWork:
+    """One RL update on a stored trajectory batch, with the algorithm's hyper-parameters."""
+
+    batch: BatchRef
+    config: PPOConfig
+    use_cached_features: bool = True  # read the rollout's backbone features instead of recomputing them
+
+
+@dataclass(frozen=True)
+class OpWork:
+    """A Tinker-style low-level op; a ``forward_backward`` batch travels as its own task argument."""
+
+    op: Literal["forward_backward", "optim_step", "save_weights"]
+    loss: str = "sft"
+
+
+Work = SFTWork | RLWork | OpWork
+
+
 @dataclass(frozen=True)
 class UpdateRequest:
-    """One training-queue item for the actor group, with the engines its new weights go to."""
+    """One training-queue item for an actor rank, with the engines its new weights go to."""
 
-    item: dict[str, Any]
+    item_id: str
+    job: str | None
+    work: Work
     tenant: TenantSetup
     engines: tuple[EngineEndpoint, ...]
+    sync: SyncRule = EAGER
     rank: int = 0
     world_size: int = 1
 
@@ -79,6 +166,7 @@ class UpdateResult:
     push_errors: tuple[str, ...] = ()
 
 
+# -- simulators -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RolloutRequest:
     """A rollout producer's work: ``episodes`` episodes from id ``offset`` (a re-run repeats the same ids and
@@ -89,13 +177,24 @@ class RolloutRequest:
     episodes: int
     seed: int
     offset: int
+    datapath: DataPathSettings  # K envs, waves, feature cache
     deterministic: bool = False
     version: int | None = None
     job: str | None = None
     route: EngineEndpoint | None = None
-    datapath: dict[str, Any] | None = None  # nexus.config.DataPathSettings fields (K envs, waves, feature cache)
 
 
+@dataclass(frozen=True)
+class RolloutResult:
+    """What a rollout task returns: episode statistics, the policy versions that acted, and the stored batch
+    (RL; None for an evaluation)."""
+
+    stats: dict[str, float]
+    versions: list[int]
+    batch: BatchRef | None = None
+
+
+# -- what workers report (msgpack) ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EngineReport(_Plain):
     engine: str

@@ -19,38 +19,50 @@ where it moved), checks the weights' sha256, and returns an :class:`ExportedPoli
 ``predict_action`` gives the service's action for the same observation. ``initial_state`` turns a
 directory into the initial weights of a new tenant (``TenantSpec(init_from=DIR)``).
 
-Module-level imports stay light (torch and the model load on first use).
+Reading a directory's manifest needs neither torch nor the model: ``nexus.data.policy_files`` (what a client
+checks after a download).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+from safetensors.torch import load_file, save_file
+
+from nexus.data.policy_files import (
+    ADAPTER,
+    ADAPTER_WEIGHTS,
+    BACKBONE,
+    FORMAT,
+    FORMAT_VERSION,
+    HEAD,
+    MANIFEST,
+    NORMALIZATION,
+    PREPROCESSOR,
+    README,
+    is_policy_dir,
+    read_manifest,
+    sha256_file,
+    write_json,
+)
 from nexus.errors import Conflict, NotFound, SpecError
-from nexus.features import CameraSpec, Observation, TenantSchema
+from nexus.features import Observation, TenantSchema
+from nexus.model.backbone import BackboneConfig, SharedBackbone
+from nexus.model.framework import VLAFramework
+from nexus.model.layers import PROPRIO_SCALE
+from nexus.model.lora import TenantAdapter
+from nexus.model.policy import TenantPolicy
+from nexus.model.preprocessor import TenantPreprocessor
 from nexus.spec import TenantSpec
 
-if TYPE_CHECKING:
-    import torch
-
-    from nexus.model.backbone import SharedBackbone
-    from nexus.model.framework import VLAFramework
-    from nexus.model.policy import TenantPolicy
-
-FORMAT = "joynexus-policy"
-FORMAT_VERSION = 1
-MANIFEST, BACKBONE, HEAD, ADAPTER = "manifest.json", "backbone.json", "head.safetensors", "adapter"
-PREPROCESSOR, NORMALIZATION, README = "preprocessor.json", "normalization.json", "README.md"
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-
-__all__ = ["ExportedPolicy", "initial_state", "is_policy_dir", "load", "read_manifest", "write"]
+__all__ = ["MANIFEST", "ExportedPolicy", "initial_state", "is_policy_dir", "load", "read_manifest", "write"]
 
 
 # -- writing ------------------------------------------------------------------------------------------
@@ -66,7 +78,6 @@ def backbone_reference(backbone: SharedBackbone) -> dict[str, Any]:
 
 
 def normalization(action_stats: dict[str, Any] | None) -> dict[str, Any]:
-    from nexus.model.layers import PROPRIO_SCALE
 
     return {"proprio": {"transform": "tanh", "scale": PROPRIO_SCALE,
                         "formula": "head input = tanh(state / scale), a fixed squashing without statistics"},
@@ -96,7 +107,6 @@ def write(path: str | Path, *, spec: TenantSpec, schema: TenantSchema, version: 
     ``state_dict`` is the tenant policy's (head, value head, ``lora.*`` adapter). An existing non-empty
     ``path`` is refused (:class:`Conflict`) and left as it is.
     """
-    from safetensors.torch import save_file
 
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -111,14 +121,14 @@ def write(path: str | Path, *, spec: TenantSpec, schema: TenantSchema, version: 
         if spec.lora is not None:
             _write_adapter(tmp / ADAPTER, spec, state_dict, backbone, meta)
         ref = backbone_reference(backbone)
-        _write_json(tmp / BACKBONE, ref)
-        _write_json(tmp / PREPROCESSOR, {
+        write_json(tmp / BACKBONE, ref)
+        write_json(tmp / PREPROCESSOR, {
             "schema": asdict(schema), "camera_order": [c.name for c in schema.cameras],
             "image_size": backbone.cfg.image_size, "prompt_format": backbone.cfg.family,
             "compat_key": backbone.cfg.compat_key()})
-        _write_json(tmp / NORMALIZATION, normalization(action_stats))
+        write_json(tmp / NORMALIZATION, normalization(action_stats))
         (tmp / README).write_text(_readme(spec, version, ref))
-        files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "tenant": spec.name, "version": version,
                     "created": time.time(), "spec": spec.model_dump(mode="json"), "schema": asdict(schema),
                     "action_head": spec.action_head, "chunk": spec.chunk, "action_dim": schema.action_dim,
@@ -126,7 +136,7 @@ def write(path: str | Path, *, spec: TenantSpec, schema: TenantSchema, version: 
                     "backbone": {k: ref[k] for k in ("family", "source", "size", "local_path", "image_size", "dtype",
                                                      "weights_sha256")},
                     "source": source or {}, "files": files}
-        _write_json(tmp / MANIFEST, manifest)
+        write_json(tmp / MANIFEST, manifest)
         if path.exists():
             path.rmdir()  # empty (checked above)
         os.replace(tmp, path)
@@ -138,7 +148,6 @@ def write(path: str | Path, *, spec: TenantSpec, schema: TenantSchema, version: 
 
 def _write_adapter(folder: Path, spec: TenantSpec, state_dict: dict[str, torch.Tensor], backbone: SharedBackbone,
                    meta: dict[str, str]) -> None:
-    from safetensors.torch import save_file
 
     adapter = _adapter_from_state(spec, state_dict, backbone)
     folder.mkdir()
@@ -149,7 +158,6 @@ def _write_adapter(folder: Path, spec: TenantSpec, state_dict: dict[str, torch.T
 
 
 def _adapter_from_state(spec: TenantSpec, state_dict: dict[str, torch.Tensor], backbone: SharedBackbone):
-    from nexus.model.lora import TenantAdapter
 
     adapter = TenantAdapter(spec.lora, backbone.lora_shapes(spec.lora))  # type: ignore[arg-type]
     sub = {k[len("lora."):]: v for k, v in state_dict.items() if k.startswith("lora.")}
@@ -169,61 +177,10 @@ def _readme(spec: TenantSpec, version: int, ref: dict[str, Any]) -> str:
             "module; `manifest.json` lists every file with its sha256.\n")
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, default=str))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # -- reading ------------------------------------------------------------------------------------------
 
-def is_policy_dir(path: str | Path) -> bool:
-    p = Path(path) / MANIFEST
-    if not p.is_file():
-        return False
-    try:
-        return json.loads(p.read_text()).get("format") == FORMAT
-    except (OSError, ValueError):
-        return False
-
-
-def read_manifest(path: str | Path, verify_files: bool = True) -> dict[str, Any]:
-    """The manifest of a policy directory; with ``verify_files`` every listed file's sha256 is checked."""
-    path = Path(path)
-    if not (path / MANIFEST).is_file():
-        raise NotFound(f"{str(path)!r} is not an exported policy directory (no {MANIFEST})")
-    try:
-        m = json.loads((path / MANIFEST).read_text())
-    except ValueError as e:
-        raise SpecError(f"{str(path / MANIFEST)!r} is not valid JSON: {e}") from None
-    if m.get("format") != FORMAT:
-        raise SpecError(f"{str(path)!r}: format {m.get('format')!r}, expected {FORMAT!r}")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise SpecError(f"{str(path)!r}: format version {m.get('format_version')!r}; this JoyNexus reads "
-                        f"version {FORMAT_VERSION}")
-    if verify_files:
-        for name, digest in m["files"].items():
-            f = path / name
-            if not f.is_file():
-                raise SpecError(f"exported policy {str(path)!r} is incomplete: {name} is missing")
-            if _sha256(f) != digest:
-                raise SpecError(f"exported policy {str(path)!r}: {name} does not match its sha256 in the "
-                                "manifest (modified or corrupted)")
-    return m
-
-
 def _spec_schema(m: dict[str, Any]) -> tuple[TenantSpec, TenantSchema]:
-    s = m["schema"]
-    schema = TenantSchema(proprio_dim=s["proprio_dim"], action_dim=s["action_dim"],
-                          cameras=tuple(CameraSpec(**c) for c in s.get("cameras", ())),
-                          instruction=s.get("instruction", ""))
-    return TenantSpec.model_validate(m["spec"]), schema
+    return TenantSpec.model_validate(m["spec"]), TenantSchema.from_dict(m["schema"])
 
 
 def _check_backbone(path: Path, ref: dict[str, Any], backbone: SharedBackbone) -> None:
@@ -236,7 +193,6 @@ def _check_backbone(path: Path, ref: dict[str, Any], backbone: SharedBackbone) -
 
 def _load_weights(path: Path, m: dict[str, Any], policy: TenantPolicy) -> None:
     """Head (+ adapter) weights of a policy directory into ``policy`` (built from the same spec)."""
-    from safetensors.torch import load_file
 
     head = load_file(str(path / HEAD))
     own = {k: v for k, v in policy.state_dict().items() if not k.startswith("lora.")}
@@ -266,7 +222,6 @@ def initial_state(path: str | Path, spec: TenantSpec, schema: TenantSchema,
     there is one (same rank and targets), else starts its adapter fresh (a no-op at first) on the
     exported head. Raises :class:`SpecError` / :class:`NotFound` and changes nothing otherwise.
     """
-    from nexus.model.policy import TenantPolicy
 
     path = Path(path)
     m = read_manifest(path)
@@ -353,10 +308,6 @@ def load(path: str | Path, *, device: str = "cpu", backbone_path: str | None = N
     """
     import torch
 
-    from nexus.model.backbone import BackboneConfig, SharedBackbone
-    from nexus.model.framework import VLAFramework
-    from nexus.model.policy import TenantPolicy
-    from nexus.model.preprocessor import TenantPreprocessor
 
     path = Path(path)
     m = read_manifest(path, verify_files=verify)

@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nexus.errors import SpecError
+from nexus.errors import SpecError, describe_errors
 
 DEFAULT = "priority"  # the default: the best median efficiency in experiments/multitenant/ (priority.toml)
 
@@ -77,8 +77,7 @@ def parse(text: str, where: str, name: str) -> SchedulerPolicy:
     try:
         return SchedulerPolicy.model_validate({**raw, "name": name})
     except ValidationError as e:
-        errs = "; ".join(f"field {'.'.join(str(p) for p in err['loc']) or '?'!r}: {err['msg']}"
-                         f" (got {err.get('input')!r})" for err in e.errors())
+        errs = describe_errors(e.errors(), root="?", quote=True, show_input=True)
         raise SpecError(f"scheduler file {where}: {errs}") from None
 
 

@@ -10,7 +10,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nexus.algorithms.ppo import PPOConfig
 from nexus.errors import SpecError
+
+__all__ = ["PPOConfig", "EvalJob", "JobRequest", "JobSpec", "LoraConfig", "RLJob", "SFTJob", "TenantSpec"]
 
 TenantName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,39}$")]
 
@@ -36,20 +39,6 @@ RL_ACTION_HEADS = frozenset({"oft"})
 class _Spec(BaseModel):
     # NaN / inf are refused in every float field (a NaN lr or init_log_std would poison a slot silently)
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class PPOConfig(_Spec):
-    """PPO with GAE on the Gaussian action head (CleanRL names)."""
-
-    gamma: float = Field(0.95, gt=0, le=1)
-    gae_lambda: float = Field(0.9, ge=0, le=1)
-    clip_coef: float = Field(0.2, gt=0)
-    vf_coef: float = Field(0.5, ge=0)
-    ent_coef: float = Field(0.0, ge=0)
-    update_epochs: int = Field(4, ge=1)
-    minibatch_size: int = Field(64, ge=1)
-    norm_adv: bool = True
-    target_kl: float | None = Field(None, gt=0, description="end an update's epochs once approx KL exceeds it")
 
 
 # The backbone's text-decoder projections (same names in Qwen3-VL and Gemma/PaliGemma) that may carry a

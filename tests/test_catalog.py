@@ -11,7 +11,7 @@ import pytest
 
 from nexus import catalog
 from nexus.catalog import CatalogError
-from nexus.control.validation import SpecError, validate_tenant
+from nexus.validation import SpecError, validate_tenant
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,7 +150,7 @@ def test_bad_suite_files_are_reported(tmp_path, monkeypatch, body, match):
 
 
 def test_catalog_imports_no_simulator():
-    code = ("import sys, nexus.catalog, nexus.control.validation; nexus.catalog.envs(); nexus.catalog.datasets(); "
+    code = ("import sys, nexus.catalog, nexus.validation; nexus.catalog.envs(); nexus.catalog.datasets(); "
             "bad = [m for m in ('mani_skill', 'sapien', 'robosuite', 'mujoco', 'torch') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

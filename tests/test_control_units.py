@@ -10,17 +10,21 @@ import sys
 
 import pytest
 
-from nexus.control.dispatcher import Dispatcher, DispatchPolicy
+from nexus.config import DispatchSettings, HealthSettings
+from nexus.control.dispatcher import Dispatcher
 from nexus.control.engines import EnginePool, MemberState, PoolPolicy
-from nexus.control.health import HealthManager, HealthPolicy, RoleState
+from nexus.control.health import HealthManager, RoleState
+from nexus.control.job_state import JobState, JobStatus
 from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
 from nexus.control.tasks import TaskRef
-from nexus.control.tenants import TenantRegistry, TenantState
+from nexus.control.tenants import TenantPhase, TenantRegistry, TenantState
 from nexus.control.tracking_link import TrackerLink
+from nexus.control.transitions import IllegalTransition
 from nexus.errors import Draining, NotFound, RoleLost, SpecError, Unavailable
 from nexus.features import TenantSchema
 from nexus.messages import EngineEndpoint, Heartbeat, TenantSetup
-from nexus.spec import TenantSpec
+from nexus.scheduling import SchedulerPolicy
+from nexus.spec import SFTJob, TenantSpec
 
 
 class Clock:
@@ -38,7 +42,7 @@ def run(coro):
 # -- health ----------------------------------------------------------------------------------------------
 def test_health_timeouts_suspect_then_failed_and_heartbeat_recovers_suspect():
     clock = Clock()
-    h = HealthManager(HealthPolicy(suspect_after_s=5, fail_after_s=20), clock)
+    h = HealthManager(HealthSettings(suspect_after_s=5, fail_after_s=20), clock)
     h.register("engine/0", "engine", "tcp://a", "infer-0")
     h.ready("engine/0", "tcp://a", "infer-0")
     assert h.state("engine/0") == RoleState.HEALTHY
@@ -56,7 +60,7 @@ def test_health_timeouts_suspect_then_failed_and_heartbeat_recovers_suspect():
 
 def test_health_worker_loss_restart_and_budget():
     clock = Clock()
-    h = HealthManager(HealthPolicy(restart_budget=2, budget_window_s=100), clock)
+    h = HealthManager(HealthSettings(restart_budget=2, budget_window_s=100), clock)
     h.register("actor/0", "actor", "tcp://a", "actor-0")
     h.ready("actor/0", "tcp://a", "actor-0")
     for _ in range(2):
@@ -80,7 +84,7 @@ def test_health_worker_loss_restart_and_budget():
 
 def test_health_producers_are_progress_driven():
     clock = Clock()
-    h = HealthManager(HealthPolicy(producer_stall_s=30), clock)
+    h = HealthManager(HealthSettings(producer_stall_s=30), clock)
     h.register("producer/j1", "rollout")
     h.progress("producer/j1", requests=5)
     assert h.state("producer/j1") == RoleState.HEALTHY
@@ -93,9 +97,9 @@ def test_health_producers_are_progress_driven():
     assert h.state("producer/j1") == RoleState.SUSPECT  # never failed by a timeout alone
 
 
-def test_health_policy_refuses_inverted_timeouts():
-    with pytest.raises(ValueError):
-        HealthPolicy(suspect_after_s=10, fail_after_s=5)
+def test_health_settings_refuse_inverted_timeouts():
+    with pytest.raises(ValueError, match="need 0 < suspect_after_s < fail_after_s"):
+        HealthSettings(suspect_after_s=10, fail_after_s=5)
 
 
 def test_heartbeat_message_round_trip_ignores_unknown_keys():
@@ -123,7 +127,35 @@ def test_registry_versions_never_go_back_and_unknown_tenant_is_not_found():
     with pytest.raises(NotFound):
         reg.get("a")
     setup = reg.find("a").setup()
-    assert setup.version == 5 and setup.schema["proprio_dim"] == 35
+    assert setup.version == 5 and setup.schema.proprio_dim == 35
+
+
+def test_tenant_phases_move_only_forward_and_view_as_plain_strings():
+    t = _state("a")
+    assert t.phase == TenantPhase.CREATING == "creating"
+    with pytest.raises(IllegalTransition, match="tenant 'a' cannot go from creating to deleting"):
+        t.move(TenantPhase.DELETING)
+    t.move(TenantPhase.READY)
+    with pytest.raises(IllegalTransition):
+        t.move(TenantPhase.CREATING)
+    t.move(TenantPhase.DELETING)
+    with pytest.raises(IllegalTransition, match="none, it is final"):
+        t.move(TenantPhase.READY)
+    assert type(t.view()["phase"]) is str and t.view()["phase"] == "deleting"
+
+
+def test_job_states_follow_their_table_and_view_as_plain_strings():
+    js = JobState(job_id="a-sft-1", tenant="a", spec=SFTJob(kind="sft", steps=1))
+    assert js.state == "queued" and not js.terminal
+    js.move(JobStatus.RUNNING)
+    js.move(JobStatus.FAILED, "ValueError: bad")
+    assert js.terminal and js.error == "ValueError: bad"
+    with pytest.raises(IllegalTransition, match="job 'a-sft-1' cannot go from failed to done"):
+        js.move(JobStatus.DONE)
+    assert type(js.view()["state"]) is str and js.view()["state"] == "failed"
+    waiting = JobState(job_id="a-sft-2", tenant="a", spec=SFTJob(kind="sft", steps=1))
+    waiting.move(JobStatus.CANCELLED, "cancelled by request")  # cancelled before admission
+    assert waiting.terminal
 
 
 # -- dispatcher ----------------------------------------------------------------------------------------------
@@ -147,11 +179,11 @@ def test_dispatcher_respects_concurrency_and_frees_slots():
             running -= 1
             return {"version": 1, "metrics": {}}
 
-        d = Dispatcher(q, execute, lambda: {"a": 0}, DispatchPolicy(max_concurrent=2))
+        d = Dispatcher(q, execute, lambda: {"a": 0}, DispatchSettings(max_concurrent_updates=2))
         futs = []
         for k in range(3):
             await d.reserve("a")
-            futs.append(asyncio.ensure_future(d.submit(TrainingItem("a", "sft", 0, {"job": "j", "step": k}))))
+            futs.append(asyncio.ensure_future(d.submit(TrainingItem("a", "sft", 0, work=k, job="j"))))
         await asyncio.gather(*futs)
         assert peak == 2
         assert q.counters["a"].inflight == 0
@@ -179,7 +211,7 @@ def test_dispatcher_requeues_items_of_a_lost_actor_without_losing_the_slot():
 
         d = Dispatcher(q, execute_and_lose, lambda: {"a": 0}, available=lambda: up["actor"])
         await d.reserve("a")
-        fut = asyncio.ensure_future(d.submit(TrainingItem("a", "rl", 0, {"job": "j"})))
+        fut = asyncio.ensure_future(d.submit(TrainingItem("a", "rl", 0, job="j")))
         await asyncio.sleep(0.01)
         assert len(calls) == 1 and q.counters["a"].queued == 1 and q.counters["a"].inflight == 1
         d.pump()
@@ -204,10 +236,10 @@ def test_dispatcher_retries_errors_then_fails_and_returns_the_slot():
             n += 1
             raise ValueError("bad batch")
 
-        d = Dispatcher(q, execute, lambda: {"a": 0}, DispatchPolicy(item_attempts=2))
+        d = Dispatcher(q, execute, lambda: {"a": 0}, DispatchSettings(item_attempts=2))
         await d.reserve("a")
         with pytest.raises(ValueError, match="bad batch"):
-            await d.submit(TrainingItem("a", "sft", 0, {"job": "j"}))
+            await d.submit(TrainingItem("a", "sft", 0, job="j"))
         assert n == 2 and q.counters["a"].inflight == 0
         assert q.reserve("a"), "the slot came back"
 
@@ -225,9 +257,9 @@ def test_dispatcher_cancel_takes_a_queued_item_out():
 
         d = Dispatcher(q, execute, lambda: {"a": 0})
         await d.reserve("a")
-        first = asyncio.ensure_future(d.submit(TrainingItem("a", "sft", 0, {"job": "j"})))
+        first = asyncio.ensure_future(d.submit(TrainingItem("a", "sft", 0, job="j")))
         await d.reserve("a")
-        second = asyncio.ensure_future(d.submit(TrainingItem("a", "sft", 0, {"job": "j"})))
+        second = asyncio.ensure_future(d.submit(TrainingItem("a", "sft", 0, job="j")))
         await asyncio.sleep(0.01)
         assert q.counters["a"].running == 1 and q.counters["a"].queued == 1
         second.cancel()
@@ -254,7 +286,7 @@ def test_dispatcher_drops_stale_items_and_frees_their_slots():
         up = {"actor": False}
         d = Dispatcher(q, execute, lambda: {"a": 10}, available=lambda: up["actor"])
         await d.reserve("a")
-        fut = asyncio.ensure_future(d.submit(TrainingItem("a", "rl", 3, {"job": "j"})))
+        fut = asyncio.ensure_future(d.submit(TrainingItem("a", "rl", 3, job="j")))
         await asyncio.sleep(0)
         up["actor"] = True
         d.pump()
@@ -265,13 +297,13 @@ def test_dispatcher_drops_stale_items_and_frees_their_slots():
     run(main())
 
 
-def test_dispatch_policy_from_settings():
-    from nexus.config import DispatchSettings
-
-    p = DispatchPolicy.from_settings(DispatchSettings(max_concurrent_updates=3, item_attempts=4))
-    assert (p.max_concurrent, p.item_attempts) == (3, 4)
+def test_dispatcher_reads_its_knobs_from_the_dispatch_settings_and_a_policy_changes_its_concurrency():
+    d = Dispatcher(TrainingQueue(), None, dict, DispatchSettings(max_concurrent_updates=3, item_attempts=4))
+    assert (d.max_concurrent, d.item_attempts) == (3, 4)
+    d.apply(SchedulerPolicy(max_concurrent_updates=2))
+    assert (d.max_concurrent, d.item_attempts) == (2, 4)
     with pytest.raises(ValueError):
-        DispatchPolicy(max_concurrent=0)
+        DispatchSettings(max_concurrent_updates=0)
 
 
 # -- engine pool -------------------------------------------------------------------------------------------
@@ -327,6 +359,9 @@ class Engines:
     async def unpin(self, ep, tenant, version):
         self.pins[ep.engine].remove((tenant, version))
 
+    async def set_batching(self, ep, max_wait_s, max_batch):
+        self.log.append(("batching", ep.engine, max_wait_s, max_batch))
+
 
 def _setups(*names: str, version: int = 3) -> list[TenantSetup]:
     return [TenantSetup(n, {}, {}, f"/tmp/{n}", version) for n in names]
@@ -336,7 +371,7 @@ def test_pool_scale_up_syncs_before_serving_and_rebalances():
     async def main():
         ops = Engines()
         tenants = _setups("a", "b", "c", "d")
-        pool = EnginePool(ops, lambda: tenants, PoolPolicy(engines=1))
+        pool = EnginePool(ops, lambda: tenants, engines=1)
         await pool.ensure()
         for t in tenants:
             await pool.add_tenant(t)
@@ -365,7 +400,7 @@ def test_pool_scale_down_drains_after_rerouting_and_stops():
     async def main():
         ops = Engines()
         tenants = _setups("a", "b")
-        pool = EnginePool(ops, lambda: tenants, PoolPolicy(engines=2))
+        pool = EnginePool(ops, lambda: tenants, engines=2)
         await pool.ensure()
         routed_during_drain = {}
 
@@ -388,7 +423,7 @@ def test_pool_partial_scale_up_rolls_back():
     async def main():
         ops = Engines(workers=3)
         tenants = _setups("a")
-        pool = EnginePool(ops, lambda: tenants, PoolPolicy(engines=1))
+        pool = EnginePool(ops, lambda: tenants, engines=1)
         await pool.ensure()
         ops.fail_start_after = 2  # the second new engine cannot start
         with pytest.raises(Unavailable, match="rolled back to 1"):
@@ -404,7 +439,7 @@ def test_pool_partial_scale_up_rolls_back():
 def test_pool_scale_operations_are_serialized():
     async def main():
         ops = Engines(workers=3)
-        pool = EnginePool(ops, lambda: [], PoolPolicy(engines=1))
+        pool = EnginePool(ops, lambda: [], engines=1)
         await pool.ensure()
         ops.sync_delay = 0.02
         order = []
@@ -423,8 +458,8 @@ def test_pool_replaces_a_lost_engine_in_place_and_reroutes_meanwhile():
     async def main():
         ops = Engines()
         tenants = _setups("a", "b")
-        h = HealthManager(HealthPolicy(restart_budget=1))
-        pool = EnginePool(ops, lambda: tenants, PoolPolicy(engines=2, route_wait_s=1), h)
+        h = HealthManager(HealthSettings(restart_budget=1))
+        pool = EnginePool(ops, lambda: tenants, engines=2, policy=PoolPolicy(route_wait_s=1), health=h)
         await pool.ensure()
         lost_addr = pool.members[1].endpoint.address
         h.worker_lost(lost_addr)
@@ -444,7 +479,7 @@ def test_pool_replaces_a_lost_engine_in_place_and_reroutes_meanwhile():
 def test_pool_route_waits_for_an_engine_and_times_out():
     async def main():
         ops = Engines()
-        pool = EnginePool(ops, lambda: _setups("a"), PoolPolicy(engines=1))
+        pool = EnginePool(ops, lambda: _setups("a"), engines=1)
         with pytest.raises(Unavailable):
             await pool.wait_route("a", timeout=0.05)
         waiter = asyncio.ensure_future(pool.wait_route("a", timeout=5))
@@ -459,10 +494,25 @@ def test_pool_catches_up_engines_that_missed_a_version():
     async def main():
         ops = Engines()
         tenants = _setups("a", version=3)
-        pool = EnginePool(ops, lambda: tenants, PoolPolicy(engines=2))
+        pool = EnginePool(ops, lambda: tenants, engines=2)
         await pool.ensure()
         await pool.on_published(TenantSetup("a", {}, {}, "/tmp/a", 4), pushed_to=("engine-0.1",))
         assert ops.held["engine-1.1"]["a"] == 4 and ops.held["engine-0.1"]["a"] == 3
+
+    run(main())
+
+
+def test_pool_applies_a_policys_batching_to_serving_engines_once_it_changes():
+    async def main():
+        ops = Engines()
+        pool = EnginePool(ops, lambda: [], engines=2, batching=(0.005, 8))
+        await pool.ensure()
+        await pool.apply(SchedulerPolicy(infer_max_wait_s=0.005, infer_max_batch=8))
+        assert not [e for e in ops.log if e[0] == "batching"], "unchanged T and B are not pushed"
+        await pool.apply(SchedulerPolicy(infer_max_wait_s=0.02, infer_max_batch=4))
+        assert [e for e in ops.log if e[0] == "batching"] == [("batching", "engine-0.1", 0.02, 4),
+                                                              ("batching", "engine-1.1", 0.02, 4)]
+        assert pool.batching == (0.02, 4)
 
     run(main())
 

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from nexus.client.api import Nexus
-from nexus.control.validation import schema_from_dict
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.trajectory_store import TrajectoryStore, table_arrays, table_to_observations
-from nexus.features import Observation
+from nexus.features import Observation, TenantSchema
+from nexus.model.policy import TenantPolicy
 from nexus.model.preprocessor import TenantPreprocessor
-from nexus.services.tenant_slot import TenantSlot
 from nexus.spec import TenantSpec
 
 pytestmark = pytest.mark.cluster
@@ -34,7 +33,7 @@ def nx(tmp_path_factory):
 
 
 def _head(out: TenantOutputDir, spec: TenantSpec, schema, version: int, feat_dim: int):
-    return TenantSlot.load_weights_bytes(out.weights_path(version).read_bytes(), spec, schema, feat_dim)
+    return TenantPolicy.from_bytes(out.weights_path(version).read_bytes(), spec, schema, feat_dim)
 
 
 def test_two_tenants_k_envs_groups_and_rows_reach_their_own_envs(nx, tiny_backbone):
@@ -65,7 +64,7 @@ def test_two_tenants_k_envs_groups_and_rows_reach_their_own_envs(nx, tiny_backbo
     # head at the recorded version: a row wired to another env or tenant would not match
     for spec, tenant in zip(specs, tenants, strict=True):
         out = TenantOutputDir(tenant.info["output_dir"])
-        schema = schema_from_dict(json.loads(out.manifest_path.read_text())["schema"])
+        schema = TenantSchema.from_dict(json.loads(out.manifest_path.read_text())["schema"])
         table = TrajectoryStore(out.trajectories, spec.name, schema).scan()
         arrays = table_arrays(table)
         obs = table_to_observations(table, schema)
@@ -109,7 +108,7 @@ def test_lazy_sync_and_an_eval_pinned_mid_sft_sees_exactly_its_version(nx, tiny_
 
     # a pinned version answers with exactly that version's head
     out = TenantOutputDir(t.info["output_dir"])
-    schema = schema_from_dict(json.loads(out.manifest_path.read_text())["schema"])
+    schema = TenantSchema.from_dict(json.loads(out.manifest_path.read_text())["schema"])
     obs = Observation(state=np.linspace(-1, 1, schema.proprio_dim).astype(np.float32), instruction=schema.instruction)
     feat = tiny_backbone.encode([TenantPreprocessor(schema, tiny_backbone.cfg)(obs)])
     engine.pin("sft-lazy", pinned, str(out.path)).result()

@@ -1,8 +1,8 @@
 """Exported policies: the worker-side export of a tenant output dir's version, ``nexus.policy.load`` without a
 service, ``init_from``, the MLflow pyfunc wrapper (``mlflow models predict``), backbone checkpoint dirs.
 
-No cluster: the real actor-side functions (``nexus.services.training``) and a real ``InferenceEngine`` run
-in this process (the engine's coroutines driven synchronously, as the actor proxy would).
+No cluster: the real actor-side tasks (``nexus.services.actor_tasks`` on an ``ActorHost``) and a real
+``InferenceEngine`` run in this process (the engine's coroutines driven synchronously, as the actor proxy would).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import deque
 from concurrent.futures import Future
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +24,14 @@ import torch
 
 from nexus import catalog
 from nexus import policy as exported
-from nexus.config import ENV_VAR, ServiceConfig
+from nexus.config import ServiceConfig
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.trajectory_store import arrays_to_observations
 from nexus.errors import Conflict, NotFound, SpecError
-from nexus.messages import SlotInfo, TenantSetup
-from nexus.services import recovery, training, worker_plugin
+from nexus.messages import OpWork, SFTWork, SlotInfo, TenantSetup, UpdateRequest
+from nexus.services import actor_tasks, ops
+from nexus.services.actor_host import ActorHost
+from nexus.services.engine_host import EngineHost
 from nexus.services.export import export_version
 from nexus.services.inference import InferenceEngine, _Request
 from nexus.spec import LoraConfig, TenantSpec
@@ -46,10 +48,13 @@ STEPS = 3
 
 
 class SyncEngine:
-    """The real InferenceEngine, its coroutines run to completion per call (what ``.result()`` gives)."""
+    """The real InferenceEngine, its coroutines run to completion per call (what ``.result()`` gives); as
+    the actor's ``EngineSet`` of one engine, it records the pushes it took."""
 
     def __init__(self, engine: InferenceEngine) -> None:
         self.engine = engine
+        self.pushed_to: list[str] = []
+        self.errors: list[str] = []
 
     def __getattr__(self, name: str):
         def call(*args, **kwargs) -> Future:
@@ -60,37 +65,36 @@ class SyncEngine:
         return call
 
 
-def init_tenant(spec: TenantSpec, output_dir, engine: InferenceEngine) -> SlotInfo:
-    """The actor's slot build (``recovery.init_tenant``), then the tenant registered on the engine from its
+def init_tenant(actor: ActorHost, spec: TenantSpec, output_dir, engine: InferenceEngine) -> SlotInfo:
+    """The actor's slot build (``actor_tasks.init_tenant``), then the tenant registered on the engine from its
     durable version-0 weights, as the engine pool does."""
-    info = recovery.init_tenant(TenantSetup(spec.name, spec.model_dump(), asdict(SCHEMA), str(output_dir)))
+    info = actor_tasks.init_tenant(actor, TenantSetup(spec.name, spec, SCHEMA, str(output_dir)))
     weights = TenantOutputDir(output_dir).weights_path(info.version).read_bytes()
-    SyncEngine(engine).register_tenant(spec.model_dump(), asdict(SCHEMA), info.version, weights).result()
+    SyncEngine(engine).register_tenant(spec, SCHEMA, info.version, weights).result()
     return info
+
+
+def setup(spec: TenantSpec, output_dir, version: int = 0) -> TenantSetup:
+    return TenantSetup(spec.name, spec, SCHEMA, str(output_dir), version)
 
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    """An actor-side TrainingModelService and an InferenceEngine with two trained tenants (versions 0..3)."""
+    """An actor rank's ActorHost and an InferenceEngine with two trained tenants (versions 0..3)."""
     root = tmp_path_factory.mktemp("svc")
     cfg = ServiceConfig(root=str(root), backbone={"size": "tiny", "image_size": 64})
-    mp = pytest.MonkeyPatch()
-    mp.setenv(ENV_VAR, str(cfg.save(root / "service.json")))
-    service = training.TrainingModelService()
-    mp.setattr(worker_plugin._local, "_training", service)  # this process's worker state (no Dask worker)
-    engine = InferenceEngine(cfg.model_dump())
+    service = ActorHost(cfg)  # this process plays the actor rank (no Dask worker)
+    engine = InferenceEngine(cfg)
     sync = SyncEngine(engine)
     outs = {}
     for spec in (LORA, GROOT):
         out = str(cfg.tenants_dir / spec.name)
-        init_tenant(spec, out, engine)
+        init_tenant(service, spec, out, engine)
         for step in range(STEPS):
-            item = {"tenant": spec.name, "kind": "sft", "item_id": f"{spec.name}-{step}",
-                    "payload": {"dataset": DATASET, "batch_size": 16, "step": step, "eval_heldout": False}}
-            training.run_item(item, spec.model_dump(), asdict(SCHEMA), out, sync)
+            req = UpdateRequest(f"{spec.name}-{step}", None, SFTWork(DATASET, step, 16), setup(spec, out), ())
+            actor_tasks.update(service, req, sync)
         outs[spec.name] = out
     yield service, engine, outs
-    mp.undo()
 
 
 def heldout_observations(service, n: int = 5) -> list:
@@ -107,7 +111,7 @@ def engine_actions(engine: InferenceEngine, tenant: str, observations: list, ver
 
 def test_export_writes_the_documented_directory(svc, tmp_path):
     service, _, outs = svc
-    info = export_version(LORA.model_dump(), asdict(SCHEMA), outs[LORA.name], STEPS, str(tmp_path / "p"))
+    info = export_version(service, setup(LORA, outs[LORA.name]), STEPS, str(tmp_path / "p"))
     d = Path(info["path"])
     listing = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
     assert listing == ["README.md", "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
@@ -144,7 +148,7 @@ def test_exported_policy_acts_like_the_service(svc, tmp_path, spec):
     """Round trip: the loaded directory's actions == the inference engine's, for the same observations."""
     service, engine, outs = svc
     path = tmp_path / spec.name
-    export_version(spec.model_dump(), asdict(SCHEMA), outs[spec.name], STEPS, str(path))
+    export_version(service, setup(spec, outs[spec.name]), STEPS, str(path))
     loaded = exported.load(path)
     obs = heldout_observations(service)
     want = engine_actions(engine, spec.name, obs)
@@ -164,34 +168,36 @@ def test_exported_policy_acts_like_the_service(svc, tmp_path, spec):
 
 
 def test_an_older_version_exports_its_own_weights(svc, tmp_path):
-    _, engine, outs = svc
+    service, engine, outs = svc
     path = tmp_path / "v1"
-    export_version(LORA.model_dump(), asdict(SCHEMA), outs[LORA.name], 1, str(path))
+    export_version(service, setup(LORA, outs[LORA.name]), 1, str(path))
     v1 = exported.load(path)
     assert v1.version == 1
     state = torch.load(TenantOutputDir(outs[LORA.name]).weights_path(1), weights_only=True)
     for k, v in v1.policy.state_dict().items():
         assert torch.equal(v, state[k]), k
-    v3 = exported.load(export_version(LORA.model_dump(), asdict(SCHEMA), outs[LORA.name], 3,
-                                      str(tmp_path / "v3"))["path"])
+    v3 = exported.load(export_version(service, setup(LORA, outs[LORA.name]), 3, str(tmp_path / "v3"))["path"])
     obs = heldout_observations(svc[0], 2)
     assert np.abs(v1.predict_action(obs[0])["action"] - v3.predict_action(obs[0])["action"]).max() > 1e-6
 
 
-def test_an_export_without_a_path_lands_in_the_output_dir_once(svc):
+def test_an_export_without_a_path_lands_in_the_output_dir_once(svc, monkeypatch):
     """No path: ``<output dir>/exports/vNNNNNN/`` (what the gateway serves as the tenant's files), written once
     and reused; only actor rank 0 writes."""
-    _, _, outs = svc
-    args = (LORA.model_dump(), asdict(SCHEMA), outs[LORA.name], 2)
-    assert export_version(*args, None, 1) == {} and not (Path(outs[LORA.name]) / "exports" / "v000002").exists()
-    info = export_version(*args)
+    service, _, outs = svc
+    args = (service, setup(LORA, outs[LORA.name]), 2)
+    with monkeypatch.context() as m:
+        m.setattr(service, "rank", 1)
+        assert actor_tasks.export_version(*args) == {}
+    assert not (Path(outs[LORA.name]) / "exports" / "v000002").exists()
+    info = actor_tasks.export_version(*args)
     target = Path(outs[LORA.name]) / "exports" / "v000002"
     assert info["path"] == str(target.resolve()) and info["relative_path"] == "exports/v000002"
     created = exported.read_manifest(target)["created"]
     again = export_version(*args)
     assert again == info and exported.read_manifest(target)["created"] == created  # not rewritten
     assert exported.load(target).version == 2
-    outside = export_version(*args[:3], 1, str(Path(outs[LORA.name]).parent.parent / "elsewhere-v1"))
+    outside = export_version(*args[:2], 1, str(Path(outs[LORA.name]).parent.parent / "elsewhere-v1"))
     assert outside["relative_path"] is None
 
 
@@ -200,8 +206,8 @@ def test_a_rebuilt_engine_restores_lora_adapters_from_durable_weights(svc):
     files (``EngineHost.sync`` with TenantSetup, as the pool sends it): every version's file carries the
     adapter, so the new engine answers what the original one does, for the live version and a pinned one."""
     service, engine, outs = svc
-    host = worker_plugin.EngineHost(worker_plugin._local, "engine-9.1", engine.config.model_dump())
-    setups = [asdict(TenantSetup(s.name, s.model_dump(), asdict(SCHEMA), outs[s.name], STEPS)) for s in (LORA, GROOT)]
+    host = EngineHost("engine-9.1", engine.config, deque())
+    setups = [setup(s, outs[s.name], STEPS) for s in (LORA, GROOT)]
     asyncio.run(host.sync(setups, [[LORA.name, 1, outs[LORA.name], 1]]))
     assert host.engine.versions()["live"] == {LORA.name: STEPS, GROOT.name: STEPS}
     state = torch.load(TenantOutputDir(outs[LORA.name]).weights_path(STEPS), weights_only=True)
@@ -218,7 +224,7 @@ def test_a_rebuilt_engine_restores_lora_adapters_from_durable_weights(svc):
     assert np.abs(v1 - live).max() > 1e-6  # the pin runs version 1's own adapter, not the live one
     # and the adapter matters: without it (zeroed lora_B) the same head answers differently
     bare = {k: (torch.zeros_like(v) if ".lora_B." in k else v) for k, v in state.items()}
-    host.engine._live[LORA.name] = (STEPS, host.engine._policy_from_bytes(LORA.name, _bytes(bare)))
+    host.engine.heads.live[LORA.name] = (STEPS, host.engine.heads.policy_from_bytes(LORA.name, _bytes(bare)))
     without = np.stack([o["action"] for o in engine_actions(host.engine, LORA.name, obs)])
     assert np.abs(without - live).max() > 1e-5
     asyncio.run(host.stop())
@@ -234,7 +240,7 @@ def _bytes(state: dict) -> bytes:
 
 def test_bad_exports_and_bad_directories_are_refused(svc, tmp_path, tiny_paligemma):
     service, _, outs = svc
-    args = (LORA.model_dump(), asdict(SCHEMA), outs[LORA.name])
+    args = (service, setup(LORA, outs[LORA.name]))
     with pytest.raises(NotFound, match="version 99"):
         export_version(*args, 99, str(tmp_path / "nope"))
     assert not (tmp_path / "nope").exists()
@@ -262,22 +268,20 @@ def test_bad_exports_and_bad_directories_are_refused(svc, tmp_path, tiny_paligem
 
 def test_init_from_an_exported_policy(svc, tmp_path):
     service, engine, outs = svc
-    lora_dir = Path(export_version(LORA.model_dump(), asdict(SCHEMA), outs[LORA.name], STEPS,
-                                   str(tmp_path / "lora"))["path"])
-    groot_dir = Path(export_version(GROOT.model_dump(), asdict(SCHEMA), outs[GROOT.name], STEPS,
-                                    str(tmp_path / "groot"))["path"])
+    lora_dir = Path(export_version(service, setup(LORA, outs[LORA.name]), STEPS, str(tmp_path / "lora"))["path"])
+    groot_dir = Path(export_version(service, setup(GROOT, outs[GROOT.name]), STEPS, str(tmp_path / "groot"))["path"])
     bb = service.framework.backbone
     obs = heldout_observations(service, 3)
 
     # a new tenant (new name, seed, output dir) through the actor's init: version 0 is the exported policy
     spec = LORA.model_copy(update={"name": "pick-lora-2", "seed": 99, "init_from": str(lora_dir)})
     out = service.config.tenants_dir / "pick-lora-2"
-    info = init_tenant(spec, out, engine)
+    info = init_tenant(service, spec, out, engine)
     assert info.version == 0 and not info.restored
     want = [o["action"] for o in exported.load(lora_dir).predict_actions(obs)]
     got = [o["action"] for o in engine_actions(engine, spec.name, obs)]
     np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-5)
-    assert training.service().slots[spec.name].version == 0
+    assert service.slots[spec.name].version == 0
 
     # a LoRA tenant may start from a heads-only export: exported head, fresh (no-op) adapter
     groot_lora = GROOT.model_copy(update={"name": "g2", "lora": LoraConfig(rank=2), "init_from": str(groot_dir)})
@@ -296,8 +300,8 @@ def test_init_from_an_exported_policy(svc, tmp_path):
     bad_out = service.config.tenants_dir / "bad"
     bad = LORA.model_copy(update={"name": "bad", "lora": None, "init_from": str(lora_dir)})
     with pytest.raises(SpecError):
-        init_tenant(bad, bad_out, engine)
-    assert not bad_out.exists() and "bad" not in training.service().slots
+        init_tenant(service, bad, bad_out, engine)
+    assert not bad_out.exists() and "bad" not in service.slots
 
 
 def test_mlflow_pyfunc_model_and_mlflow_models_predict(svc, tmp_path):
@@ -307,7 +311,7 @@ def test_mlflow_pyfunc_model_and_mlflow_models_predict(svc, tmp_path):
     from nexus.services.model_registry import save_policy_model
 
     service, engine, outs = svc
-    d = export_version(LORA.model_dump(), asdict(SCHEMA), outs[LORA.name], STEPS, str(tmp_path / "p"))["path"]
+    d = export_version(service, setup(LORA, outs[LORA.name]), STEPS, str(tmp_path / "p"))["path"]
     model_dir = save_policy_model(d, tmp_path / "mlmodel")
     assert (Path(model_dir) / "MLmodel").is_file() and (Path(model_dir) / "code" / "nexus").is_dir()
     obs = heldout_observations(service, 3)
@@ -369,12 +373,10 @@ def test_backbone_checkpoint_dirs_in_config_and_exports(tiny_backbone, tmp_path,
 def test_low_level_ops_train_a_lora_tenant_through_the_backbone(svc, tmp_path):
     """Tinker-style ``forward_backward`` (sft and ppo losses) + ``optim_step`` on the actor for a LoRA tenant:
     the adapter moves, the shared backbone does not."""
-    from nexus.services.training import _run_op
-
     service, engine, _ = svc
     spec = LORA.model_copy(update={"name": "ops-lora", "seed": 8})
     out = service.config.tenants_dir / "ops-lora"
-    init_tenant(spec, out, engine)
+    init_tenant(service, spec, out, engine)
     slot = service.slots[spec.name]
     base = {k: v.clone() for k, v in service.framework.backbone.model.state_dict().items()}
     adapter0 = {k: v.clone() for k, v in slot.policy.state_dict().items() if k.startswith("lora.")}
@@ -385,9 +387,9 @@ def test_low_level_ops_train_a_lora_tenant_through_the_backbone(svc, tmp_path):
     fields = {"sft": ("observations", "actions"), "ppo": tuple(data)}  # each loss takes its own fields only
     for loss in ("sft", "ppo"):
         batch = {k: data[k] for k in fields[loss]}
-        res = _run_op(service, spec.name, {"op": "forward_backward", "loss": loss, "data": batch}, None, None)
-        assert np.isfinite(res["metrics"]["loss"])
-        _run_op(service, spec.name, {"op": "optim_step"}, None, None)
+        _, metrics = ops.run_op(service, slot, OpWork("forward_backward", loss), batch, None, None)
+        assert np.isfinite(metrics["loss"])
+        ops.run_op(service, slot, OpWork("optim_step"), None, None, None)
     now = slot.policy.state_dict()
     assert any(not torch.equal(now[k], v) for k, v in adapter0.items())
     assert all(torch.equal(v, base[k]) for k, v in service.framework.backbone.model.state_dict().items())

@@ -8,7 +8,6 @@ import torch
 
 from nexus.algorithms.grpo import GRPOConfig, group_advantages, grpo_loss
 from nexus.algorithms.sft import ActionChunks, sft_loss
-from nexus.control.validation import SpecError, validate_job
 from nexus.features import TenantSchema
 from nexus.model.backbone import BackboneConfig
 from nexus.model.backbone_features import BackboneFeatures
@@ -19,6 +18,7 @@ from nexus.model.preprocessor import TenantPreprocessor
 from nexus.model.synthetic_tenants import CALVIN_LIKE, LIBERO_LIKE, SyntheticTenant
 from nexus.services.tenant_slot import TenantSlot
 from nexus.spec import TenantSpec
+from nexus.validation import SpecError, validate_job
 
 torch.set_num_threads(1)
 
@@ -285,7 +285,7 @@ def test_checkpoint_and_weights_roundtrip(family, framework, tmp_path):
         slot.train_step(lambda p: sft_loss(p, cond, proprio, actions, torch.Generator().manual_seed(9)))
     assert all(torch.equal(a, b) for a, b in zip(_params(src), _params(fresh), strict=True))
 
-    policy = TenantSlot.load_weights_bytes(src.export_weights(), s, LIBERO_LIKE, 64)
+    policy = TenantPolicy.from_bytes(src.export_weights(), s, LIBERO_LIKE, 64)
     assert policy.chunk == CHUNK and policy.family == family
     for det in (True, False):
         g1, g2 = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
@@ -315,10 +315,10 @@ def test_inference_engine_serves_every_family(tiny_backbone, tiny_paligemma, tmp
     from nexus.services.inference import InferenceEngine, _Request
 
     engine = InferenceEngine({"root": str(tmp_path)})
-    fw = engine._framework = VLAFramework(tiny_backbone, tiny_paligemma)
+    fw = engine.heads.framework = VLAFramework(tiny_backbone, tiny_paligemma)
     policies = _register(fw)
     for name, policy in policies.items():
-        engine._live[name] = (0, policy)
+        engine.heads.live[name] = (0, policy)
     rng = np.random.default_rng(0)
     group = []
     for name, (_, schema) in _tenants(fw).items():
@@ -372,23 +372,23 @@ def test_grpo_group_advantages_and_loss(framework):
                   proprio, actions, old_logprob, advantages, GRPOConfig())
 
 
-def test_service_sft_update_trains_a_chunked_flow_tenant(tmp_path, monkeypatch):
-    """``training_service._sft_update`` on the recorded PickCube demos: π expert, chunk 4, held-out error."""
+def test_service_sft_update_trains_a_chunked_flow_tenant(tmp_path):
+    """``actor_tasks.update_sft`` on the recorded PickCube demos: π expert, chunk 4, held-out error."""
     from nexus import catalog
-    from nexus.config import ENV_VAR, ServiceConfig
-    from nexus.services import training as training_service
+    from nexus.config import ServiceConfig
+    from nexus.messages import SFTWork
+    from nexus.services.actor_host import ActorHost
+    from nexus.services.actor_tasks import update_sft
 
     cfg = ServiceConfig(root=str(tmp_path), backbone={"family": "paligemma", "size": "tiny", "image_size": 64})
-    monkeypatch.setenv(ENV_VAR, str(cfg.save(tmp_path / "service.json")))
-    svc = training_service.TrainingModelService()
+    svc = ActorHost(cfg)
     schema = catalog.dataset("pickcube-scripted").schema
     s = TenantSpec(name="pick-pi", dataset="pickcube-scripted", action_head="pi", chunk=4, hidden_dim=32, lr=3e-3)
     svc.slots[s.name] = slot = TenantSlot(s, schema, svc.feat_dim)
     svc.framework.add_tenant(s.name, slot.policy, TenantPreprocessor(schema, svc.backbone_cfg))
-    payload = {"dataset": "pickcube-scripted", "batch_size": 16, "step": 0, "eval_heldout": True}
-    first = training_service._sft_update(svc, s.name, payload)
+    first = update_sft(svc, slot, SFTWork("pickcube-scripted", 0, 16, eval_heldout=True))
     for step in range(1, 6):
-        last = training_service._sft_update(svc, s.name, {**payload, "step": step, "eval_heldout": step == 5})
+        last = update_sft(svc, slot, SFTWork("pickcube-scripted", step, 16, eval_heldout=step == 5))
     assert np.isfinite(first["loss"]) and np.isfinite(last["heldout_action_mse"])
     assert last["heldout_action_mse"] < first["heldout_action_mse"]
     assert svc.action_chunks["pickcube-scripted"].targets(np.array([0]), np.array([0]), 4).shape == (1, 16)

@@ -100,7 +100,7 @@ def _wire_batch(n: int = 2, **over) -> dict:
 def snapshot(env) -> dict:
     """Tenants, versions, jobs, slots (actor), live heads (inference) and tokens — bg excepted, whose RL
     job runs meanwhile."""
-    from nexus.services.training import slot_states
+    from nexus.services.worker_plugin import slot_states
 
     nx = env["nx"]
     st_ = nx.status()

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from nexus.config import ServiceConfig
-from nexus.control.validation import schema_to_dict
 from nexus.features import CameraSpec, Observation, TenantSchema
 from nexus.model.policy import TenantPolicy
 from nexus.services.batching import GroupBatcher
@@ -168,12 +167,12 @@ def engine(tmp_path_factory):
     """A real engine with two tenants (different heads) on a tiny backbone; T is long (5 s) so a
     group that fired on the timeout would stand out in the recorded reasons."""
     cfg = ServiceConfig(root=str(tmp_path_factory.mktemp("engine")), infer_max_wait_s=5.0, infer_max_batch=16)
-    eng = InferenceEngine(cfg.model_dump())
+    eng = InferenceEngine(cfg)
     loop = LoopThread()
     hidden = 64  # the tiny Qwen3-VL's width
     for name, seed in (("ta", 1), ("tb", 2)):
         spec = TenantSpec(name=name, env="maniskill/pushcube-state", seed=seed, hidden_dim=32)
-        loop.call(eng.register_tenant(spec.model_dump(), schema_to_dict(SCHEMA), 0, weights(spec, hidden))).result(120)
+        loop.call(eng.register_tenant(spec, SCHEMA, 0, weights(spec, hidden))).result(120)
     yield eng, loop
     loop.close()
 

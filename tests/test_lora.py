@@ -285,15 +285,15 @@ def test_inference_engine_serves_live_and_pinned_adapters_in_one_group(tiny_back
 
     bb = tiny_backbone
     engine = InferenceEngine({"root": str(tmp_path)})
-    fw = engine._framework = lora_framework(bb, ("r4", "plain"))
+    fw = engine.heads.framework = lora_framework(bb, ("r4", "plain"))
     pinned = TenantPolicy.from_spec(make_spec("r4", LORAS["r4"]), LIBERO_LIKE, bb.hidden_size,
                                     lora_shapes=bb.lora_shapes(LORAS["r4"]))
     pinned.load_state_dict(fw.policies["r4"].state_dict())
     perturb(pinned, 55)  # version 1 and the live version 2 differ in their adapter only
     for p_live, p_old in zip(fw.policies["r4"].head.parameters(), pinned.head.parameters(), strict=True):
         assert torch.equal(p_live, p_old)
-    engine._live = {"r4": (2, fw.policies["r4"]), "plain": (0, fw.policies["plain"])}
-    engine._pinned = {("r4", 1): [pinned.eval(), 1]}
+    engine.heads.live = {"r4": (2, fw.policies["r4"]), "plain": (0, fw.policies["plain"])}
+    engine.heads.pinned = {("r4", 1): [pinned.eval(), 1]}
     o = observations(LIBERO_LIKE, 2, 1)  # the same observation under the live and the pinned adapter
     group = [_Request("r4", obs, v, True, job=None)
              for obs, v in zip([o[0], o[0], o[1], o[1]], [None, 1, 2, 1], strict=True)]
@@ -306,7 +306,7 @@ def test_inference_engine_serves_live_and_pinned_adapters_in_one_group(tiny_back
         policy = pinned if r.version == 1 else fw.policies[r.tenant]
         want = fw.group_act([(r.tenant, r.obs)], deterministic=True, policies={r.tenant: policy})[0]["raw_action"]
         np.testing.assert_allclose(out["action"], want, atol=1e-5)
-        assert out["version"] == (r.version or engine._live[r.tenant][0])
+        assert out["version"] == (r.version or engine.heads.live[r.tenant][0])
     assert np.abs(outs[0]["action"] - outs[1]["action"]).max() > 1e-4  # same sample, two adapters: not merged
 
 

@@ -12,9 +12,10 @@ from nexus.algorithms.ppo import compute_gae, ppo_loss
 from nexus.algorithms.sft import sft_loss
 from nexus.features import CameraSpec, Observation, TenantSchema
 from nexus.model.action_head import TenantPolicy
-from nexus.model.backbone import IMAGE_PAD, BackboneConfig, format_prompt
+from nexus.model.backbone import BackboneConfig
 from nexus.model.framework import VLAFramework
 from nexus.model.preprocessor import TenantPreprocessor
+from nexus.model.qwen3vl import IMAGE_PAD, format_prompt
 from nexus.spec import PPOConfig, TenantSpec
 
 torch.set_num_threads(1)
@@ -66,7 +67,8 @@ def mixed_requests(rng: np.random.Generator) -> list[tuple[str, Observation]]:
 _FINGERPRINT = """
 import hashlib, sys
 import numpy as np, torch
-from nexus.model.backbone import BackboneConfig, SharedBackbone, format_prompt
+from nexus.model.backbone import BackboneConfig, SharedBackbone
+from nexus.model.qwen3vl import format_prompt
 from nexus.features import VLAFeature
 
 def fingerprint(bb):

@@ -12,9 +12,8 @@ import pytest
 
 from nexus.client.api import Nexus
 from nexus.client.cli import main as cli
-from nexus.control.validation import schema_from_dict
 from nexus.data.output_dir import TenantOutputDir
-from nexus.features import Observation
+from nexus.features import Observation, TenantSchema
 from nexus.spec import TenantSpec
 
 pytestmark = pytest.mark.cluster
@@ -44,7 +43,7 @@ def _shared_forward(nx: Nexus, output_dirs: list[str], tenants: list[str], tries
     engine = nx.engine()
     obs = []
     for d in output_dirs:
-        schema = schema_from_dict(json.loads(TenantOutputDir(d).manifest_path.read_text())["schema"])
+        schema = TenantSchema.from_dict(json.loads(TenantOutputDir(d).manifest_path.read_text())["schema"])
         obs.append(Observation(state=np.zeros(schema.proprio_dim, np.float32), instruction=schema.instruction))
     for t in tenants:  # an open producer that is not waiting holds a group back for up to T
         engine.open_producer(f"probe-{t}", t).result(timeout=30)

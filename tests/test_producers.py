@@ -19,7 +19,6 @@ import torch
 
 from nexus import catalog
 from nexus.config import ServiceConfig
-from nexus.control.validation import schema_to_dict
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.trajectory_store import batch_metadata, read_ipc, table_arrays
 from nexus.features import Observation
@@ -99,19 +98,23 @@ def test_producer_mode_follows_the_data_path_and_the_catalog():
 
 
 def test_prewarm_builds_the_envs_a_rollout_then_checks_out():
-    """A worker's pool (here this process's): after prewarm, a producer of the same K and waves gets the
-    envs that were built ahead, none new."""
+    """A worker's pool (a SimHost's, as the SIM task gets it): after prewarm, a producer of the same K and waves
+    gets the envs that were built ahead, none new."""
+    from nexus.services import sim_tasks
+    from nexus.services.sim_host import SimHost
+
     name = "maniskill/pushcube-state"
     entry = catalog.env(name)
-    pool = rollout._pool()
-    taken = [pool.checkout(entry, [pool.idle(name)], "lockstep")] if pool.idle(name) else []  # start empty
+    sim = SimHost()
+    pool = sim.pool
+    taken = []
     try:
-        assert rollout.prewarm(name, 3, waves=2) == 3
+        assert sim_tasks.prewarm(sim, name, 3, waves=2) == 3
         taken.append(built := pool.checkout(entry, rollout.wave_sizes(3, 2), "lockstep"))
         assert [len(g.envs) for g in built] == [2, 1] and pool.idle(name) == 0
         ids = {id(e) for g in built for e in g.envs}
         pool.checkin(entry, taken.pop(), "lockstep")
-        assert rollout.prewarm(name, 3, waves=2) == 3  # nothing built twice
+        assert sim_tasks.prewarm(sim, name, 3, waves=2) == 3  # nothing built twice
         taken.append(again := pool.checkout(entry, [3], "lockstep"))
         assert {id(e) for g in again for e in g.envs} == ids
     finally:
@@ -151,41 +154,39 @@ class LoopEngine:
 def stack(tmp_path_factory):
     """Engine + actor service of one config (tiny Qwen3-VL), tenant slots for a camera env."""
     from nexus.messages import TenantSetup
-    from nexus.services import worker_plugin
+    from nexus.services.actor_host import ActorHost
+    from nexus.services.actor_tasks import init_tenant
     from nexus.services.inference import InferenceEngine
-    from nexus.services.recovery import init_tenant
-    from nexus.services.training import TrainingModelService
 
     root = tmp_path_factory.mktemp("stack")
     cfg = ServiceConfig(root=str(root), infer_max_wait_s=0.05)
-    engine = LoopEngine(InferenceEngine(cfg.model_dump()))
-    svc = TrainingModelService(cfg)
-    worker_plugin._local._training = svc  # this process plays the actor (the update functions use it)
+    engine = LoopEngine(InferenceEngine(cfg))
+    svc = ActorHost(cfg)  # this process plays the actor rank
     schema = catalog.env("maniskill/pickcube-rgb").schema
     specs = {}
     for name in ("cached", "recomputed"):  # same seed: the same initial head
         spec = TenantSpec(name=name, env="maniskill/pickcube-rgb", seed=3, hidden_dim=64, lr=1e-3)
-        info = init_tenant(TenantSetup(name, spec.model_dump(), schema_to_dict(schema), str(cfg.tenants_dir / name)))
-        engine.register_tenant(spec.model_dump(), schema_to_dict(schema), info.version,
-                               svc.slots[name].export_weights()).result()
+        info = init_tenant(svc, TenantSetup(name, spec, schema, str(cfg.tenants_dir / name)))
+        engine.register_tenant(spec, schema, info.version, svc.slots[name].export_weights()).result()
         specs[name] = spec
     yield cfg, engine, svc, specs, schema
     engine.close()
-    worker_plugin._local._training = None
 
 
 def test_cached_features_give_the_same_ppo_update(stack):
-    from nexus.services.training import _ppo_update
+    from nexus.messages import RLWork
+    from nexus.services.actor_tasks import update_rl
+    from nexus.services.sim_host import EnvPool
 
     cfg, engine, svc, specs, schema = stack
     out = TenantOutputDir(str(cfg.tenants_dir / "cached"))
-    producer = cfg.datapath.model_copy(update={"envs_per_producer": 2}).model_dump()
-    res = rollout.collect("cached", "maniskill/pickcube-rgb", str(out.path), schema_to_dict(schema), episodes=2,
+    producer = cfg.datapath.model_copy(update={"envs_per_producer": 2})
+    res = rollout.collect(EnvPool(), "cached", "maniskill/pickcube-rgb", str(out.path), schema, episodes=2,
                           seed=11, episode_offset=0, deterministic=False, version=None, engine=engine,
                           job="j", producer=producer)
-    assert res["stats"]["envs"] == 2 and res["stats"]["requests"] > 0
-    assert res["stats"]["sim_s"] > 0 and res["stats"]["action_wait_s"] > 0
-    table = read_ipc(res["batch"]["path"])
+    assert res.stats["envs"] == 2 and res.stats["requests"] > 0
+    assert res.stats["sim_s"] > 0 and res.stats["action_wait_s"] > 0
+    table = read_ipc(res.batch.path)
     arrays = table_arrays(table)
     assert arrays["feature"].shape == (len(arrays["step"]), svc.feat_dim)
     assert batch_metadata(table)["feature_key"] == svc.framework.preprocessors["cached"].compat_key
@@ -196,9 +197,9 @@ def test_cached_features_give_the_same_ppo_update(stack):
     recomputed, _ = svc.features("cached", table_to_observations(table, schema))
     np.testing.assert_allclose(arrays["feature"], recomputed.pooled.numpy(), atol=1e-5)
 
-    ppo = PPOConfig(update_epochs=2, minibatch_size=32).model_dump()
-    a = _ppo_update(svc, "cached", {"ppo": ppo, "batch": res["batch"]})
-    b = _ppo_update(svc, "recomputed", {"ppo": ppo, "batch": res["batch"], "use_cached_features": False})
+    ppo = PPOConfig(update_epochs=2, minibatch_size=32)
+    a = update_rl(svc, svc.slots["cached"], RLWork(res.batch, ppo))
+    b = update_rl(svc, svc.slots["recomputed"], RLWork(res.batch, ppo, use_cached_features=False))
     assert a["cached_features"] == 1.0 and b["cached_features"] == 0.0
     for k in ("pg_loss", "v_loss", "approx_kl", "entropy"):
         assert a[k] == pytest.approx(b[k], abs=1e-5), k
@@ -229,14 +230,13 @@ def _camera_batch(schema, feat_dim: int, seed: int, n: int = 3) -> dict:
 def test_features_of_another_backbone_are_recomputed(stack):
     """A batch whose features came from another backbone (another image size here) is not trusted."""
     from nexus.data.trajectory_store import TrajectoryStore
-    from nexus.services.training import batch_features
 
     cfg, engine, svc, specs, schema = stack
     store = TrajectoryStore(cfg.tenants_dir.parent / "foreign", "cached", schema)
     cols = _camera_batch(schema, svc.feat_dim, seed=0)
     ref = store.append(cols, feature_key="qwen3vl:tiny:float32@128px")
     table = read_ipc(ref.path)
-    feats, _, cached = batch_features(svc, "cached", table, table_arrays(table))
+    feats, _, cached = svc.batch_features(svc.slots["cached"], table, table_arrays(table))
     assert not cached and not np.allclose(feats.pooled.numpy(), 1.0)
     with pytest.raises(ValueError, match="feature_key"):
         store.append(cols)  # features without the backbone that made them are refused
@@ -268,19 +268,18 @@ def test_a_lora_tenant_recomputes_features_through_its_adapter(stack):
     """Stored rollout features bypass the adapter (and its gradient): a LoRA tenant's update never reads them."""
     from nexus.data.trajectory_store import TrajectoryStore
     from nexus.messages import TenantSetup
-    from nexus.services.recovery import init_tenant
-    from nexus.services.training import batch_features
+    from nexus.services.actor_tasks import init_tenant
     from nexus.spec import LoraConfig
 
     cfg, engine, svc, specs, schema = stack
     spec = TenantSpec(name="adapted", env="maniskill/pickcube-rgb", seed=3, hidden_dim=64, lora=LoraConfig(rank=4))
-    init_tenant(TenantSetup("adapted", spec.model_dump(), schema_to_dict(schema), str(cfg.tenants_dir / "adapted")))
+    init_tenant(svc, TenantSetup("adapted", spec, schema, str(cfg.tenants_dir / "adapted")))
     key = svc.framework.preprocessors["adapted"].compat_key
     store = TrajectoryStore(cfg.tenants_dir / "adapted" / "trajectories", "adapted", schema)
     cols = _camera_batch(schema, svc.feat_dim, seed=1)
     table = read_ipc(store.append(cols, feature_key=key).path)
-    _, _, cached = batch_features(svc, "adapted", table, table_arrays(table))
+    _, _, cached = svc.batch_features(svc.slots["adapted"], table, table_arrays(table))
     assert not cached  # same backbone key, pooled-only head: a plain tenant would have read the column
     assert svc.framework.preprocessors["cached"].compat_key == key
-    _, _, plain_cached = batch_features(svc, "cached", table, table_arrays(table))
+    _, _, plain_cached = svc.batch_features(svc.slots["cached"], table, table_arrays(table))
     assert plain_cached  # the same batch: the plain tenant's update reads the stored features

@@ -19,17 +19,17 @@ def _queue(**limits: TenantLimits) -> TrainingQueue:
 
 def _put(q: TrainingQueue, tenant: str, kind: str = "rl", version: int = 0, tag: str = "") -> TrainingItem:
     assert q.reserve(tenant)
-    item = TrainingItem(tenant=tenant, kind=kind, policy_version=version, payload={"tag": tag})
+    item = TrainingItem(tenant=tenant, kind=kind, policy_version=version, work=tag)
     q.put(item)
     return item
 
 
 def test_fifo_within_priority():
     q = _queue(a=TenantLimits(max_inflight=10), b=TenantLimits(max_inflight=10))
-    order = [_put(q, t, tag=f"{t}{i}").payload["tag"] for i, t in enumerate("abab")]
+    order = [_put(q, t, tag=f"{t}{i}").work for i, t in enumerate("abab")]
     popped = []
     while (item := q.pop({})[0]) is not None:
-        popped.append(item.payload["tag"])
+        popped.append(item.work)
         q.done(item)
     assert popped == order
 
@@ -42,7 +42,7 @@ def test_priority_first_then_fifo():
     _put(q, "high", tag="h1")
     got = []
     while (item := q.pop({})[0]) is not None:
-        got.append(item.payload["tag"])
+        got.append(item.work)
     assert got == ["h0", "h1", "l0", "l1"]
 
 
@@ -72,10 +72,10 @@ def test_stale_rl_batch_dropped_and_counted_sft_never():
     _put(q, "a", "rl", version=3, tag="fresh")
     _put(q, "a", "op", version=0, tag="op-old")
     item, dropped = q.pop({"a": 3})
-    assert [d.payload["tag"] for d in dropped] == ["stale"]
-    assert item.payload["tag"] == "sft-old"
+    assert [d.work for d in dropped] == ["stale"]
+    assert item.work == "sft-old"
     assert q.counters["a"].dropped_stale == 1
-    rest = [q.pop({"a": 3})[0].payload["tag"] for _ in range(2)]
+    rest = [q.pop({"a": 3})[0].work for _ in range(2)]
     assert rest == ["fresh", "op-old"]
     assert q.counters["a"].dropped_stale == 1
     assert q.counters["a"].inflight == 3  # the dropped item freed its slot; three are running

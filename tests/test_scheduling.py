@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from nexus import scheduling
-from nexus.config import DispatchSettings, ServiceConfig
+from nexus.config import POLICY_FIELDS, DispatchSettings, ServiceConfig, policy_settings
 from nexus.control.admission import Admission
 from nexus.control.lifecycle import with_policy_defaults
 from nexus.control.monitoring import MonitoringState, Span, accounting
@@ -90,6 +90,36 @@ def test_a_catalog_root_with_a_policy_over_the_inflight_cap_is_refused(tmp_path,
     assert ServiceConfig(root=str(tmp_path), scheduler="wide").dispatch.default_max_inflight == 6
     with pytest.raises(ValidationError, match="default_max_inflight 6 exceeds limits.max_inflight 4"):
         ServiceConfig(root=str(tmp_path), scheduler="wide", limits={"max_inflight": 4})
+
+
+def test_with_policy_sets_every_policy_knob_in_its_section_and_keeps_the_rest(tmp_path):
+    c = ServiceConfig(root=str(tmp_path), scheduler="priority", dispatch={"item_attempts": 3})
+    pol = scheduling.load("isolated").model_copy(update={"infer_max_batch": 5, "sync_policy": "eager",
+                                                         "sync_every": 2, "max_concurrent_updates": 2})
+    new = c.with_policy(pol)
+    assert new.scheduler == "isolated" and new.scheduler_policy == pol
+    for pf, (section, name) in POLICY_FIELDS.items():
+        assert getattr(new if section is None else getattr(new, section), name) == getattr(pol, pf), pf
+    assert new.dispatch.item_attempts == 3 and new.root == c.root  # not policy knobs: unchanged
+    assert c.scheduler == "priority" and c.dispatch.max_concurrent_updates == 1  # the original is unchanged
+    assert policy_settings(pol, "datapath") == {"sync_policy": "eager", "sync_every": 2}
+    with pytest.raises(SpecError, match="default_max_inflight 6 exceeds limits.max_inflight 4"):
+        ServiceConfig(root=str(tmp_path), limits={"max_inflight": 4}).with_policy(
+            pol.model_copy(update={"default_max_inflight": 6}))
+
+
+def test_policy_parts_apply_their_knobs():
+    q = TrainingQueue("priority")
+    q.set_limits("low", TenantLimits(max_inflight=5, priority=0))
+    q.set_limits("high", TenantLimits(max_inflight=5, priority=5))
+    for name in ("low", "high"):
+        q.reserve(name)
+        q.put(TrainingItem(tenant=name, kind="sft", policy_version=0))
+    q.apply(scheduling.load("fifo"))
+    assert q.order == "fifo" and [q.pop({})[0].tenant for _ in range(2)] == ["low", "high"]  # re-ranked
+    adm = Admission(False)
+    adm.apply(scheduling.load("isolated"))
+    assert adm.view()["isolated"]
 
 
 def test_tenants_that_leave_admission_unset_get_the_policy_defaults_and_old_specs_keep_theirs():

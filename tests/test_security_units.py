@@ -10,14 +10,6 @@ import stat
 import pytest
 
 from nexus.config import ServiceConfig, ServiceLimits
-from nexus.control.validation import (
-    SIM_SEED_RANGE,
-    check_eval_version,
-    check_job_limits,
-    check_new_tenant,
-    validate_job,
-    validate_tenant,
-)
 from nexus.errors import (
     Conflict,
     Forbidden,
@@ -32,6 +24,14 @@ from nexus.errors import (
 from nexus.gateway.auth import TokenStore, read_operator_token
 from nexus.paths import confine, private_write_bytes, resolve_output_dir
 from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec
+from nexus.validation import (
+    SIM_SEED_RANGE,
+    check_eval_version,
+    check_job_limits,
+    check_new_tenant,
+    validate_job,
+    validate_tenant,
+)
 
 PUSH = {"name": "a", "env": "maniskill/pushcube-state"}
 
@@ -234,7 +234,7 @@ def test_slot_estimate_counts_real_parameters_without_allocating(family, hidden)
 
     from nexus.features import TenantSchema
     from nexus.model.policy import TenantPolicy
-    from nexus.services.training import ACTOR_BYTES_PER_PARAM, slot_bytes
+    from nexus.services.slots import ACTOR_BYTES_PER_PARAM, slot_bytes
 
     spec = TenantSpec(name="a", env="maniskill/pushcube-state", action_head=family, hidden_dim=hidden)
     schema = TenantSchema(35, 4)
@@ -251,7 +251,7 @@ def test_slot_estimate_counts_the_lora_adapter():
     from nexus.features import TenantSchema
     from nexus.model.backbone import BackboneConfig, SharedBackbone
     from nexus.model.policy import TenantPolicy
-    from nexus.services.training import ACTOR_BYTES_PER_PARAM, slot_bytes
+    from nexus.services.slots import ACTOR_BYTES_PER_PARAM, slot_bytes
     from nexus.spec import LoraConfig
 
     bb = SharedBackbone(BackboneConfig(size="tiny", image_size=64))

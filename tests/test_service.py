@@ -13,9 +13,9 @@ import pytest
 
 from nexus.client.api import Nexus
 from nexus.config import ServiceConfig
-from nexus.control.validation import SpecError
 from nexus.features import Observation
 from nexus.spec import TenantSpec
+from nexus.validation import SpecError
 
 pytestmark = pytest.mark.cluster
 
@@ -93,16 +93,16 @@ def test_invalid_spec_rejected_and_no_slot_taken(nx, spec, message):
 
 
 def test_rl_versions_advance_and_trajectories_carry_versions(nx):
-    from nexus.control.validation import schema_from_dict
     from nexus.data.output_dir import TenantOutputDir
     from nexus.data.trajectory_store import TrajectoryStore
+    from nexus.features import TenantSchema
 
     t = nx.create_tenant(TenantSpec(name="rl-a", env="maniskill/pushcube-state", action_dim=4, seed=5))
     v0 = t.version
     res = t.rl(updates=3, episodes_per_batch=1, collectors=2).result(timeout=600)
     assert res["updates"] == 3 and res["version"] == v0 + 3 == t.version
     out = TenantOutputDir(t.info["output_dir"])
-    schema = schema_from_dict(json.loads(out.manifest_path.read_text())["schema"])
+    schema = TenantSchema.from_dict(json.loads(out.manifest_path.read_text())["schema"])
     table = TrajectoryStore(out.trajectories, "rl-a", schema).scan()
     versions = set(table.column("policy_version").to_pylist())
     assert versions and versions <= set(range(v0, v0 + 3))

@@ -10,6 +10,7 @@ from nexus.algorithms.ppo import ppo_loss
 from nexus.algorithms.sft import sft_loss
 from nexus.features import CameraSpec, Observation, TenantSchema
 from nexus.model.backbone import BackboneConfig
+from nexus.model.policy import TenantPolicy
 from nexus.model.preprocessor import TenantPreprocessor
 from nexus.services.tenant_slot import TenantSlot, ensure_distributed
 from nexus.spec import PPOConfig, TenantSpec
@@ -129,7 +130,7 @@ def test_export_weights_roundtrip(tiny_backbone, data):
     slot.train_step(sft(data[1]))
     blob = slot.export_weights()
     assert isinstance(blob, bytes)
-    policy = TenantSlot.load_weights_bytes(blob, spec("export", 4), SCHEMA_B, tiny_backbone.hidden_size)
+    policy = TenantPolicy.from_bytes(blob, spec("export", 4), SCHEMA_B, tiny_backbone.hidden_size)
     x, proprio, actions = data[1]
     for got, want in zip(policy.evaluate(x, proprio, actions), slot.policy.evaluate(x, proprio, actions),
                          strict=True):

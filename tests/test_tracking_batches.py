@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from nexus.control.tracking_link import TrackerLink
-from nexus.services.worker_plugin import TrackerHost
+from nexus.services.tracker_host import TrackerHost
 
 
 def _row(job: str, step: int, kind: str = "train", **metrics: float) -> list:

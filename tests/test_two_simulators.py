@@ -14,9 +14,9 @@ pytestmark = pytest.mark.cluster
 
 
 def test_tenants_on_two_simulators_share_one_cluster(tmp_path):
-    from nexus.control.validation import schema_from_dict
     from nexus.data.output_dir import TenantOutputDir
     from nexus.data.trajectory_store import TrajectoryStore, table_arrays
+    from nexus.features import TenantSchema
 
     with Nexus.local(tmp_path, n_sim=2, infer_max_wait_s=0.005) as nx:
         # a vector-env catalog task: two sub-envs per rollout task, one batched policy call per step
@@ -36,7 +36,7 @@ def test_tenants_on_two_simulators_share_one_cluster(tmp_path):
         for t, env_id, dims in ((ms, "maniskill/pushcube-state-vec2", (35, 4)), (rs, "robosuite/lift-state", (18, 7))):
             out = TenantOutputDir(t.info["output_dir"])
             manifest = json.loads(out.manifest_path.read_text())
-            schema = schema_from_dict(manifest["schema"])
+            schema = TenantSchema.from_dict(manifest["schema"])
             assert (schema.proprio_dim, schema.action_dim) == dims and manifest["spec"]["env"] == env_id
             rows = table_arrays(TrajectoryStore(out.trajectories, t.name, schema).scan())
             assert len(rows["episode"]) >= 1 and rows["state"].shape[1] == dims[0]

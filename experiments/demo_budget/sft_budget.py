@@ -1,7 +1,7 @@
 """How many SFT steps does the demo's SFT tenant need before its evaluation shows real success?
 
 Trains one action-module family on ``datasets/pickcube-scripted`` in one process through the actor's own
-update function (``nexus.services.training._sft_update``, as ``experiments/rl_learning/sft_families.py``
+update function (``nexus.services.actor_tasks.update_sft``, as ``experiments/rl_learning/sft_families.py``
 does) and, at each checkpoint step, runs deterministic closed-loop episodes of ``maniskill/pickcube-state``
 (the demo's eval env, terminate-on-success as in the catalog). Prints a table (steps, SFT wall time,
 held-out action MSE, success) and writes JSON next to this file. Used to choose the demo's head and budget.
@@ -42,17 +42,18 @@ def main() -> None:
     import torch
     from sft_families import rollout
 
-    from nexus.config import ENV_VAR, ServiceConfig
+    from nexus.config import ServiceConfig
+    from nexus.messages import SFTWork
     from nexus.model.preprocessor import TenantPreprocessor
-    from nexus.services import training as training_service
+    from nexus.services.actor_host import ActorHost
+    from nexus.services.actor_tasks import update_sft
     from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import TenantSpec
 
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="nexus-sft-budget-"))
     cfg = ServiceConfig(root=str(work), backbone={"family": args.backbone, "size": "tiny"})
-    os.environ[ENV_VAR] = str(cfg.save(work / "service.json"))
-    svc = training_service.TrainingModelService()
+    svc = ActorHost(cfg)
     ds = svc.dataset(args.dataset)
     name = f"sft-{args.family}"
     spec = TenantSpec(name=name, dataset=args.dataset, action_head=args.family, chunk=args.chunk,
@@ -65,8 +66,7 @@ def main() -> None:
         t0 = time.time()
         m = {}
         while step < ck:
-            m = training_service._sft_update(svc, name, {"dataset": args.dataset, "batch_size": args.batch,
-                                                         "step": step, "eval_heldout": step == ck - 1})
+            m = update_sft(svc, slot, SFTWork(args.dataset, step, args.batch, eval_heldout=step == ck - 1))
             step += 1
         train_s += time.time() - t0
         t0 = time.time()

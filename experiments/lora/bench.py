@@ -20,7 +20,7 @@ per slot created, measured.
 
 SFT held-out error: ``--sft-dataset`` (default ``robosuite-lift-scripted``: LIBERO-schema Panda Lift with
 agent-view + wrist cameras, so the backbone's features matter) through the actor's own update function
-(``nexus.services.training._sft_update``), heads only vs LoRA at each rank, same seed and batches;
+(``nexus.services.actor_tasks.update_sft``), heads only vs LoRA at each rank, same seed and batches;
 held-out action MSE of the deterministic action on the dataset's episode-level held-out split.
 
     python experiments/lora/bench.py                  # CPU, one torch thread
@@ -218,17 +218,18 @@ def sft(args) -> list[dict]:
     import numpy as np
     import torch
 
-    from nexus.config import ENV_VAR, ServiceConfig
+    from nexus.config import ServiceConfig
+    from nexus.messages import SFTWork
     from nexus.model.preprocessor import TenantPreprocessor
-    from nexus.services import training as training_service
+    from nexus.services.actor_host import ActorHost
+    from nexus.services.actor_tasks import update_sft
     from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import TenantSpec
 
     work = Path(tempfile.mkdtemp(prefix="nexus-lora-sft-"))
     cfg = ServiceConfig(root=str(work), backbone={"family": "qwen3vl", "device": args.device,
                                                   **PRESETS[args.device], **({"size": args.size} if args.size else {})})
-    os.environ[ENV_VAR] = str(cfg.save(work / "service.json"))  # TrainingModelService reads its config from there
-    svc = training_service.TrainingModelService()
+    svc = ActorHost(cfg)
     ds = svc.dataset(args.sft_dataset)
     out = []
     for rank in args.ranks:
@@ -247,8 +248,7 @@ def sft(args) -> list[dict]:
         t0 = time.time()
         for step in range(args.sft_steps):
             evaluate = (step + 1) % args.eval_every == 0 or step + 1 == args.sft_steps
-            m = training_service._sft_update(svc, name, {"dataset": args.sft_dataset, "batch_size": args.sft_batch,
-                                                         "step": step, "eval_heldout": evaluate})
+            m = update_sft(svc, slot, SFTWork(args.sft_dataset, step, args.sft_batch, eval_heldout=evaluate))
             if evaluate:
                 curve.append({"step": step + 1, "heldout_action_mse": m["heldout_action_mse"], "loss": m["loss"]})
         seconds = time.time() - t0

@@ -21,7 +21,7 @@ records (``nexus_accounting``: spans per slot): device time = allocated slots x 
 busy / allocated, the simulator's busy time split into stepping vs waiting for actions. Efficiency =
 isolated / multi device time (= makespan ratio: both modes hold the same slots the whole time); also
 against an isolated baseline charged only the slots each job used (``partition_device_s``). Before the
-rounds every RL tenant's envs are built on every SIM worker (``rollout.prewarm``), so no measured run
+rounds every RL tenant's envs are built on every SIM worker (``nexus.services.sim_tasks.prewarm``), so no measured run
 pays env construction; each run also records the CPU time of every process of the service, by role
 (``LocalService.cpu_seconds``): on a machine of few cores the shared runs are CPU-bound.
 
@@ -87,14 +87,14 @@ def _jobs(args, warm: bool = False) -> dict[str, dict]:
 
 
 def warm_up(nx, policy: dict, args) -> dict[str, dict[str, int]]:
-    """Build every RL tenant's envs on every SIM worker (``rollout.prewarm``: ms-rgb's first rgb envs on a
+    """Build every RL tenant's envs on every SIM worker (``sim_tasks.prewarm``: ms-rgb's first rgb envs on a
     worker cost ~13 s), so that no measured run pays env construction wherever its rollouts land; then
     one short run of every job. Returns SIM worker -> env -> env groups idle in its pool."""
-    from nexus.services import rollout
+    from nexus.control.tasks import PREWARM
 
     envs = sorted({kw["env"] for kw, kind in TENANTS.values() if kind == "rl"})
     sims = [a for a, info in nx.client.scheduler_info()["workers"].items() if "SIM" in info["resources"]]
-    futs = {(WORKER_NAMES[w], e): nx.client.submit(rollout.prewarm, e, args.envs, workers=[w], resources={"SIM": 1},
+    futs = {(WORKER_NAMES[w], e): nx.client.submit(PREWARM, e, args.envs, workers=[w], resources={"SIM": 1},
                                                    pure=False) for w in sims for e in envs}
     idle: dict[str, dict[str, int]] = {}
     for (w, e), f in futs.items():

@@ -34,7 +34,7 @@ RL_ROW = {"return": 1.0, "success_rate": 0.5, "episodes": 8.0, "env_steps": 256.
 
 async def stream(linger_s: float, args) -> dict[str, float]:
     from nexus.control.tracking_link import TrackerLink
-    from nexus.services.worker_plugin import TrackerHost
+    from nexus.services.tracker_host import TrackerHost
 
     host = TrackerHost({"root": str(Path(tempfile.mkdtemp(prefix="nexus-track-")) / "service")})
     sends: list[int] = []

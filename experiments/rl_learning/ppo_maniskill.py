@@ -4,7 +4,7 @@ One process drives the service's own pieces directly (no Dask cluster): the Envi
 (``make_env`` with ``num_envs`` sub-environments in their own processes, ``collect_episodes``), the
 shared frozen backbone + the tenant's preprocessor and policy (``VLAFramework.group_act``: one grouped
 backbone forward per vector step), the tenant's DeepSpeed slot and the actor's update function
-(``nexus.services.training._ppo_update``: GAE + clipped PPO on a batch read back from the tenant's
+(``nexus.services.actor_tasks.update_rl``: GAE + clipped PPO on a batch read back from the tenant's
 Arrow trajectory store). Each update: ``--episodes`` fresh episodes of the current policy, then PPO.
 Every ``--eval-every`` updates: deterministic episodes on held-out seeds (success rate = success at any
 step of the episode, return). Episodes run their full length (``--terminate-on-success`` restores the
@@ -73,10 +73,12 @@ def main() -> None:
     import torch
 
     from nexus import catalog
-    from nexus.config import ENV_VAR, ServiceConfig
+    from nexus.config import ServiceConfig
     from nexus.data.trajectory_store import TrajectoryStore
+    from nexus.messages import RLWork
     from nexus.model.preprocessor import TenantPreprocessor
-    from nexus.services import training as training_service
+    from nexus.services.actor_host import ActorHost
+    from nexus.services.actor_tasks import update_rl
     from nexus.services.environment import collect_episodes, episode_stats, make_env
     from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import PPOConfig, TenantSpec
@@ -86,8 +88,7 @@ def main() -> None:
     t_start = time.time()
     budget_s = args.budget_min * 60
     work = Path(tempfile.mkdtemp(prefix="nexus-rl-"))
-    os.environ[ENV_VAR] = str(ServiceConfig(root=str(work)).save(work / "service.json"))  # tiny Qwen3-VL, 64 px
-    svc = training_service.TrainingModelService()
+    svc = ActorHost(ServiceConfig(root=str(work)))  # tiny Qwen3-VL, 64 px
     entry = dataclasses.replace(catalog.env(args.env), terminate_on_success=args.terminate_on_success)
     name = "ppo"
     spec = TenantSpec(name=name, env=args.env, action_head="oft", lr=args.lr, grad_clip=0.5, seed=args.seed)
@@ -114,7 +115,7 @@ def main() -> None:
         cols = collect_episodes(env, Policy(svc.framework, name, False, slot.version), args.episodes,
                                 seed=args.seed * 7919, tenant=name, episode_offset=update * args.episodes)
         ref = store.append(cols)
-        stats = training_service._ppo_update(svc, name, {"ppo": ppo.model_dump(), "batch": ref.to_dict()})
+        stats = update_rl(svc, slot, RLWork(ref, ppo))
         slot.bump_version()
         update += 1
         env_steps += len(cols["reward"])

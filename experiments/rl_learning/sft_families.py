@@ -3,7 +3,7 @@
 Each family (OFT, GR00T, π) is trained on ``datasets/pickcube-scripted`` (scripted PickCube expert,
 state observations, 4-dim end-effector actions; ``nexus.data.offline_dataset.OfflineDataset`` with its
 episode-level held-out split) through the actor's own update function, in one process:
-``nexus.services.training._sft_update`` on a ``TrainingModelService`` whose backbone is the family's
+``nexus.services.actor_tasks.update_sft`` on an ``ActorHost`` whose backbone is the family's
 (Qwen3-VL for OFT / GR00T, PaliGemma for π), with the tenant's DeepSpeed slot. Targets are action chunks
 (``--chunk`` steps, padded with the episode's last action). Held-out error is the MSE of the
 deterministic action chunk (Gaussian mean; flow integrated from zero noise) against the demonstrations.
@@ -36,16 +36,17 @@ def train_family(family: str, args) -> dict:
     import numpy as np
     import torch
 
-    from nexus.config import ENV_VAR, ServiceConfig
+    from nexus.config import ServiceConfig
+    from nexus.messages import SFTWork
     from nexus.model.preprocessor import TenantPreprocessor
-    from nexus.services import training as training_service
+    from nexus.services.actor_host import ActorHost
+    from nexus.services.actor_tasks import update_sft
     from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import TenantSpec
 
     work = Path(tempfile.mkdtemp(prefix=f"nexus-sft-{family}-"))
     cfg = ServiceConfig(root=str(work), backbone={"family": BACKBONE[family], "size": "tiny"})
-    os.environ[ENV_VAR] = str(cfg.save(work / "service.json"))
-    svc = training_service.TrainingModelService()
+    svc = ActorHost(cfg)
     ds = svc.dataset(args.dataset)
     name = f"sft-{family}"
     spec = TenantSpec(name=name, dataset=args.dataset, action_head=family, chunk=args.chunk, hidden_dim=args.hidden_dim,
@@ -53,7 +54,7 @@ def train_family(family: str, args) -> dict:
     slot = svc.slots[name] = TenantSlot(spec, ds.schema, svc.feat_dim, grad_clip=spec.grad_clip)
     svc.framework.add_tenant(name, slot.policy, TenantPreprocessor(ds.schema, svc.backbone_cfg))
 
-    def heldout_mse() -> float:  # before any step (later points come from _sft_update's own evaluation)
+    def heldout_mse() -> float:  # before any step (later points come from update_sft's own evaluation)
         from nexus.algorithms.sft import ActionChunks
 
         held = ds.heldout()
@@ -68,8 +69,7 @@ def train_family(family: str, args) -> dict:
     curve = [{"step": 0, "heldout_action_mse": heldout_mse(), "loss": float("nan"), "time_s": 0.0}]
     for step in range(args.steps):
         evaluate = (step + 1) % args.eval_every == 0
-        m = training_service._sft_update(svc, name, {"dataset": args.dataset, "batch_size": args.batch,
-                                                     "step": step, "eval_heldout": evaluate})
+        m = update_sft(svc, slot, SFTWork(args.dataset, step, args.batch, eval_heldout=evaluate))
         if evaluate:
             curve.append({"step": step + 1, "heldout_action_mse": m["heldout_action_mse"], "loss": m["loss"],
                           "time_s": time.time() - t0})

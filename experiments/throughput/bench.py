@@ -250,10 +250,10 @@ def main() -> None:
     with Nexus.local(work / "service", n_sim=args.n_sim, backbone=backbone, infer_max_wait_s=args.max_wait_ms / 1e3,
                      infer_max_batch=args.max_batch, datapath=datapath) as nx:
         t0 = time.time()
-        from nexus.services import rollout
+        from nexus.control.tasks import PREWARM
 
         sims = [w for w, info in nx.client.scheduler_info()["workers"].items() if "SIM" in info["resources"]]
-        nx.client.gather([nx.client.submit(rollout.prewarm, ENV, args.envs, args.waves,
+        nx.client.gather([nx.client.submit(PREWARM, ENV, args.envs, args.waves,
                                            datapath["producer_vector_mode"], workers=[w], resources={"SIM": 1},
                                            pure=False) for w in sims])
         run_service_job(nx, "warm", spec_kw, args, ppo)  # every path warm

@@ -1,1 +1,6 @@
-"""Learning algorithms on a tenant policy: PPO and GRPO (online RL, Gaussian heads) and SFT (every family)."""
+"""Learning algorithms on a tenant's policy, one file each (CleanRL's habit: hyper-parameters, advantages,
+loss and update together): PPO and GRPO (online RL, Gaussian heads) and SFT (every family).
+
+``ppo`` and ``grpo`` import torch inside their functions only: the control plane validates jobs against
+their configs (``nexus.spec.RLJob.ppo``), and the scheduler process never imports torch.
+"""

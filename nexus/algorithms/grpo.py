@@ -4,24 +4,31 @@ No critic: several rollouts from the same start (a "group", e.g. episodes reset 
 are scored, and each rollout's advantage is its return standardized within its group. The policy loss
 is PPO's clipped surrogate with those advantages, plus an optional KL penalty towards a reference
 policy's log-probabilities (the k3 estimator, as in DeepSeekMath's GRPO).
+
+torch is imported inside the functions: requests are checked against ``GRPOConfig`` where torch is not
+loaded (the gateway, ``nexus.inputs``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
-import torch
+from pydantic import BaseModel, ConfigDict
 
-from nexus.model.backbone_features import BackboneFeatures
-from nexus.model.policy import TenantPolicy
+if TYPE_CHECKING:
+    import torch
 
-Array = TypeVar("Array", np.ndarray, torch.Tensor)
+    from nexus.algorithms.learner import GaussianPolicy
+    from nexus.model.backbone_features import BackboneFeatures
+
+    Array = TypeVar("Array", np.ndarray, torch.Tensor)
+else:
+    Array = TypeVar("Array")
 
 
-@dataclass(frozen=True)
-class GRPOConfig:
+class GRPOConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     clip_coef: float = 0.2
     kl_coef: float = 0.0  # weight of the KL penalty to the reference policy (needs ref_logprob)
     ent_coef: float = 0.0
@@ -30,26 +37,31 @@ class GRPOConfig:
 
 def group_advantages(returns: Array, groups: Array, eps: float = 1e-6) -> Array:
     """Return standardized within each group: (R - mean_group) / (std_group + eps); same type as ``returns``."""
-    r = np.asarray(returns.detach().cpu() if isinstance(returns, torch.Tensor) else returns, dtype=np.float64)
-    g = np.asarray(groups.detach().cpu() if isinstance(groups, torch.Tensor) else groups)
+    as_torch = hasattr(returns, "detach")  # a torch tensor
+    r = np.asarray(returns.detach().cpu() if as_torch else returns, dtype=np.float64)  # type: ignore[union-attr]
+    g = np.asarray(groups.detach().cpu() if hasattr(groups, "detach") else groups)  # type: ignore[union-attr]
     if r.shape != g.shape or r.ndim != 1:
         raise ValueError(f"returns and groups must be 1-D of one length, got {r.shape} and {g.shape}")
     adv = np.zeros_like(r)
     for key in np.unique(g):
         m = g == key
         adv[m] = (r[m] - r[m].mean()) / (r[m].std() + eps)
-    if isinstance(returns, torch.Tensor):
+    if as_torch:
+        import torch
+
         return torch.as_tensor(adv, dtype=torch.float32, device=returns.device)  # type: ignore[return-value]
     return adv.astype(np.float32)  # type: ignore[return-value]
 
 
-def grpo_loss(policy: TenantPolicy, feats: BackboneFeatures | torch.Tensor, proprio: torch.Tensor,
+def grpo_loss(policy: GaussianPolicy, feats: BackboneFeatures | torch.Tensor, proprio: torch.Tensor,
               actions: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, cfg: GRPOConfig,
               ref_logprob: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate with group-relative advantages (+ KL to a reference) -> (loss, stats).
 
     stats: pg_loss, kl_ref, entropy, approx_kl, clipfrac.
     """
+    import torch
+
     newlogprob, entropy, _ = policy.evaluate(feats, proprio, actions)
     dev = newlogprob.device
     old_logprob, advantages = (torch.as_tensor(x).to(dev, torch.float32) for x in (old_logprob, advantages))

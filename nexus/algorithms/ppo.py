@@ -1,22 +1,47 @@
 """PPO with GAE, CleanRL style (ppo_continuous_action.py), on a tenant's Gaussian policy.
 
-Only the two pure pieces live here: advantage estimation over collected trajectories and the clipped
-surrogate loss on one minibatch. Looping over epochs/minibatches and the optimizer step belong to the
-caller (the tenant slot owns the optimizer).
+In reading order: the hyper-parameters (:class:`PPOConfig`, what an ``RLJob`` carries), advantage
+estimation over collected trajectories (:func:`compute_gae`), the clipped surrogate loss on one
+minibatch (:func:`ppo_loss`) and one update over a stored batch (:func:`update`: epochs of shuffled
+minibatches, each an optimizer step of the tenant's own engine, stopped early past ``target_kl``).
+
+torch is imported inside the functions: the control plane validates jobs against ``PPOConfig`` and the
+scheduler process never imports torch.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-from nexus.model.backbone_features import BackboneFeatures
-from nexus.model.policy import TenantPolicy
-from nexus.spec import PPOConfig
+if TYPE_CHECKING:
+    import torch
 
-Array = TypeVar("Array", np.ndarray, torch.Tensor)
+    from nexus.algorithms.learner import GaussianPolicy, Learner
+    from nexus.model.backbone_features import BackboneFeatures
+
+    Array = TypeVar("Array", np.ndarray, torch.Tensor)
+else:
+    Array = TypeVar("Array")
+
+
+class PPOConfig(BaseModel):
+    """PPO with GAE on the Gaussian action head (CleanRL names)."""
+
+    # NaN / inf are refused in every float field (a NaN coefficient would poison a slot silently)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    gamma: float = Field(0.95, gt=0, le=1)
+    gae_lambda: float = Field(0.9, ge=0, le=1)
+    clip_coef: float = Field(0.2, gt=0)
+    vf_coef: float = Field(0.5, ge=0)
+    ent_coef: float = Field(0.0, ge=0)
+    update_epochs: int = Field(4, ge=1)
+    minibatch_size: int = Field(64, ge=1)
+    norm_adv: bool = True
+    target_kl: float | None = Field(None, gt=0, description="end an update's epochs once approx KL exceeds it")
 
 
 def compute_gae(rewards: Array, values: Array, dones: Array, last_values: Array | float, gamma: float,
@@ -38,11 +63,11 @@ def compute_gae(rewards: Array, values: Array, dones: Array, last_values: Array 
 
     ``returns = advantages + values`` (the critic's regression target).
     """
-    as_torch = isinstance(rewards, torch.Tensor)
+    as_torch = hasattr(rewards, "detach")  # a torch tensor (without importing torch for numpy callers)
 
     def np64(x: Array | float) -> np.ndarray:
-        if isinstance(x, torch.Tensor):
-            x = x.detach().cpu().numpy()
+        if hasattr(x, "detach"):
+            x = x.detach().cpu().numpy()  # type: ignore[union-attr]
         return np.asarray(x, dtype=np.float64)
 
     r, v, d = np64(rewards), np64(values), np64(dones)
@@ -65,20 +90,24 @@ def compute_gae(rewards: Array, values: Array, dones: Array, last_values: Array 
     ret = adv + v
 
     if as_torch:
+        import torch
+
         dev = rewards.device  # type: ignore[union-attr]
         return (torch.as_tensor(adv, dtype=torch.float32, device=dev),  # type: ignore[return-value]
                 torch.as_tensor(ret, dtype=torch.float32, device=dev))
     return adv.astype(np.float32), ret.astype(np.float32)  # type: ignore[return-value]
 
 
-def ppo_loss(policy: TenantPolicy, feats: BackboneFeatures | torch.Tensor, proprio: torch.Tensor, actions: torch.Tensor,
-             old_logprob: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
+def ppo_loss(policy: GaussianPolicy, feats: BackboneFeatures | torch.Tensor, proprio: torch.Tensor,
+             actions: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
              cfg: PPOConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped-surrogate PPO loss on one minibatch -> (loss, stats).
 
     ``actions`` are the unclipped samples the behaviour policy drew, ``old_logprob`` their
     log-probabilities at collection time. stats: pg_loss, v_loss, entropy, approx_kl, clipfrac.
     """
+    import torch
+
     newlogprob, entropy, newvalue = policy.evaluate(feats, proprio, actions)
     dev = newlogprob.device
     old_logprob, advantages, returns = (torch.as_tensor(x).to(dev, torch.float32)
@@ -104,3 +133,40 @@ def ppo_loss(policy: TenantPolicy, feats: BackboneFeatures | torch.Tensor, propr
     stats = {"pg_loss": pg_loss.item(), "v_loss": v_loss.item(), "entropy": entropy_loss.item(),
              "approx_kl": approx_kl.item(), "clipfrac": clipfrac.item()}
     return loss, stats
+
+
+def update(learner: Learner, feats: BackboneFeatures, proprio: torch.Tensor, arrays: Mapping[str, Any],
+           cfg: PPOConfig) -> dict[str, float]:
+    """One PPO update on a batch of whole episodes (``arrays``: the stored columns reward, value, action,
+    logprob, terminated, truncated; ``feats``/``proprio``: the backbone features and states of its steps).
+
+    Returns the stats averaged over minibatches, with ``batch_steps`` and ``epochs`` run. The minibatch
+    order is a pure function of the tenant's seed and version, so a retried update is identical."""
+    import torch
+
+    dones = np.logical_or(arrays["terminated"], arrays["truncated"]).astype(np.float32)
+    # a time-limit end bootstraps from the last stored value: the observation after it is not recorded
+    truncated_only = arrays["truncated"] & ~arrays["terminated"]
+    boot = np.where(truncated_only, arrays["value"], 0.0).astype(np.float32)
+    adv, ret = compute_gae(arrays["reward"], arrays["value"], dones, 0.0, cfg.gamma, cfg.gae_lambda,
+                           bootstrap_values=boot)
+    adv, ret = torch.as_tensor(adv, dtype=torch.float32), torch.as_tensor(ret, dtype=torch.float32)
+    actions = torch.as_tensor(np.array(arrays["action"]))  # a copy: the Arrow buffers are read-only
+    old_logprob = torch.as_tensor(np.array(arrays["logprob"]))
+    n = len(actions)
+    gen = torch.Generator().manual_seed(learner.spec.seed + learner.version)
+    sums: dict[str, float] = {}
+    count = epochs = 0
+    for _ in range(cfg.update_epochs):
+        perm = torch.randperm(n, generator=gen)
+        for start in range(0, n, cfg.minibatch_size):
+            mb = perm[start:start + cfg.minibatch_size]
+            stats = learner.train_step(lambda policy, mb=mb: ppo_loss(
+                policy, feats[mb], proprio[mb], actions[mb], old_logprob[mb], adv[mb], ret[mb], cfg))
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            count += 1
+        epochs += 1
+        if cfg.target_kl is not None and stats["approx_kl"] > cfg.target_kl:
+            break  # the policy moved far enough from the one that collected the batch (CleanRL's rule)
+    return {k: v / max(count, 1) for k, v in sums.items()} | {"batch_steps": float(n), "epochs": float(epochs)}

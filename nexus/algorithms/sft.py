@@ -1,11 +1,12 @@
-"""Supervised fine-tuning on demonstrations, one loss per action-module family.
+"""Supervised fine-tuning on demonstrations: one loss per action-module family, and the update.
 
 - Gaussian (OFT) heads regress their mean action onto the demonstrated one (MSE).
 - Flow-matching (GR00T / π) experts regress the flow velocity at a noisy interpolation between
   Gaussian noise and the demonstrated action chunk (rectified flow, ``nexus.model.flow_matching``).
 
 Noise and flow times come from ``generator`` when given, so a step is a pure function of the policy,
-the batch and the generator's seed (grouped and serial training give the same loss).
+the batch and the generator's seed (grouped and serial training give the same loss); :func:`update`
+seeds it from the tenant's seed and the step, so a retried step is identical.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from nexus.algorithms.learner import Learner
 from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.flow_matching import interpolate, noise_like, sample_tau
 from nexus.model.policy import TenantPolicy
@@ -43,6 +45,21 @@ def flow_matching_loss(policy: TenantPolicy, feats: BackboneFeatures | torch.Ten
     x_tau, velocity = interpolate(target, noise, tau)
     loss = F.mse_loss(policy.velocity(feats, proprio, x_tau, tau), velocity)
     return loss, {"flow_mse": loss.item()}
+
+
+def update(learner: Learner, feats: BackboneFeatures, proprio: torch.Tensor, actions: torch.Tensor,
+           step: int) -> dict[str, float]:
+    """One SFT step (one optimizer step of the tenant's engine) on demonstrated ``actions`` -> {"loss"}."""
+    # flow-matching noise and times: a pure function of (tenant seed, step), so a retried item is identical
+    gen = torch.Generator().manual_seed(learner.spec.seed * 1_000_003 + int(step))
+    stats = learner.train_step(lambda policy: sft_loss(policy, feats, proprio, actions, gen))
+    return {"loss": float(stats["loss"])}
+
+
+def action_mse(policy: TenantPolicy, feats: BackboneFeatures, proprio: torch.Tensor, actions: torch.Tensor) -> float:
+    """Mean squared error of the policy's deterministic action (flow families: the flow from zero noise)."""
+    with torch.no_grad():
+        return float((policy.mean_action(feats, proprio) - actions).pow(2).mean())
 
 
 class ActionChunks:

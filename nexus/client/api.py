@@ -29,10 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from nexus.client.futures import NexusFuture
+from nexus.client.http import HttpTransport
+from nexus.cluster import LocalService
 from nexus.config import ServiceConfig, load_service_config, load_submission, read_toml
+from nexus.data import policy_files as policy_format
+from nexus.engine_client import EngineClient, EngineHandle
 from nexus.errors import Conflict, Forbidden, JobFailed, NotFound, SpecError, Unavailable
 from nexus.features import Observation
+from nexus.history import JOB_COUNTERS, JOB_HEADLINE
+from nexus.messages import EngineEndpoint
 from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec, check_session
+from nexus.tls import security
 
 PathLike = str | Path
 TERMINAL = ("done", "failed", "cancelled")
@@ -51,7 +58,6 @@ class Nexus:
         self._predictor = None
         self._predicts: ThreadPoolExecutor | None = None
         if address.startswith(("http://", "https://")):
-            from nexus.client.http import HttpTransport
 
             self.transport = HttpTransport(address, token=token, timeout=timeout)
         else:
@@ -72,7 +78,6 @@ class Nexus:
         as ``--set``). Without any, the root is ``runs/local``. ``n_infer``: INFER workers (default:
         ``inference_engines``); spare ones let the pool grow.
         """
-        from nexus.cluster import LocalService
 
         if isinstance(config, ServiceConfig):
             config = config.model_dump(exclude_unset=True)
@@ -113,7 +118,6 @@ class Nexus:
                 raise Forbidden("no Dask access through the gateway: the gateway is the tenants' only door")
             from distributed import Client
 
-            from nexus.tls import security
 
             self._client = Client(self.service.address, timeout=60, set_as_default=False,
                                   security=security(self.service.config))
@@ -198,8 +202,6 @@ class Nexus:
 
     def engine(self, index: int = 0):
         """The ``index``-th serving inference engine (``engine(0).engine_stats().result()``)."""
-        from nexus.messages import EngineEndpoint
-        from nexus.services.engine_client import EngineHandle
 
         engines = self.internal("nexus_engines")
         if index >= len(engines):
@@ -209,7 +211,6 @@ class Nexus:
     def predictor(self):
         """Action requests routed to each tenant's engine, re-routed when an engine drains or is lost."""
         if self._predictor is None:
-            from nexus.services.engine_client import EngineClient
 
             self._predictor = EngineClient(self.client)
         return self._predictor
@@ -284,12 +285,6 @@ def _given(**kw: Any) -> dict[str, Any]:
     return {k: str(v) if isinstance(v, Path) else v for k, v in kw.items() if v is not None}
 
 
-# the counter that measures a job's progress, and the metrics worth a line, per job kind
-COUNTERS = {"sft": "steps", "rl": "updates", "eval": "episodes"}
-HEADLINE = {"sft": ("loss", "heldout_action_mse"), "rl": ("return", "success_rate"), "eval": ("success_rate",
-                                                                                               "return")}
-
-
 @dataclass(frozen=True)
 class JobProgress:
     """One look at a job: ``print(p)`` gives a line such as
@@ -309,7 +304,7 @@ class JobProgress:
 
     @property
     def unit(self) -> str:
-        return COUNTERS.get(self.kind, "steps")
+        return JOB_COUNTERS.get(self.kind, "steps")
 
     @property
     def fraction(self) -> float:
@@ -323,10 +318,10 @@ class JobProgress:
     def from_info(cls, info: dict[str, Any]) -> JobProgress:
         kind = info["kind"]
         p = {**info.get("progress", {}), **(info.get("result") or {})}
-        unit = COUNTERS.get(kind, "steps")
+        unit = JOB_COUNTERS.get(kind, "steps")
         total = int(info.get("spec", {}).get(unit, 0))
         done = total if info["state"] == "done" and kind == "eval" else int(p.get(unit, 0) or 0)
-        metrics = {k: float(p[k]) for k in HEADLINE.get(kind, ()) if isinstance(p.get(k), int | float)}
+        metrics = {k: float(p[k]) for k in JOB_HEADLINE.get(kind, ()) if isinstance(p.get(k), int | float)}
         end = info.get("t_end") or time.time()
         return cls(job=info["job"], tenant=info["tenant"], kind=kind, state=info["state"], done=done, total=total,
                    version=p.get("version"), metrics=metrics, elapsed_s=max(0.0, end - info.get("t_submit", end)),
@@ -455,7 +450,7 @@ class Tenant:
 
         ``batch``: ``observations`` (list of :class:`Observation`), ``actions`` [N, A]; for
         ``loss="ppo"`` also ``logprobs``, ``advantages``, ``returns`` [N] and optional ``ppo``
-        (``loss="grpo"``: see ``nexus.services.training._run_op`` for its fields)
+        (``loss="grpo"``: see ``nexus.services.ops.forward_backward`` and ``nexus.inputs.check_batch`` for its fields)
         (a PPOConfig dict). The batch goes to a worker directly; the scheduler sees its name only.
         """
         if self.nexus.transport is not None:  # to the gateway, which sends it to the actor worker directly
@@ -516,7 +511,6 @@ class Tenant:
         """The export's files from the gateway into ``target`` (atomically: a temporary sibling renamed)."""
         import shutil
 
-        from nexus import policy as policy_format
 
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f".{target.name}.download-{uuid.uuid4().hex[:8]}"

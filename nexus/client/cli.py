@@ -24,7 +24,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nexus.client.api import JobProgress, Nexus
+from nexus.client.cli_control import add_commands, keep_up, roles_table
+from nexus.client.demo import run_demo
+from nexus.client.report import format_log, manifest_log, merge_logs, write_report
+from nexus.cluster import lock_holder
+from nexus.config import ServiceConfig, load_service_config, load_submission
 from nexus.errors import NexusError, NotFound, Unavailable
+from nexus.gateway.auth import read_gateway_url, read_operator_token
+from nexus.validation import validate_job, validate_tenant
 
 DEFAULT_ROOT = "runs/service"
 EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 1, 2, 3, 130
@@ -33,7 +41,6 @@ EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 1, 2, 3, 130
 # ------------------------------------------------------------------------------------------- connect
 def _gateway_address(a: argparse.Namespace) -> tuple[str, str | None, str]:
     """The gateway URL, the token to use and where they came from (for the error hint)."""
-    from nexus.gateway.auth import read_gateway_url, read_operator_token
 
     token = getattr(a, "token", None)
     if a.address:
@@ -53,7 +60,6 @@ def _gateway_address(a: argparse.Namespace) -> tuple[str, str | None, str]:
 
 def lock_free(root: str | Path) -> bool:
     """No live service holds ``root`` (its gateway file, if any, is stale)."""
-    from nexus.cluster import lock_holder
 
     return (Path(root) / "service.lock").exists() and lock_holder(root) is None
 
@@ -61,7 +67,6 @@ def lock_free(root: str | Path) -> bool:
 def _connect(a: argparse.Namespace):
     """The service's gateway as its operator (a ``tcp://``/``tls://`` --address: the service-internal Dask
     connection, for operators on the service's machine)."""
-    from nexus.client.api import Nexus
 
     address, token, source = _gateway_address(a)
     try:
@@ -94,8 +99,6 @@ def _fmt(x: Any, nd: int = 4) -> str:
 
 # ------------------------------------------------------------------------------------------- service
 def _up(a: argparse.Namespace) -> int:
-    from nexus.client.api import Nexus
-    from nexus.config import load_service_config
 
     cluster = {k: v for k, v in (("sim_workers", a.sim_workers), ("dashboard_address", a.dashboard)) if v}
     cfg = _with_backbone(load_service_config(a.config, a.set, root=a.root, cluster=cluster or None), a)
@@ -125,7 +128,6 @@ def _up(a: argparse.Namespace) -> int:
               f"  MLflow:      {uri}  (experiment {cfg.resolved_experiment()!r}; "
               f"`mlflow ui --backend-store-uri {uri}`)\n"
               f"Stop with Ctrl-C or `nexus down --root {cfg.root}`.", flush=True)
-        from nexus.client.cli_control import keep_up
 
         # a dead scheduler or a spent restart budget: global restart on the same root
         nx = keep_up(nx, lambda: stop, lambda: Nexus.local(config=cfg))
@@ -149,7 +151,6 @@ def _add_backbone_options(p: argparse.ArgumentParser) -> None:
 
 def _with_backbone(cfg, a: argparse.Namespace):
     """The config with the backbone options applied (validated like the file: a bad path is refused)."""
-    from nexus.config import ServiceConfig
 
     chosen = {"local_path": a.backbone_path, "family": a.backbone_family, "size": a.backbone_size,
               "image_size": a.image_size}
@@ -170,7 +171,6 @@ def _export(a: argparse.Namespace) -> int:
 
 
 def _down(a: argparse.Namespace) -> int:
-    from nexus.cluster import lock_holder
 
     root = Path(a.root).resolve()
     holder = lock_holder(root)
@@ -218,7 +218,6 @@ def _status(a: argparse.Namespace) -> int:
         w.add_row(x["name"], x["status"], ",".join(f"{k}={v:g}" for k, v in x["resources"].items()),
                   str(x["processing"]), f"{x['since_heartbeat_s']:.1f}")
     console.print(w)
-    from nexus.client.cli_control import roles_table
 
     console.print(roles_table(st))
     return 0
@@ -239,7 +238,6 @@ def jobs_table(progress: list, title: str = "jobs"):
 
 
 def _list(a: argparse.Namespace) -> int:
-    from nexus.client.api import JobProgress
 
     with _connect(a) as nx:
         jobs = nx.status()["jobs"]
@@ -276,8 +274,6 @@ def follow_jobs(jobs: list, console: Any = None, poll_s: float = 1.0) -> list:
 
 
 def _submit(a: argparse.Namespace) -> int:
-    from nexus.config import load_submission
-    from nexus.control.validation import validate_job, validate_tenant
 
     sub = load_submission(a.files, a.set, a.tenant)
     if sub.tenant is not None:  # refuse a bad spec before connecting, with the service's own checks and words
@@ -303,7 +299,6 @@ def _submit(a: argparse.Namespace) -> int:
 def _tenant_log(a: argparse.Namespace) -> dict[str, Any]:
     """A tenant's jobs: the running service's (live, with histories) merged with the tenant manifest's job
     records (every service that ever ran it). Works without a service from the manifest alone."""
-    from nexus.client.report import manifest_log, merge_logs
 
     live, why = None, None
     try:
@@ -323,7 +318,6 @@ def _tenant_log(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _logs(a: argparse.Namespace) -> int:
-    from nexus.client.report import format_log
 
     log = _tenant_log(a)
     for line in format_log(log, kinds=a.kind, last=a.last):
@@ -332,7 +326,6 @@ def _logs(a: argparse.Namespace) -> int:
 
 
 def _report(a: argparse.Namespace) -> int:
-    from nexus.client.report import write_report
 
     log = _tenant_log(a)
     for path in write_report(log, Path(a.out)):
@@ -341,7 +334,6 @@ def _report(a: argparse.Namespace) -> int:
 
 
 def _demo(a: argparse.Namespace) -> int:
-    from nexus.client.demo import run_demo
 
     infos = run_demo(a.root, sft_steps=a.sft_steps, rl_updates=a.rl_updates, eval_episodes=a.eval_episodes)
     return 0 if all(i["state"] == "done" for i in infos) else EXIT_ERROR
@@ -430,7 +422,6 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "inside the tenant's output dir only)")
     add_connection_args(e)
     e.set_defaults(fn=_export)
-    from nexus.client.cli_control import add_commands
 
     add_commands(sub, _connect, add_connection_args, [common])
     return p

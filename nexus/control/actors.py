@@ -16,9 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nexus.control import tasks
+from nexus.control.queues import TrainingItem
 from nexus.control.runtime import DaskRuntime
 from nexus.control.tasks import TaskRef
 from nexus.errors import RoleLost, Unavailable
+from nexus.messages import EAGER, EngineEndpoint, TenantSetup, UpdateRequest, UpdateResult
 
 
 @dataclass
@@ -109,6 +112,16 @@ class ActorGroup:
             except RoleLost:
                 if not retry_lost:
                     raise
+
+    async def update(self, item: TrainingItem, setup: TenantSetup,
+                     engines: tuple[EngineEndpoint, ...]) -> UpdateResult:
+        """Run one training-queue item on every rank (``nexus.services.actor_tasks.run_update``); its new
+        version goes to ``engines``. ``RoleLost`` if a rank was lost meanwhile (the dispatcher re-queues)."""
+        def request(rank: int) -> tuple:
+            return (UpdateRequest(item.item_id, item.job, item.work, setup, engines, item.sync or EAGER, rank,
+                                  self.world_size), item.data)
+
+        return await self.run(tasks.RUN_UPDATE, request, key=f"nexus-update-{item.item_id}")
 
     async def run_on(self, addresses: list[str], task: TaskRef, args: Callable[[int], tuple], key: str) -> Any:
         """Run on the given rank workers now (the rebuild uses this before the group is ready)."""

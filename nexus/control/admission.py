@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nexus.scheduling import SchedulerPolicy
 
 
 class Admission:
@@ -55,8 +59,9 @@ class Admission:
             del self._running[tenant]
         self._notify()
 
-    def set_isolated(self, isolated: bool) -> None:
-        self.isolated = isolated
+    def apply(self, policy: SchedulerPolicy) -> None:
+        """A new scheduling policy: shared or isolated (its ``isolated``) from now on."""
+        self.isolated = policy.isolated
         self._notify()
 
     def view(self) -> dict[str, object]:

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from nexus.history import JOB_COUNTERS, JOB_HEADLINE, by_kind, per_version
+
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
            "#aec7e8"]
 GROUPED_COLOR = "#444444"  # an inference forward shared by several tenants (group batching)
@@ -32,8 +34,8 @@ JOB_COLUMNS = [("job", "job"), ("tenant", "tenant"), ("kind", "kind"), ("state",
 ROLE_COLUMNS = [("role", "role"), ("kind", "kind"), ("state", "state"), ("worker", "worker"), ("restarts", "restarts"),
                 ("restart_budget_left", "budget left"), ("since_heartbeat_s", "since heartbeat s"),
                 ("reason", "reason")]
-COUNTERS = {"sft": "steps", "rl": "updates", "eval": "episodes"}
-HEADLINE = {"sft": ("loss", "heldout_action_mse"), "rl": ("return", "success_rate"), "eval": ("success_rate",)}
+# the jobs table's metric column: an evaluation shows its success rate only
+HEADLINE = {**JOB_HEADLINE, "eval": JOB_HEADLINE["eval"][:1]}
 ROLE_OF_RESOURCE = {"SIM": "simulator", "ACTOR": "actor", "INFER": "inference"}
 ROW_PX, HEADER_PX, MAX_ROWS = 25, 30, 14  # tables longer than MAX_ROWS scroll
 
@@ -71,7 +73,7 @@ def jobs_columns(view: dict[str, Any], now: float | None = None) -> dict[str, li
     data: dict[str, list] = {key: [] for key, _ in JOB_COLUMNS} | {"pct": []}
     for j in sorted(view["status"]["jobs"], key=lambda j: -(j.get("t_submit") or 0)):
         p = {**j.get("progress", {}), **(j.get("result") or {})}
-        unit = COUNTERS.get(j["kind"], "steps")
+        unit = JOB_COUNTERS.get(j["kind"], "steps")
         total = int(j.get("spec", {}).get(unit, 0) or 0)
         done = total if j["state"] == "done" and j["kind"] == "eval" else int(p.get(unit, 0) or 0)
         pct = 100.0 * done / total if total else 0.0
@@ -152,7 +154,6 @@ def _downsample(xs: list, ys: list, n: int = 400) -> tuple[list, list]:
 def curves_columns(jobs: list[tuple[str, list[dict[str, Any]]]], colors: Colors) -> dict[str, dict[str, list]]:
     """Per-tenant learning curves from (tenant, history) pairs: training loss vs version (a line per tenant),
     rollout return as the mean per collecting version (a line per tenant), evaluation success as points."""
-    from nexus.history import by_kind, per_version
 
     loss: dict[str, tuple[list, list]] = {}
     ret: dict[str, list] = {}

@@ -1,9 +1,11 @@
 """Training-queue dispatcher: moves admitted items from the :class:`TrainingQueue` to the actor group.
 
-Its policy is explicit (:class:`DispatchPolicy`): how many items run at once and how often an item
-that raises is retried. An item whose actor rank was lost (``RoleLost``) goes back to the head of
-the queue, keeps its admission slot, and runs again once the actor group has been rebuilt; that
-retry does not count as an attempt (the actor's restart budget bounds it). Every other outcome —
+Its two knobs come from :class:`nexus.config.DispatchSettings`: how many items run at once
+(``max_concurrent_updates``; a scheduling policy switch changes it, :meth:`Dispatcher.apply`) and how
+often an item that raises is retried (``item_attempts``). An item whose actor rank was lost
+(``RoleLost``) goes back to the head of the queue, keeps its admission slot, and runs again once the
+actor group has been rebuilt; that retry does not count as an attempt (the actor's restart budget
+bounds it). Every other outcome —
 result, final error, cancellation of a queued item — frees the item's admission slot.
 
 A plain asyncio object: the work itself is the injected ``execute(item)`` coroutine, so the
@@ -15,27 +17,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from nexus.config import DispatchSettings
 from nexus.control.queues import TrainingItem, TrainingQueue
 from nexus.errors import RoleLost
 
+if TYPE_CHECKING:
+    from nexus.scheduling import SchedulerPolicy
+
 logger = logging.getLogger("nexus.dispatcher")
-
-
-@dataclass(frozen=True)
-class DispatchPolicy:
-    max_concurrent: int = 1  # items running at once on the actor group (DeepSpeed steps are collective)
-    item_attempts: int = 2  # runs of an item that raises before its job sees the error
-
-    def __post_init__(self) -> None:
-        if self.max_concurrent < 1 or self.item_attempts < 1:
-            raise ValueError(f"invalid dispatch policy {self}")
-
-    @classmethod
-    def from_settings(cls, s: Any) -> DispatchPolicy:
-        return cls(max_concurrent=s.max_concurrent_updates, item_attempts=s.item_attempts)
 
 
 Execute = Callable[[TrainingItem], Awaitable[dict[str, Any]]]
@@ -43,9 +34,11 @@ Execute = Callable[[TrainingItem], Awaitable[dict[str, Any]]]
 
 class Dispatcher:
     def __init__(self, queue: TrainingQueue, execute: Execute, versions: Callable[[], dict[str, int]],
-                 policy: DispatchPolicy | None = None, available: Callable[[], bool] = lambda: True) -> None:
+                 settings: DispatchSettings | None = None, available: Callable[[], bool] = lambda: True) -> None:
+        settings = settings or DispatchSettings()
         self.queue = queue
-        self.policy = policy or DispatchPolicy()
+        self.max_concurrent = settings.max_concurrent_updates  # items running at once (DeepSpeed steps are collective)
+        self.item_attempts = settings.item_attempts  # runs of an item that raises before its job sees the error
         self._execute = execute
         self._versions = versions
         self._available = available  # is the actor group up? (call pump() when it comes back)
@@ -82,6 +75,10 @@ class Dispatcher:
         ev = self._freed.setdefault(tenant, asyncio.Event())
         await ev.wait()
 
+    def apply(self, policy: SchedulerPolicy) -> None:
+        """A new scheduling policy: its ``max_concurrent_updates`` from the next dispatch on."""
+        self.max_concurrent = policy.max_concurrent_updates
+
     # -- the actor group's availability -------------------------------------------------------------
     @property
     def available(self) -> bool:
@@ -94,7 +91,7 @@ class Dispatcher:
 
     def pump(self) -> None:
         """Dispatch queued items while the policy allows and the actor group is up."""
-        while self._available() and len(self._running) < self.policy.max_concurrent:
+        while self._available() and len(self._running) < self.max_concurrent:
             versions = self._versions()
             item, dropped = self.queue.pop(versions)
             for d in dropped:
@@ -118,7 +115,7 @@ class Dispatcher:
             raise
         except Exception as e:
             item.attempts += 1
-            if item.attempts < self.policy.item_attempts and item.item_id in self._waiters:
+            if item.attempts < self.item_attempts and item.item_id in self._waiters:
                 logger.warning("item %s raised %s (attempt %d); retried", item.item_id, e, item.attempts)
                 self.retried_errors += 1
                 requeued = self._requeue(item)

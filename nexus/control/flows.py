@@ -19,13 +19,13 @@ from nexus.config import DataPathSettings
 from nexus.control import tasks
 from nexus.control.queues import TrainingItem
 from nexus.errors import JobFailed
-from nexus.messages import RolloutRequest
+from nexus.messages import OpWork, RLWork, RolloutRequest, RolloutResult, SFTWork, SyncRule
 
 if TYPE_CHECKING:
     from nexus.control.dispatcher import Dispatcher
     from nexus.control.engines import EnginePool
     from nexus.control.health import HealthManager
-    from nexus.control.jobs import JobState
+    from nexus.control.job_state import JobState
     from nexus.control.queues import TrainingQueue
     from nexus.control.runtime import DaskRuntime
     from nexus.control.tenants import TenantState
@@ -45,11 +45,10 @@ class FlowContext:
     datapath: DataPathSettings = field(default_factory=DataPathSettings)
     eval_fanout: int = 2  # rollout tasks per evaluation job (the scheduling policy's eval_fanout)
 
-    def sync_rule(self, live_consumers: bool) -> dict[str, Any]:
-        """Lazy weight sync (decided on the actor by ``training.should_push``): a tenant's RL job reads
-        its live head (rollouts); SFT and pinned evaluations do not."""
-        dp = self.datapath
-        return {"policy": dp.sync_policy, "every": dp.sync_every, "live_consumers": live_consumers}
+    def sync_rule(self, live_consumers: bool) -> SyncRule:
+        """Lazy weight sync (decided on the actor, ``SyncRule.should_push``): a tenant's RL job reads its live
+        head (rollouts); SFT and pinned evaluations do not."""
+        return SyncRule(self.datapath.sync_policy, self.datapath.sync_every, live_consumers)
 
     def log_update(self, js: JobState, res: dict[str, Any], **counters: int) -> None:
         self.log(js, {**res["metrics"], **counters, "version": res["version"]}, res["version"], "train")
@@ -59,9 +58,9 @@ def producer_role(job_id: str) -> str:
     return f"producer/{job_id}"
 
 
-async def _rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **req: Any) -> dict[str, Any]:
+async def _rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **req: Any) -> RolloutResult:
     r = RolloutRequest(tenant=t.setup(), env=t.spec.env or "", job=js.job_id, route=ctx.pool.route(t.name),
-                       datapath=ctx.datapath.model_dump(), **req)
+                       datapath=ctx.datapath, **req)
     return await ctx.runtime.run(tasks.RUN_ROLLOUT, r, key=key, resources={"SIM": 1})
 
 
@@ -96,11 +95,10 @@ async def run_sft(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, A
     try:
         for k in range(spec.steps):
             await ctx.dispatcher.reserve(t.name)
-            item = TrainingItem(tenant=t.name, kind="sft", policy_version=t.version,
-                                payload={"job": js.job_id, "dataset": t.spec.dataset, "step": k,
-                                         "batch_size": spec.batch_size,
-                                         "eval_heldout": k == spec.steps - 1 or k % heldout_every == 0,
-                                         "sync": ctx.sync_rule(live_consumers=False)})
+            work = SFTWork(dataset=t.spec.dataset or "", step=k, batch_size=spec.batch_size,
+                           eval_heldout=k == spec.steps - 1 or k % heldout_every == 0)
+            item = TrainingItem(tenant=t.name, kind="sft", policy_version=t.version, work=work, job=js.job_id,
+                                sync=ctx.sync_rule(live_consumers=False))
             pending.add(_spawn(ctx.dispatcher.submit(item)))
             ctx.health.progress(role, batches=k + 1)
             finished = {f for f in pending if f.done()}
@@ -159,17 +157,18 @@ async def run_rl(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, An
                         ctx.health.error(role, f"rollout {offset}: {type(e).__name__}: {e}", restarting=True)
                         collect(offset, attempt + 1)  # same episodes, same seeds; keeps its admission slot
                         continue
-                    ctx.health.progress(role, episodes=episodes + out["stats"]["episodes"])
-                    episodes += out["stats"]["episodes"]
-                    env_steps += out["stats"]["steps"]
+                    assert out.batch is not None  # an RL rollout stores its batch
+                    ctx.health.progress(role, episodes=episodes + out.stats["episodes"])
+                    episodes += out.stats["episodes"]
+                    env_steps += out.stats["steps"]
                     for k in producer_totals:
-                        producer_totals[k] += float(out["stats"].get(k, 0.0))
-                    ctx.log(js, {"return": out["stats"]["mean_return"], "success_rate": out["stats"]["success_rate"],
+                        producer_totals[k] += float(out.stats.get(k, 0.0))
+                    ctx.log(js, {"return": out.stats["mean_return"], "success_rate": out.stats["success_rate"],
                                  "episodes": episodes, "env_steps": env_steps, **producer_totals,
-                                 "version": out["batch"]["policy_version"]}, env_steps, "rollout")
-                    item = TrainingItem(tenant=name, kind="rl", policy_version=out["batch"]["policy_version"],
-                                        payload={"job": js.job_id, "batch": out["batch"], "ppo": spec.ppo.model_dump(),
-                                                 "sync": ctx.sync_rule(live_consumers=True)})
+                                 "version": out.batch.policy_version}, env_steps, "rollout")
+                    item = TrainingItem(tenant=name, kind="rl", policy_version=out.batch.policy_version,
+                                        work=RLWork(batch=out.batch, config=spec.ppo), job=js.job_id,
+                                        sync=ctx.sync_rule(live_consumers=True))
                     items.add(_spawn(ctx.dispatcher.submit(item)))
                 else:
                     items.discard(f)
@@ -230,7 +229,7 @@ async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int
     n_tasks = min(spec.episodes, max(1, ctx.eval_fanout))
     shares = [spec.episodes // n_tasks + (i < spec.episodes % n_tasks) for i in range(n_tasks)]
 
-    async def part(i: int, n: int) -> dict[str, Any]:
+    async def part(i: int, n: int) -> RolloutResult:
         for attempt in range(ctx.rollout_attempts):
             key = f"nexus-eval-{js.job_id}-{i}" + (f"-r{attempt}" if attempt else "")
             try:
@@ -253,8 +252,8 @@ async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int
         await _cancel_all([p for p in parts if not p.done()])
         await ctx.pool.unpin(t.name, version)
         ctx.health.remove(role)
-    stats = merge_stats([o["stats"] for o in outs])
-    versions_seen = sorted({v for o in outs for v in o["versions"]})
+    stats = merge_stats([o.stats for o in outs])
+    versions_seen = sorted({v for o in outs for v in o.versions})
     report = {"tenant": t.name, "job": js.job_id, "version": version, "versions_seen": versions_seen, **stats}
     report["report_path"] = await ctx.runtime.run(tasks.WRITE_EVAL_REPORT, t.output_dir, report,
                                                   key=f"nexus-evalreport-{js.job_id}", resources={"SIM": 1})
@@ -266,6 +265,5 @@ async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int
 async def run_op(ctx: FlowContext, t: TenantState, verb: str, loss: str, data: Any) -> dict[str, Any]:
     """One low-level op (Tinker-style), ordered with the tenant's other training items."""
     await ctx.dispatcher.reserve(t.name)
-    item = TrainingItem(tenant=t.name, kind="op", policy_version=t.version, payload={"op": verb, "loss": loss},
-                        data=data)
+    item = TrainingItem(tenant=t.name, kind="op", policy_version=t.version, work=OpWork(verb, loss), data=data)
     return await ctx.dispatcher.submit(item)

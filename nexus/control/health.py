@@ -20,7 +20,7 @@ again only once it has re-synced) → ``healthy``. Producers have no heartbeat o
 without progress for ``producer_stall_s`` is ``suspect``; a failed attempt makes it ``restarting``
 until the re-run succeeds. Each role may restart ``restart_budget`` times within
 ``budget_window_s``; past that it stays ``failed`` and the service reports that it needs a
-global restart.
+global restart. These timeouts and budgets are :class:`nexus.config.HealthSettings` (``[health]``).
 
 A plain object (no Dask, no I/O, the clock is injectable): unit-tested without a cluster.
 """
@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from nexus.config import HealthSettings
+
 
 class RoleState(StrEnum):
     STARTING = "starting"
@@ -45,23 +47,6 @@ class RoleState(StrEnum):
 
 HEARTBEAT_KINDS = frozenset({"actor", "engine", "tracker", "simulator"})
 PRODUCER_KINDS = frozenset({"rollout", "dataset"})
-
-
-@dataclass(frozen=True)
-class HealthPolicy:
-    suspect_after_s: float = 10.0
-    fail_after_s: float = 60.0
-    producer_stall_s: float = 300.0
-    restart_budget: int = 5
-    budget_window_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.suspect_after_s < self.fail_after_s:
-            raise ValueError(f"need 0 < suspect_after_s < fail_after_s, got {self}")
-
-    @classmethod
-    def from_settings(cls, s: Any) -> HealthPolicy:
-        return cls(s.suspect_after_s, s.fail_after_s, s.producer_stall_s, s.restart_budget, s.budget_window_s)
 
 
 @dataclass
@@ -82,11 +67,11 @@ class RoleHealth:
     budget_spent: bool = False
     detail: dict[str, Any] = field(default_factory=dict)
 
-    def view(self, now: float, policy: HealthPolicy) -> dict[str, Any]:
-        recent = [t for t in self.restart_times if now - t <= policy.budget_window_s]
+    def view(self, now: float, settings: HealthSettings) -> dict[str, Any]:
+        recent = [t for t in self.restart_times if now - t <= settings.budget_window_s]
         return {"role": self.role, "kind": self.kind, "state": str(self.state), "worker": self.worker,
                 "address": self.address, "epoch": self.epoch, "restarts": self.restarts,
-                "restart_budget_left": max(0, policy.restart_budget - len(recent)),
+                "restart_budget_left": max(0, settings.restart_budget - len(recent)),
                 "since_heartbeat_s": None if self.last_seen is None else round(now - self.last_seen, 3),
                 "in_state_s": round(now - self.since, 3), "reason": self.reason, "errors": self.errors,
                 "last_error": self.last_error, "budget_spent": self.budget_spent, "detail": dict(self.detail)}
@@ -96,8 +81,8 @@ Listener = Callable[[RoleHealth, RoleState, RoleState], None]
 
 
 class HealthManager:
-    def __init__(self, policy: HealthPolicy | None = None, clock: Callable[[], float] = time.time) -> None:
-        self.policy = policy or HealthPolicy()
+    def __init__(self, settings: HealthSettings | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings or HealthSettings()
         self.clock = clock
         self.roles: dict[str, RoleHealth] = {}
         self.history: deque[dict[str, Any]] = deque(maxlen=1000)  # every state change, oldest first
@@ -187,7 +172,7 @@ class HealthManager:
     def tick(self, now: float | None = None) -> list[RoleHealth]:
         """Apply the timeouts; returns the roles that failed by timeout in this tick."""
         now = self.clock() if now is None else now
-        p = self.policy
+        p = self.settings
         failed = []
         for r in list(self.roles.values()):
             if r.last_seen is None:
@@ -206,13 +191,13 @@ class HealthManager:
     # -- restarts ------------------------------------------------------------------------------
     def begin_restart(self, role: str, reason: str = "in-place restart", now: float | None = None) -> bool:
         """Take one restart from the role's budget; False (and the role stays failed) when it is spent."""
-        r = self.roles[role]
+        r, p = self.roles[role], self.settings
         now = self.clock() if now is None else now
-        r.restart_times = [t for t in r.restart_times if now - t <= self.policy.budget_window_s]
-        if len(r.restart_times) >= self.policy.restart_budget:
+        r.restart_times = [t for t in r.restart_times if now - t <= p.budget_window_s]
+        if len(r.restart_times) >= p.restart_budget:
             if not r.budget_spent:
                 r.budget_spent = True
-                r.reason = f"restart budget spent ({self.policy.restart_budget} in {self.policy.budget_window_s:g} s)"
+                r.reason = f"restart budget spent ({p.restart_budget} in {p.budget_window_s:g} s)"
                 self.history.append({"t": now, "role": role, "from": str(r.state), "to": str(r.state),
                                      "reason": r.reason})
             return False
@@ -242,7 +227,7 @@ class HealthManager:
 
     def views(self, now: float | None = None) -> list[dict[str, Any]]:
         now = self.clock() if now is None else now
-        return [r.view(now, self.policy) for r in sorted(self.roles.values(), key=lambda r: r.role)]
+        return [r.view(now, self.settings) for r in sorted(self.roles.values(), key=lambda r: r.role)]
 
     def _set(self, r: RoleHealth, state: RoleState, reason: str, now: float | None = None) -> None:
         now = self.clock() if now is None else now

@@ -1,11 +1,11 @@
 """Jobs: ids, states, the runner around each flow, cancellation, and the job's durable records.
 
-States: ``queued`` → ``running`` → ``done`` | ``failed`` | ``cancelled``. A job id is
-``<tenant>-<kind>-<n>``; ``n`` continues past every job number found in the tenants' output dirs,
-so ids stay unique across service restarts. When a job starts, a record ``jobs/<id>.json`` marks
-it running in the tenant's output dir (so a crashed service can mark it failed later); at its end
-the actor checkpoints (training jobs), rewrites the record and appends it to the manifest, and the
-MLflow run is closed.
+States: ``queued`` → ``running`` → ``done`` | ``failed`` | ``cancelled`` (the record and its allowed
+moves: :mod:`nexus.control.job_state`). A job id is ``<tenant>-<kind>-<n>``; ``n`` continues past
+every job number found in the tenants' output dirs, so ids stay unique across service restarts. When
+a job starts, a record ``jobs/<id>.json`` marks it running in the tenant's output dir (so a crashed
+service can mark it failed later); at its end the actor checkpoints (training jobs), rewrites the
+record and appends it to the manifest, and the MLflow run is closed.
 """
 
 from __future__ import annotations
@@ -15,52 +15,24 @@ import logging
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nexus.config import ServiceLimits
+from nexus.config import ServiceLimits, policy_settings
 from nexus.control import flows, tasks
 from nexus.control.admission import Admission
-from nexus.control.validation import check_eval_version, validate_job
+from nexus.control.job_state import JobState, JobStatus
+from nexus.control.tenants import TenantPhase, TenantRegistry, TenantState
 from nexus.errors import Conflict, NotFound
-from nexus.spec import EvalJob, RLJob, SFTJob
+from nexus.validation import check_eval_version, validate_job
 
 if TYPE_CHECKING:
     from nexus.control.actors import ActorGroup
     from nexus.control.monitoring import MonitoringState
     from nexus.control.runtime import DaskRuntime
-    from nexus.control.tenants import TenantRegistry, TenantState
     from nexus.control.tracking_link import TrackerLink
+    from nexus.scheduling import SchedulerPolicy
 
 logger = logging.getLogger("nexus.jobs")
-
-TERMINAL = frozenset({"done", "failed", "cancelled"})
-
-
-@dataclass
-class JobState:
-    job_id: str
-    tenant: str
-    spec: SFTJob | RLJob | EvalJob
-    state: str = "queued"
-    progress: dict[str, Any] = field(default_factory=dict)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    t_submit: float = field(default_factory=time.time)
-    t_start: float | None = None  # admitted (isolated mode: later than t_submit)
-    t_end: float | None = None
-    cancel_requested: bool = False
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task | None = None
-
-    def view(self) -> dict[str, Any]:
-        return {"job": self.job_id, "tenant": self.tenant, "kind": self.spec.kind, "state": self.state,
-                "spec": self.spec.model_dump(), "progress": dict(self.progress), "result": self.result,
-                "error": self.error, "t_submit": self.t_submit, "t_start": self.t_start, "t_end": self.t_end}
-
-    def record(self) -> dict[str, Any]:
-        return {k: v for k, v in self.view().items() if k != "progress"} | {"progress": dict(self.progress)}
 
 
 class JobTable:
@@ -108,7 +80,7 @@ class JobManager:
 
     def submit(self, tenant: str, raw: dict[str, Any]) -> str:
         t = self.registry.get(tenant)
-        if t.phase != "ready":
+        if t.phase != TenantPhase.READY:
             raise Conflict(f"tenant {tenant!r} is {t.phase}; submit again once it is ready")
         limits = self.limits_for(tenant)
         active_evals = sum(1 for j in t.jobs if j in self.jobs and self.jobs[j].spec.kind == "eval"
@@ -138,7 +110,7 @@ class JobManager:
         """Stop a job and free everything it holds (admission slots, queued items, pins, its tenant's
         training-job lock); an update already running on the actor finishes, unread."""
         js = self.get(job_id)
-        if js.state not in TERMINAL and js.task is not None:
+        if not js.terminal and js.task is not None:
             js.cancel_requested = True
             js.task.cancel()
             try:
@@ -149,6 +121,17 @@ class JobManager:
 
     def of_tenant(self, tenant: str) -> list[JobState]:
         return [j for j in self.jobs.values() if j.tenant == tenant]
+
+    def busy(self) -> list[str]:
+        """Jobs not finished yet (queued or running)."""
+        return [j.job_id for j in self.jobs.values() if not j.finished.is_set()]
+
+    def apply(self, policy: SchedulerPolicy) -> None:
+        """A new scheduling policy for jobs that start from now on: shared or isolated admission, the
+        evaluation fan-out and the weight-sync rule (``sync_policy``, ``sync_every``)."""
+        self.admission.apply(policy)
+        self.ctx.eval_fanout = policy.eval_fanout
+        self.ctx.datapath = self.ctx.datapath.model_copy(update=policy_settings(policy, "datapath"))
 
     def log(self, js: JobState, metrics: dict[str, Any], step: int, kind: str) -> None:
         """One history row (``nexus.history``: kind train / rollout / eval / queue, a monotonic step per kind)."""
@@ -162,12 +145,12 @@ class JobManager:
             await self.admission.acquire(js.job_id, js.tenant)
         except asyncio.CancelledError:
             js.t_end = time.time()
-            js.state, js.error = ("cancelled", "cancelled by request") if js.cancel_requested else (
-                "failed", "cancelled: the service is closing")
+            js.move(*((JobStatus.CANCELLED, "cancelled by request") if js.cancel_requested else (
+                JobStatus.FAILED, "cancelled: the service is closing")))
             if t.training_job == js.job_id:
                 t.training_job = None
             js.finished.set()
-            self._event("job", {"job": js.job_id, "state": js.state, "error": js.error})
+            self._event("job", {"job": js.job_id, "state": str(js.state), "error": js.error})
             if not js.cancel_requested:
                 raise
             return
@@ -177,7 +160,7 @@ class JobManager:
             self.admission.release(js.tenant)
 
     async def _run_admitted(self, js: JobState, t: TenantState) -> None:
-        js.state = "running"
+        js.move(JobStatus.RUNNING)
         js.t_start = time.time()
         self._event("job", {"job": js.job_id, "state": "running"})
         try:
@@ -189,17 +172,17 @@ class JobManager:
                                    parent if js.spec.kind == "eval" else None, js.t_submit)
             runner = {"sft": flows.run_sft, "rl": flows.run_rl, "eval": flows.run_eval}[js.spec.kind]
             js.result = await runner(self.ctx, js, t)
-            js.state = "done"
+            js.move(JobStatus.DONE)
         except asyncio.CancelledError:
             if not js.cancel_requested:
-                js.state, js.error = "failed", "cancelled: the service is closing"
+                js.move(JobStatus.FAILED, "cancelled: the service is closing")
                 raise
-            js.state, js.error = "cancelled", "cancelled by request"
+            js.move(JobStatus.CANCELLED, "cancelled by request")
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
         except Exception as e:
-            js.state, js.error = "failed", f"{type(e).__name__}: {e}"
+            js.move(JobStatus.FAILED, f"{type(e).__name__}: {e}")
             logger.error("job %s failed:\n%s", js.job_id, traceback.format_exc())
         finally:
             js.t_end = time.time()
@@ -209,7 +192,7 @@ class JobManager:
                 await self._finish(js, t)
             finally:
                 js.finished.set()
-                self._event("job", {"job": js.job_id, "state": js.state, "error": js.error})
+                self._event("job", {"job": js.job_id, "state": str(js.state), "error": js.error})
 
     async def _record_start(self, js: JobState, t: TenantState) -> None:
         try:
@@ -220,7 +203,7 @@ class JobManager:
     async def _finish(self, js: JobState, t: TenantState) -> None:
         """Checkpoint (training jobs), record the job in its output dir, close the MLflow run."""
         artifacts: list[str] = []
-        if self.registry.find(js.tenant) is t and t.phase != "deleting":
+        if self.registry.find(js.tenant) is t and t.phase != TenantPhase.DELETING:
             record = _plain(js.record() | {"history": js.history})
             train = js.spec.kind in ("sft", "rl")
             # MLflow gets the weights of the version this job evaluated or produced
@@ -239,7 +222,7 @@ class JobManager:
             await asyncio.wait_for(self._flush_signals(), 10)
         except Exception as e:
             logger.info("flushing engine signals: %s", e)
-        self.tracker.end_run(js.job_id, js.state, artifacts, _plain(js.result or {}), _plain(js.history),
+        self.tracker.end_run(js.job_id, str(js.state), artifacts, _plain(js.result or {}), _plain(js.history),
                              self.monitoring.job_metering(js.job_id), js.t_end)
 
 

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from nexus.control import tasks
 from nexus.control.queues import TenantLimits
-from nexus.control.tenants import TenantState
-from nexus.control.validation import check_new_tenant, check_tenant_limits, validate_tenant
+from nexus.control.tenants import TenantPhase, TenantState
 from nexus.errors import Conflict, NotFound
 from nexus.messages import SlotInfo
 from nexus.paths import resolve_output_dir
+from nexus.validation import check_new_tenant, check_tenant_limits, validate_tenant
 
 if TYPE_CHECKING:
     from nexus.config import DispatchSettings, ServiceConfig
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from nexus.control.engines import EnginePool
     from nexus.control.jobs import JobManager
     from nexus.control.tenants import TenantRegistry
+    from nexus.scheduling import SchedulerPolicy
     from nexus.spec import TenantSpec
 
 logger = logging.getLogger("nexus.lifecycle")
@@ -49,6 +50,10 @@ class TenantLifecycle:
         self.dispatcher = dispatcher
         self.jobs = jobs
         self._event = event
+
+    def apply(self, policy: SchedulerPolicy) -> None:
+        """A new scheduling policy: tenants created from now on get its admission defaults."""
+        self.config = self.config.with_policy(policy)
 
     async def create(self, raw: dict[str, Any]) -> dict[str, Any]:
         """Validate a tenant spec and build its slot; a tenant whose output dir holds state resumes it."""
@@ -77,7 +82,7 @@ class TenantLifecycle:
                                                    timeout=CREATE_TIMEOUT_S)
             t.version, t.restored = info.version, info.restored
             self.jobs.ids.observe(info.job_seq)
-            t.phase = "ready"  # from now on a rebuilt actor or a joining engine includes it
+            t.move(TenantPhase.READY)  # from now on a rebuilt actor or a joining engine includes it
             await self.pool.add_tenant(t.setup())
         except BaseException:
             self.registry.remove(spec.name)
@@ -93,7 +98,7 @@ class TenantLifecycle:
         t = self.registry.get(name)
         if t.phase != "ready":
             raise Conflict(f"tenant {name!r} is {t.phase}")
-        t.phase = "deleting"
+        t.move(TenantPhase.DELETING)
         cancelled = []
         for js in self.jobs.of_tenant(name):
             if js.state not in ("done", "failed", "cancelled"):

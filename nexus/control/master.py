@@ -4,13 +4,18 @@
 part                 module
 ===================  ==============================================================================
 tenant registry      :mod:`nexus.control.tenants` (+ lifecycle: :mod:`nexus.control.lifecycle`)
-jobs and flows       :mod:`nexus.control.jobs`, :mod:`nexus.control.flows`
+jobs and flows       :mod:`nexus.control.jobs` (records: :mod:`nexus.control.job_state`),
+                     :mod:`nexus.control.flows`
 training queue       :mod:`nexus.control.queues` + dispatcher :mod:`nexus.control.dispatcher`
 actor group          :mod:`nexus.control.actors` (N ranks)
-inference pool       :mod:`nexus.control.engines` (M engines, routing, scaling)
-health + restarts    :mod:`nexus.control.health`, :mod:`nexus.control.supervisor`
+inference pool       :mod:`nexus.control.engines` (M engines: :mod:`~nexus.control.membership`,
+                     :mod:`~nexus.control.routing`; on the cluster: :mod:`~nexus.control.engine_ops`)
+health + restarts    :mod:`nexus.control.health`, :mod:`nexus.control.supervisor` (rediscovery at boot:
+                     :mod:`nexus.control.discovery`)
 tracking             :mod:`nexus.control.tracking_link` (the tracker itself runs on a worker)
-ops' MLflow runs     :mod:`nexus.control.op_runs` (one run per client session of low-level ops)
+low-level ops        :mod:`nexus.control.low_level` (their MLflow runs: :mod:`nexus.control.op_runs`)
+scheduling policy    :mod:`nexus.control.policy_control` (view, switch), accounting
+                     :mod:`nexus.control.accounting`, status view :mod:`nexus.control.status`
 Dask                 :mod:`nexus.control.runtime`, tasks by import path :mod:`nexus.control.tasks`
 ===================  ==============================================================================
 
@@ -21,47 +26,49 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 from nexus.config import ServiceConfig
-from nexus.control import flows, status, tasks
+from nexus.control import flows, status
+from nexus.control.accounting import ServiceAccounting
 from nexus.control.actors import ActorGroup
-from nexus.control.dispatcher import Dispatcher, DispatchPolicy
-from nexus.control.engines import EnginePool, PoolPolicy
-from nexus.control.health import HealthManager, HealthPolicy
+from nexus.control.dispatcher import Dispatcher
+from nexus.control.engine_ops import DaskEngineOps
+from nexus.control.engines import EnginePool
+from nexus.control.exports import export_version
+from nexus.control.health import HealthManager
 from nexus.control.jobs import JobManager
 from nexus.control.lifecycle import TenantLifecycle
+from nexus.control.low_level import LowLevelOps
 from nexus.control.monitoring import MonitoringState
 from nexus.control.op_runs import OpRuns
+from nexus.control.policy_control import PolicyControl
 from nexus.control.queues import TrainingItem, TrainingQueue
 from nexus.control.runtime import DaskRuntime
-from nexus.control.supervisor import DaskEngineOps, Supervisor
-from nexus.control.tenants import TenantRegistry
+from nexus.control.supervisor import Supervisor
+from nexus.control.tenants import TenantPhase, TenantRegistry
 from nexus.control.tracking_link import TrackerLink
-from nexus.data.output_dir import TenantOutputDir
-from nexus.errors import NotFound, SpecError, Unavailable
-from nexus.messages import UpdateRequest
-from nexus.spec import check_session
+from nexus.errors import NotFound, Unavailable
+from nexus.messages import OpWork
 
 logger = logging.getLogger("nexus.master")
 
 
 class Master:
     def __init__(self, config: ServiceConfig, scheduler) -> None:
-        self.config = config
         self.scheduler = scheduler
         self.runtime = DaskRuntime(scheduler, config)
         self.monitoring = MonitoringState()
-        self.health = HealthManager(HealthPolicy.from_settings(config.health))
+        self.health = HealthManager(config.health)
         self.registry = TenantRegistry()
         self.queue = TrainingQueue(config.dispatch.queue_order)
         self.actors = ActorGroup(self.runtime, config.actor_ranks)
         self.engine_ops = DaskEngineOps(self.runtime, config)
-        self.pool = EnginePool(self.engine_ops, lambda: [t.setup() for t in self.registry if t.phase == "ready"],
-                               PoolPolicy(engines=config.inference_engines), self.health)
-        self.dispatcher = Dispatcher(self.queue, self._execute, self.registry.versions,
-                                     DispatchPolicy.from_settings(config.dispatch), lambda: self.actors.ready)
+        self.pool = EnginePool(self.engine_ops, lambda: [t.setup() for t in self.registry.ready()],
+                               config.inference_engines, health=self.health,
+                               batching=(config.infer_max_wait_s, config.infer_max_batch))
+        self.dispatcher = Dispatcher(self.queue, self._execute, self.registry.versions, config.dispatch,
+                                     lambda: self.actors.ready)
         self.tracker = TrackerLink(self._send_tracker)
         self.tracker.on_error = lambda e: self.health.error("tracker", e)
         self.op_runs = OpRuns(self.tracker, config.ops_idle_s)
@@ -74,9 +81,20 @@ class Master:
         self.lifecycle = TenantLifecycle(config, self.registry, self.actors, self.pool, self.dispatcher, self.jobs,
                                          self._event)
         self.supervisor = Supervisor(config, self.runtime, self.health, self.actors, self.pool, self.registry,
-                                     self.tracker, self.dispatcher)
-        self.supervisor.lifecycle, self.supervisor.jobs = self.lifecycle, self.jobs
+                                     self.tracker, self.dispatcher, self.lifecycle, self.jobs)
+        self.ops = LowLevelOps(self.registry, self.runtime, ctx, self.op_runs)
+        self.accounts = ServiceAccounting(scheduler, self.actors, self.pool, self.monitoring)
+        self.policy = PolicyControl(config, [self.queue, self.dispatcher, self.jobs, self.lifecycle, self.engine_ops,
+                                             self.supervisor], self.pool, self.jobs, self.queue, self.dispatcher)
+        self.parts = status.StatusParts(scheduler, self.registry, self.jobs, self.queue, self.dispatcher, self.actors,
+                                        self.pool, self.health, self.supervisor, self.monitoring, self.accounts,
+                                        self.policy)
         self._sampler: asyncio.Task | None = None
+
+    @property
+    def config(self) -> ServiceConfig:
+        """The effective service config (a scheduling policy switch replaces it)."""
+        return self.policy.config
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -102,17 +120,13 @@ class Master:
     async def _execute(self, item: TrainingItem) -> dict[str, Any]:
         """Run one training item on the actor group (the dispatcher's work)."""
         t = self.registry.get(item.tenant)
-        engines = tuple(self.pool.push_targets())
-        res = await self.actors.run(
-            tasks.RUN_UPDATE, lambda r: (UpdateRequest(item.to_dict(), t.setup(), engines, r, self.actors.world_size),
-                                         item.data),
-            key=f"nexus-update-{item.item_id}")
+        res = await self.actors.update(item, t.setup(), tuple(self.pool.push_targets()))
         self.registry.publish(item.tenant, res.version)
         for e in res.push_errors:
             m = self.pool.member_of(e.partition(":")[0])
             if m is not None:
                 self.health.error(m.role, f"weight push: {e}")
-        if item.kind != "op" or item.payload.get("op") == "save_weights":
+        if not isinstance(item.work, OpWork) or item.work.op == "save_weights":
             self.runtime.spawn(self.pool.on_published(t.setup(), res.pushed_to))
         return {"version": res.version, "metrics": dict(res.metrics)}
 
@@ -127,14 +141,9 @@ class Master:
         self.scheduler.log_event(f"nexus-{topic}", msg)
 
     async def _sample_forever(self, period_s: float = 1.0) -> None:
-        """Control signals over time: queue depths, in-flight and version lag per tenant."""
+        """Control signals over time (:func:`nexus.control.status.control_signals`); idle op sessions end."""
         while True:
-            versions = self.registry.versions()
-            self.monitoring.sample({
-                "training_depth": len(self.queue), "inference_pending": self.monitoring.inference_pending,
-                "by_tenant": {n: {"queued": c.queued, "inflight": c.inflight, "version": versions.get(n, 0)}
-                              for n, c in self.queue.counters.items()},
-                "lag": self.queue.lags(versions)})
+            self.monitoring.sample(status.control_signals(self.parts))
             self.op_runs.close_idle()
             await asyncio.sleep(period_s)
 
@@ -152,7 +161,7 @@ class Master:
         return await self.jobs.wait(job_id, timeout)
 
     def status(self) -> dict[str, Any]:
-        return status.build(self)
+        return status.build(self.parts)
 
     def monitoring_view(self, since: float = 0.0) -> dict[str, Any]:
         """Everything the dashboard page shows: status + signals since ``since``."""
@@ -160,41 +169,12 @@ class Master:
 
     def tenant_log(self, tenant: str) -> dict[str, Any]:
         """A tenant's jobs with their full metric histories (CLI ``logs`` and ``report``)."""
-        t = self.registry.get(tenant)
-        return {"tenant": t.view(), "t_start": self.monitoring.t_start,
-                "jobs": [{**self.jobs.view(self.jobs.jobs[j]), "history": self.jobs.jobs[j].history}
-                         for j in t.jobs if j in self.jobs.jobs],
-                "spans": [vars(sp) for sp in self.monitoring.spans]}
+        return status.tenant_log(self.parts, tenant)
 
     async def op(self, tenant: str, verb: str, data: str | None = None, loss: str = "sft",
                  session: str | None = None) -> dict[str, Any]:
-        """Low-level, Tinker-style operations, ordered through the training queue.
-
-        ``data`` names a dataset published by the client (its payload never passes through here).
-        ``session``: the calling client's connection id (``Nexus.session``; None: the tenant's default
-        session); a session's ops are one MLflow run (:mod:`nexus.control.op_runs`)."""
-        if verb not in ("forward_backward", "optim_step", "save_weights"):
-            raise SpecError(f"unknown op {verb!r}: forward_backward, optim_step or save_weights")
-        if verb == "forward_backward" and loss not in ("sft", "ppo", "grpo"):
-            raise SpecError(f"unknown loss {loss!r}: 'sft', 'ppo' or 'grpo'")
-        session = check_session(session)
-        t = self.registry.get(tenant)
-        client = await self.runtime.client()
-        fut = None
-        if verb == "forward_backward":
-            if data is None:
-                raise SpecError("forward_backward needs a batch")
-            fut = await client.get_dataset(data)
-        token, res = self.op_runs.begin(tenant, session), None
-        try:
-            res = await flows.run_op(self.jobs.ctx, t, verb, loss, fut)
-        finally:
-            alive = self.registry.find(tenant) is t and t.phase != "deleting"  # a deleted tenant's: not recorded
-            self.op_runs.finish(token, verb, res if alive else None, lambda: t.spec.model_dump(),
-                                lambda v: str(TenantOutputDir(t.output_dir).weights_path(v)))
-        if data is not None:
-            await client.unpublish_dataset(data)
-        return res
+        """Low-level, Tinker-style operations, ordered through the training queue (:mod:`nexus.control.low_level`)."""
+        return await self.ops.run(tenant, verb, data, loss, session)
 
     async def end_sessions(self, timeout: float = 10.0) -> dict[str, Any]:
         """End every low-level op session's MLflow run now and wait (up to ``timeout``) until the tracker
@@ -210,61 +190,17 @@ class Master:
         return await self.tracker.flush()
 
     # -- scheduling policy and accounting ----------------------------------------------------------------------
-    def slots(self) -> dict[str, list[str]]:
-        """Workers allocated to each service now (actor ranks, serving engines' workers, SIM workers)."""
-        names = {addr: str(ws.name) for addr, ws in self.scheduler.workers.items()}
-        return {"actor": [str(w) for w in self.actors.workers],
-                "inference": sorted({names.get(m.worker, str(m.worker)) for m in self.pool.serving()}),
-                "simulator": sorted(str(ws.name) for ws in self.scheduler.workers.values() if "SIM" in ws.resources)}
-
-    def worker_aliases(self) -> dict[str, str]:
-        """Worker address -> name: signals name their worker by address, slots by name."""
-        return {addr: str(ws.name) for addr, ws in self.scheduler.workers.items()}
-
     def accounting(self, t0: float | None = None, t1: float | None = None) -> dict[str, Any]:
         """Busy time, device time and utilization per service over ``[t0, t1]`` (default: the service's life)."""
-        return self.monitoring.accounting(self.slots(), t0, t1, self.worker_aliases())
+        return self.accounts.window(t0, t1)
 
     def scheduling(self) -> dict[str, Any]:
-        return {"policy": self.config.scheduler_policy.model_dump() if self.config.scheduler_policy else None,
-                "admission": self.jobs.admission.view(), "queue_order": self.queue.order}
+        return self.policy.view()
 
     async def set_policy(self, policy: dict[str, Any]) -> dict[str, Any]:
         """Switch the scheduling policy of a running, idle service (benchmarks compare policies on one
         cluster). Its T and B go to every serving engine (and to engines started later)."""
-        from nexus.errors import Conflict
-        from nexus.scheduling import SchedulerPolicy
-
-        try:
-            pol = SchedulerPolicy.model_validate(policy)
-        except Exception as e:
-            raise SpecError(f"invalid scheduler policy: {e}") from None
-        busy = [j.job_id for j in self.jobs.jobs.values() if not j.finished.is_set()]
-        if busy or len(self.queue) or self.dispatcher.running:
-            raise Conflict(f"the policy changes only while no job runs (running or queued: {busy})")
-        cfg = self.config
-        if pol.default_max_inflight > cfg.limits.max_inflight:
-            raise SpecError(f"scheduler {pol.name!r}: default_max_inflight {pol.default_max_inflight} exceeds "
-                            f"limits.max_inflight {cfg.limits.max_inflight}")
-        if (pol.infer_max_wait_s, pol.infer_max_batch) != (cfg.infer_max_wait_s, cfg.infer_max_batch):
-            cfg.infer_max_wait_s, cfg.infer_max_batch = pol.infer_max_wait_s, pol.infer_max_batch  # later engines
-            pushed = await asyncio.gather(*(self.engine_ops.set_batching(m.endpoint, pol.infer_max_wait_s,
-                                                                         pol.infer_max_batch)
-                                            for m in self.pool.serving()), return_exceptions=True)
-            for e in pushed:  # an engine lost meanwhile restarts with the new values from the config
-                if isinstance(e, BaseException):
-                    logger.warning("scheduler %r: an engine kept its old T/B: %s", pol.name, e)
-        cfg.dispatch = cfg.dispatch.model_copy(update={
-            "queue_order": pol.queue_order, "isolated": pol.isolated, "eval_fanout": pol.eval_fanout,
-            "max_concurrent_updates": pol.max_concurrent_updates, "default_max_inflight": pol.default_max_inflight,
-            "default_max_staleness": pol.default_max_staleness})
-        cfg.datapath = cfg.datapath.model_copy(update={"sync_policy": pol.sync_policy, "sync_every": pol.sync_every})
-        cfg.scheduler, cfg.scheduler_policy = pol.name, pol
-        self.queue.order = pol.queue_order  # empty queue: no rank to recompute
-        self.dispatcher.policy = DispatchPolicy.from_settings(cfg.dispatch)
-        self.jobs.ctx.eval_fanout, self.jobs.ctx.datapath = pol.eval_fanout, cfg.datapath
-        self.jobs.admission.set_isolated(pol.isolated)
-        return self.scheduling()
+        return await self.policy.switch(policy)
 
     # -- new handlers ------------------------------------------------------------------------------------------
     async def cancel(self, job_id: str) -> dict[str, Any]:
@@ -285,9 +221,9 @@ class Master:
                     timeout: float | None = None) -> dict[str, Any]:
         """The inference engine serving ``tenant`` (callers ask again when theirs refused or vanished)."""
         t = self.registry.find(tenant)
-        if t is None or t.phase == "deleting":
+        if t is None or t.phase == TenantPhase.DELETING:
             raise NotFound(f"unknown tenant {tenant!r}")
-        if t.phase != "ready":
+        if t.phase != TenantPhase.READY:
             await asyncio.wait_for(t.ready.wait(), timeout or 600)
         return (await self.pool.wait_route(tenant, stale, error, timeout)).to_dict()
 
@@ -296,23 +232,8 @@ class Master:
         return [m.endpoint.to_dict() for m in self.pool.serving()]
 
     async def export(self, tenant: str, path: str | None = None, version: int | None = None) -> dict[str, Any]:
-        """Write a tenant's policy version (default: current) as a self-contained directory (``nexus.policy``).
-
-        ``path`` None: the tenant's own ``<output dir>/exports/vNNNNNN/`` (written once, reused after), which
-        the gateway serves as the tenant's files; else an absolute path on the service's file system (the
-        gateway lets tenant tokens name only paths inside their output dir). Runs on actor rank 0 (the
-        backbone the policy ran on is resident there) from that version's durable weights file, so training
-        may go on meanwhile."""
-        t = self.registry.get(tenant)
-        version = t.version if version is None else int(version)
-        if not 0 <= version <= t.version:
-            raise NotFound(f"tenant {tenant!r} has no version {version} (current {t.version})")
-        if path is not None and (not isinstance(path, str) or "\x00" in path or not os.path.isabs(path)):
-            raise SpecError(f"export path {path!r}: give an absolute path on the service's file system")
-        setup = t.setup()
-        return await self.actors.run(
-            tasks.EXPORT_VERSION, lambda r: (setup.spec, setup.schema, setup.output_dir, version, path, r),
-            key=f"nexus-export-{tenant}-v{version}", retry_lost=True, timeout=600)
+        """Write a tenant's policy version as a self-contained directory (:mod:`nexus.control.exports`)."""
+        return await export_version(self.registry, self.actors, tenant, path, version)
 
     async def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:
         """Wait until the actor group and at least one engine serve (and rediscovery ran)."""
@@ -321,6 +242,6 @@ class Master:
         while not (self.actors.ready and self.pool.serving() and self.tracker.address
                    and self.supervisor.discovery["state"] in ("done", "failed")):
             if loop.time() > deadline:
-                raise Unavailable(f"the service is not ready after {timeout:g} s: {status.service_view(self)}")
+                raise Unavailable(f"the service is not ready after {timeout:g} s: {status.service_view(self.parts)}")
             await asyncio.sleep(0.2)
-        return status.service_view(self)
+        return status.service_view(self.parts)

@@ -21,6 +21,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from nexus.control.health import prometheus_families
 from nexus.signals import SERVICES, TOPIC
 
 __all__ = ["SERVICES", "TOPIC", "MonitoringState", "PrometheusCollector", "Span"]
@@ -259,6 +260,5 @@ class PrometheusCollector:
         c["inference_groups"].add_metric([], mon.counts.get("inference_groups", 0))
         yield from g.values()
         yield from c.values()
-        from nexus.control.health import prometheus_families
 
         yield from prometheus_families(st.get("roles", []))

@@ -17,7 +17,10 @@ import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from nexus.scheduling import SchedulerPolicy
 
 ItemKind = Literal["rl", "sft", "op"]
 
@@ -42,19 +45,13 @@ class TrainingItem:
     tenant: str
     kind: ItemKind
     policy_version: int  # version of the policy that produced the data (RL); informative otherwise
-    payload: dict[str, Any] = field(default_factory=dict)
+    work: Any = None  # what the update does (``nexus.messages.SFTWork`` / ``RLWork`` / ``OpWork``): opaque here
+    job: str | None = None
+    sync: Any = None  # the weight-sync rule of its new version (``nexus.messages.SyncRule``)
     item_id: str = ""
     enqueued_at: float = 0.0
     attempts: int = 0  # runs that raised (retried up to the dispatcher's item_attempts)
     data: Any = field(default=None, repr=False)  # a low-level op's batch (Dask future), its own task argument
-
-    @property
-    def job(self) -> str | None:
-        return self.payload.get("job")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"tenant": self.tenant, "kind": self.kind, "policy_version": self.policy_version,
-                "payload": self.payload, "item_id": self.item_id}
 
 
 @dataclass
@@ -143,6 +140,13 @@ class TrainingQueue:
 
     def _rank(self, tenant: str) -> int:
         return -self.limits[tenant].priority if self.order == "priority" else 0
+
+    def apply(self, policy: SchedulerPolicy) -> None:
+        """A new scheduling policy: its ``queue_order`` ranks the items queued from now on (and re-ranks
+        those still queued)."""
+        self.order = policy.queue_order
+        self._heap = [(self._rank(it.tenant), seq, it) for _, seq, it in self._heap]
+        heapq.heapify(self._heap)
 
     def remove(self, item: TrainingItem) -> bool:
         """Take a queued item out (its job was cancelled): its admission slot is freed. False if not queued."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from nexus.control.tasks import TaskRef
 from nexus.errors import Unavailable
+from nexus.tls import security
 
 if TYPE_CHECKING:
     from nexus.config import ServiceConfig
@@ -42,7 +43,6 @@ class DaskRuntime:
             if self._client is None:
                 from distributed import Client
 
-                from nexus.tls import security
 
                 self._client = await Client(self.scheduler.address, asynchronous=True, name="nexus-master",
                                             set_as_default=False, security=security(self.config))

@@ -1,32 +1,65 @@
 """The service's status view (``nexus status``, ``/nexus/api/state``, the ``/nexus`` page, ``/metrics``).
 
-Plain reads of the control plane's parts; never blocks. ``roles`` lists every role with its health
-state (``healthy`` / ``suspect`` / ``failed`` / ``restarting`` / ``starting``), worker, restarts and
-heartbeat age; a tenant whose training waits on a role that is down says so in ``waiting_for``.
+Plain reads of the control plane's parts (:class:`StatusParts`, wired by the Master); never blocks.
+``roles`` lists every role with its health state (``healthy`` / ``suspect`` / ``failed`` / ``restarting``
+/ ``starting``), worker, restarts and heartbeat age; a tenant whose training waits on a role that is
+down says so in ``waiting_for``.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nexus.control.job_state import JobStatus
 from nexus.control.monitoring import SERVICES
+from nexus.control.tenants import TenantPhase
 
 if TYPE_CHECKING:
-    from nexus.control.master import Master
+    from nexus.control.accounting import ServiceAccounting
+    from nexus.control.actors import ActorGroup
+    from nexus.control.dispatcher import Dispatcher
+    from nexus.control.engines import EnginePool
+    from nexus.control.health import HealthManager
+    from nexus.control.jobs import JobManager
+    from nexus.control.monitoring import MonitoringState
+    from nexus.control.policy_control import PolicyControl
+    from nexus.control.queues import TrainingQueue
+    from nexus.control.supervisor import Supervisor
+    from nexus.control.tenants import TenantRegistry
 
 
-def tenant_rows(m: Master) -> list[dict[str, Any]]:
-    metering = m.monitoring.metering_table()
-    serving = bool(m.pool.serving())
+@dataclass(frozen=True)
+class StatusParts:
+    """What the status view reads."""
+
+    scheduler: Any  # the Dask scheduler (its workers)
+    registry: TenantRegistry
+    jobs: JobManager
+    queue: TrainingQueue
+    dispatcher: Dispatcher
+    actors: ActorGroup
+    pool: EnginePool
+    health: HealthManager
+    supervisor: Supervisor
+    monitoring: MonitoringState
+    accounting: ServiceAccounting
+    policy: PolicyControl  # the scheduling view and the effective config
+
+
+def tenant_rows(p: StatusParts) -> list[dict[str, Any]]:
+    metering = p.monitoring.metering_table()
+    serving = bool(p.pool.serving())
     rows = []
-    for t in m.registry:
-        c = m.queue.counters.get(t.name)
-        running_eval = any(m.jobs.jobs[j].state == "running" for j in t.jobs if j in m.jobs.jobs)
-        state = {"creating": "restoring" if t.restored else "creating", "deleting": "deleting"}.get(t.phase) or (
+    for t in p.registry:
+        c = p.queue.counters.get(t.name)
+        running_eval = any(p.jobs.jobs[j].state == JobStatus.RUNNING for j in t.jobs if j in p.jobs.jobs)
+        state = {TenantPhase.CREATING: "restoring" if t.restored else "creating",
+                 TenantPhase.DELETING: "deleting"}.get(t.phase) or (
             "training" if t.training_job else "evaluating" if running_eval else "idle")
         waiting = []
-        if t.training_job and not m.actors.ready:
+        if t.training_job and not p.actors.ready:
             waiting.append("actor")
         if (t.training_job or running_eval) and not serving:
             waiting.append("inference")
@@ -38,32 +71,50 @@ def tenant_rows(m: Master) -> list[dict[str, Any]]:
     return rows
 
 
-def service_view(m: Master) -> dict[str, Any]:
-    h = m.health
+def service_view(p: StatusParts) -> dict[str, Any]:
+    h = p.health
     spent = h.needs_global_restart()
     down = [r.role for r in h.roles.values() if r.state in ("failed", "restarting", "suspect")]
     state = "needs-global-restart" if spent else "degraded" if down else "ok"
-    return {"state": state, "boot_time": m.supervisor.boot_time, "roles_down": sorted(down),
-            "needs_global_restart": spent, "discovery": dict(m.supervisor.discovery),
+    return {"state": state, "boot_time": p.supervisor.boot_time, "roles_down": sorted(down),
+            "needs_global_restart": spent, "discovery": dict(p.supervisor.discovery),
             "restarts": sum(r.restarts for r in h.roles.values()),
-            "retried_items": {"role_lost": m.dispatcher.retried_lost, "errors": m.dispatcher.retried_errors},
+            "retried_items": {"role_lost": p.dispatcher.retried_lost, "errors": p.dispatcher.retried_errors},
             "transitions": list(h.history)[-200:],  # recent role state changes, oldest first
-            "health_policy": vars(h.policy)}
+            "health_policy": h.settings.model_dump()}
 
 
-def build(m: Master) -> dict[str, Any]:
+def control_signals(p: StatusParts) -> dict[str, Any]:
+    """One sample of the control signals: queue depths, in-flight and version lag per tenant."""
+    versions = p.registry.versions()
+    return {"training_depth": len(p.queue), "inference_pending": p.monitoring.inference_pending,
+            "by_tenant": {n: {"queued": c.queued, "inflight": c.inflight, "version": versions.get(n, 0)}
+                          for n, c in p.queue.counters.items()},
+            "lag": p.queue.lags(versions)}
+
+
+def tenant_log(p: StatusParts, tenant: str) -> dict[str, Any]:
+    """A tenant's jobs with their full metric histories (CLI ``logs`` and ``report``)."""
+    t = p.registry.get(tenant)
+    return {"tenant": t.view(), "t_start": p.monitoring.t_start,
+            "jobs": [{**p.jobs.view(p.jobs.jobs[j]), "history": p.jobs.jobs[j].history}
+                     for j in t.jobs if j in p.jobs.jobs],
+            "spans": [vars(sp) for sp in p.monitoring.spans]}
+
+
+def build(p: StatusParts) -> dict[str, Any]:
     now = time.time()
-    versions = m.registry.versions()
+    versions = p.registry.versions()
     workers = [{"name": str(ws.name), "address": ws.address, "status": ws.status.name,
                 "resources": dict(ws.resources), "since_heartbeat_s": round(now - ws.last_seen, 3),
-                "processing": len(ws.processing)} for ws in m.scheduler.workers.values()]
-    return {"tenants": tenant_rows(m), "jobs": [m.jobs.view(j) for j in m.jobs.jobs.values()],
-            "training_queue": {"depth": len(m.queue), "by_tenant": m.queue.depth(), "lag": m.queue.lags(versions)},
-            "inference_queue": {"pending": m.monitoring.inference_pending},
-            "roles": m.health.views(now), "service": service_view(m), "inference": m.pool.view(),
-            "actor": {"ranks": m.actors.world_size, "ready": m.actors.ready, "workers": list(m.actors.workers),
-                      "epoch": m.actors.epoch, "running": [i.item_id for i in m.dispatcher.running]},
-            "workers": workers, "busy_s": dict(m.monitoring.busy), "actor_busy": len(m.dispatcher.running),
-            "scheduling": m.scheduling(),
-            "accounting": m.monitoring.totals(m.slots(), m.worker_aliases()),  # windows: the nexus_accounting handler
-            "config": m.config.model_dump()}
+                "processing": len(ws.processing)} for ws in p.scheduler.workers.values()]
+    return {"tenants": tenant_rows(p), "jobs": [p.jobs.view(j) for j in p.jobs.jobs.values()],
+            "training_queue": {"depth": len(p.queue), "by_tenant": p.queue.depth(), "lag": p.queue.lags(versions)},
+            "inference_queue": {"pending": p.monitoring.inference_pending},
+            "roles": p.health.views(now), "service": service_view(p), "inference": p.pool.view(),
+            "actor": {"ranks": p.actors.world_size, "ready": p.actors.ready, "workers": list(p.actors.workers),
+                      "epoch": p.actors.epoch, "running": [i.item_id for i in p.dispatcher.running]},
+            "workers": workers, "busy_s": dict(p.monitoring.busy), "actor_busy": len(p.dispatcher.running),
+            "scheduling": p.policy.view(),
+            "accounting": p.accounting.totals(),  # windows: the nexus_accounting handler
+            "config": p.policy.config.model_dump()}

@@ -11,7 +11,10 @@ second) brings the service to its desired shape:
 * **tracker** — one MLflow tracker; a new one reopens the known runs (:class:`TrackerLink`);
 * **simulators** — ``sim/<worker>`` roles follow their workers (Dask re-runs their rollouts);
 * at boot, once the actor group is up, tenants are **rediscovered** from the root's output dirs and
-  jobs a crashed service left running are marked failed (records, manifest, MLflow).
+  jobs a crashed service left running are marked failed (records, manifest, MLflow):
+  :mod:`nexus.control.discovery`.
+
+Engines are started and driven through :class:`nexus.control.engine_ops.DaskEngineOps`.
 
 A role without heartbeats for ``fail_after_s`` is failed and its worker restarted by its nanny.
 Each restart takes one unit of the role's budget; once spent, the role stays failed and status asks
@@ -23,96 +26,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from nexus.control import tasks
+from nexus.control.discovery import Rediscovery
+from nexus.control.engine_ops import START_TIMEOUT_S
 from nexus.control.health import RoleState
-from nexus.messages import EngineEndpoint, Heartbeat, SlotInfo, TenantSetup
+from nexus.messages import Heartbeat, SlotInfo
 
 if TYPE_CHECKING:
     from nexus.config import ServiceConfig
     from nexus.control.actors import ActorGroup
     from nexus.control.dispatcher import Dispatcher
-    from nexus.control.engines import EnginePool, Pin
+    from nexus.control.engines import EnginePool
     from nexus.control.health import HealthManager
     from nexus.control.jobs import JobManager
     from nexus.control.lifecycle import TenantLifecycle
     from nexus.control.runtime import DaskRuntime
     from nexus.control.tenants import TenantRegistry
     from nexus.control.tracking_link import TrackerLink
+    from nexus.scheduling import SchedulerPolicy
 
 logger = logging.getLogger("nexus.supervisor")
 
-START_TIMEOUT_S = 180.0
 TRACKER_GRACE_S = 30.0  # how long the tracker waits for an INFER worker at boot
-PLACEMENT_GRACE_S = 30.0  # how long a role waits for its own (restarting) or a free worker
-
-
-class DaskEngineOps:
-    """:class:`nexus.control.engines.EngineOps` over the cluster: engines live in workers' Nexus plugins."""
-
-    def __init__(self, runtime: DaskRuntime, config: ServiceConfig) -> None:
-        self.runtime = runtime
-        self.config = config  # the master's: an engine starts with its settings of the moment (a new T, B)
-
-    def place(self, prefer_worker: str | None, load: dict[str, int], waited_s: float) -> str | None:
-        """In place first: a lost engine waits (up to ``PLACEMENT_GRACE_S``) for its restarted worker of
-        the same name; a new one prefers a worker without an engine, and waits as long for one to join."""
-        workers = self.runtime.workers("INFER")
-        if not workers:
-            return None
-        same = [w for w in workers if w.name == prefer_worker]
-        if same:
-            return same[0].address
-        best = min(workers, key=lambda w: (load.get(w.address, 0), w.name))
-        if waited_s < PLACEMENT_GRACE_S and (prefer_worker is not None or load.get(best.address, 0) > 0):
-            return None
-        return best.address
-
-    async def start(self, slot: int, epoch: int, address: str) -> tuple[EngineEndpoint, str]:
-        engine_id = f"engine-{slot}.{epoch}"
-        info = await asyncio.wait_for(self.runtime.run(tasks.START_ENGINE, engine_id, self.config.model_dump(),
-                                                       key=f"nexus-engine-start-{engine_id}", workers=[address]),
-                                      START_TIMEOUT_S)
-        return EngineEndpoint(engine_id, info["address"]), info["worker"]
-
-    async def _ctl(self, ep: EngineEndpoint, action: str, timeout: float = 300.0, **msg: Any) -> Any:
-        return await self.runtime.call(ep.address, "nexus_engine_ctl", timeout=timeout, engine=ep.engine,
-                                       action=action, **msg)
-
-    async def sync(self, ep: EngineEndpoint, tenants: list[TenantSetup], pins: list[Pin]) -> None:
-        await self._ctl(ep, "sync", tenants=[asdict(t) for t in tenants], pins=[list(p) for p in pins])
-
-    async def drain(self, ep: EngineEndpoint, timeout: float) -> None:
-        await self._ctl(ep, "drain", timeout=timeout + 30, drain_timeout=timeout)
-
-    async def stop(self, ep: EngineEndpoint) -> None:
-        await self._ctl(ep, "stop", timeout=30)
-
-    async def unregister(self, ep: EngineEndpoint, tenant: str) -> None:
-        await self._ctl(ep, "unregister", tenant=tenant)
-
-    async def pin(self, ep: EngineEndpoint, tenant: str, version: int, output_dir: str) -> None:
-        await self._ctl(ep, "pin", tenant=tenant, version=version, output_dir=output_dir)
-
-    async def unpin(self, ep: EngineEndpoint, tenant: str, version: int) -> None:
-        await self._ctl(ep, "unpin", tenant=tenant, version=version)
-
-    async def stats(self, ep: EngineEndpoint) -> dict[str, Any]:
-        return await self._ctl(ep, "stats", timeout=30)
-
-    async def flush_signals(self, ep: EngineEndpoint) -> None:
-        await self._ctl(ep, "flush_signals", timeout=30)
-
-    async def set_batching(self, ep: EngineEndpoint, max_wait_s: float, max_batch: int) -> dict[str, Any]:
-        """T and B for a serving engine (engines started later read theirs from the config)."""
-        return await self._ctl(ep, "batching", timeout=30, max_wait_s=max_wait_s, max_batch=max_batch)
 
 
 class Supervisor:
     def __init__(self, config: ServiceConfig, runtime: DaskRuntime, health: HealthManager, actors: ActorGroup,
-                 pool: EnginePool, registry: TenantRegistry, tracker: TrackerLink, dispatcher: Dispatcher) -> None:
+                 pool: EnginePool, registry: TenantRegistry, tracker: TrackerLink, dispatcher: Dispatcher,
+                 lifecycle: TenantLifecycle, jobs: JobManager) -> None:
         self.config = config
         self.runtime = runtime
         self.health = health
@@ -121,13 +64,10 @@ class Supervisor:
         self.registry = registry
         self.tracker = tracker
         self.dispatcher = dispatcher
-        self.lifecycle: TenantLifecycle | None = None  # set by the Master (they need each other)
-        self.jobs: JobManager | None = None
         self.boot_time = time.time()
-        self.discovery: dict[str, Any] = {"state": "pending"}
+        self.rediscovery = Rediscovery(str(config.root), self.boot_time, actors, registry, lifecycle, jobs, tracker)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._discovery_task: asyncio.Task | None = None
         self._tracker_starts = 0
         self._tracker_retry_at = 0.0
         self._actor_retry_at = 0.0
@@ -141,9 +81,18 @@ class Supervisor:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def close(self) -> None:
-        for t in (self._task, self._discovery_task):
-            if t is not None:
-                t.cancel()
+        if self._task is not None:
+            self._task.cancel()
+        await self.rediscovery.close()
+
+    @property
+    def discovery(self) -> dict[str, Any]:
+        """Rediscovery at boot: ``{"state": "pending" | "running" | "done" | "failed", ...}``."""
+        return self.rediscovery.state
+
+    def apply(self, policy: SchedulerPolicy) -> None:
+        """A new scheduling policy: an actor group or tracker started from now on gets its settings."""
+        self.config = self.config.with_policy(policy)
 
     def wake(self) -> None:
         self._wake.set()
@@ -174,9 +123,8 @@ class Supervisor:
         errors = await self.pool.ensure()
         for e in errors:
             logger.warning("inference pool: %s", e)
-        if self.actors.ready and self.discovery["state"] == "pending" and self.lifecycle is not None:
-            self.discovery["state"] = "running"
-            self._discovery_task = asyncio.get_running_loop().create_task(self._discover())
+        if self.actors.ready:
+            self.rediscovery.start()
 
     # -- Dask hooks (via the plugin) ------------------------------------------------------------------
     def on_worker_added(self, address: str) -> None:
@@ -242,6 +190,8 @@ class Supervisor:
         setups = [t.setup() for t in self.registry if t.phase == "ready"]
         addresses = [w.address for w in workers]
         try:
+            await asyncio.wait_for(a.run_on(addresses, tasks.START_ACTOR, lambda r: (self.config, r, a.world_size),
+                                            key=f"nexus-actor-start-{a.epoch + 1}"), START_TIMEOUT_S)
             res = await asyncio.wait_for(a.run_on(addresses, tasks.REBUILD_SLOTS, lambda r: (setups,),
                                                   key=f"nexus-rebuild-{a.epoch + 1}"), START_TIMEOUT_S)
         except Exception as e:
@@ -285,7 +235,7 @@ class Supervisor:
         self._tracker_starts += 1
         try:
             info = await asyncio.wait_for(
-                self.runtime.run(tasks.START_TRACKER, self.config.model_dump(),
+                self.runtime.run(tasks.START_TRACKER, self.config,
                                  key=f"nexus-tracker-start-{self._tracker_starts}", workers=[w.address]),
                 START_TIMEOUT_S)
         except Exception as e:
@@ -295,35 +245,3 @@ class Supervisor:
         self.health.ready("tracker", info["address"], info["worker"], reason="runs reopened" if self.tracker.runs
                           else "serving")
         self.tracker.attach(info["address"])
-
-    # -- rediscovery at boot ----------------------------------------------------------------------------------
-    async def _discover(self) -> None:
-        """Tenants of this root from their output dirs; jobs a crashed service left running become failed."""
-        assert self.lifecycle is not None and self.jobs is not None
-        root = str(self.config.root)
-        reason = "the service stopped while this job ran"
-        found_tenants, interrupted, errors = [], [], {}
-        try:
-            found = await self.actors.run(tasks.DISCOVER, lambda r: (root,), key="nexus-discover", retry_lost=True)
-            for f in found:
-                self.jobs.ids.observe(f["job_seq"])
-            for f in found:
-                name = f["tenant"]
-                try:
-                    if f["interrupted"]:
-                        marked = await self.actors.run(tasks.MARK_INTERRUPTED, lambda r, f=f: (f["output_dir"], reason),
-                                                       key=f"nexus-interrupted-{name}", retry_lost=True)
-                        interrupted.extend(marked)
-                    spec = dict(f["spec"])
-                    if self.registry.find(name) is None:
-                        await self.lifecycle.create(spec)
-                    found_tenants.append(name)
-                except Exception as e:
-                    errors[name] = f"{type(e).__name__}: {e}"
-                    logger.error("rediscovering tenant %s: %s", name, e)
-            self.tracker.fail_interrupted(int(self.boot_time * 1000), str(self.config.root), reason)
-            self.discovery = {"state": "done", "tenants": found_tenants, "interrupted": interrupted, "errors": errors,
-                              "t": time.time()}
-        except Exception as e:
-            self.discovery = {"state": "failed", "error": f"{type(e).__name__}: {e}"}
-            logger.exception("rediscovery failed")

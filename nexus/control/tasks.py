@@ -2,20 +2,28 @@
 
 The scheduler never imports the service modules (they import torch, simulators, MLflow): a
 :class:`TaskRef` pickles as its path, and the worker resolves the function when it runs the task.
+A task of a role gets that role's host object as its first argument — the worker's state for the role
+(``nexus.services.worker_plugin.host_for``): the actor rank's slots, the simulator pool, or the plugin
+itself for tasks that place a role.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Any
+from typing import Any, Literal
+
+Role = Literal["plugin", "actor", "sim"]
+HOSTS = "nexus.services.worker_plugin"  # host_for(role): the calling worker's host of a role
 
 
 @dataclass(frozen=True)
 class TaskRef:
-    """A worker function by import path, ``"package.module:function"``; calling it runs the function."""
+    """A worker function by import path, ``"package.module:function"``; calling it runs the function,
+    with the worker's host of ``role`` first when the task has one."""
 
     path: str
+    role: Role | None = None
 
     def __post_init__(self) -> None:
         module, sep, name = self.path.partition(":")
@@ -31,27 +39,35 @@ class TaskRef:
         return getattr(import_module(module), name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.resolve()(*args, **kwargs)
+        fn = self.resolve()
+        if self.role is None:
+            return fn(*args, **kwargs)
+        return fn(import_module(HOSTS).host_for(self.role), *args, **kwargs)
 
 
-_R = "nexus.services.recovery"
+_A = "nexus.services.actor_tasks"
+_S = "nexus.services.sim_tasks"
+_D = "nexus.data.tenant_dirs"
 _W = "nexus.services.worker_plugin"
 
 # actor ranks (resource ACTOR): tenant slots and their durable state
-INIT_TENANT = TaskRef(f"{_R}:init_tenant")
-REBUILD_SLOTS = TaskRef(f"{_R}:rebuild_slots")
-RUN_UPDATE = TaskRef(f"{_R}:run_update")
-FINISH_JOB = TaskRef(f"{_R}:finish_job")
-DROP_TENANT = TaskRef(f"{_R}:drop_tenant")
-PURGE_OUTPUT = TaskRef(f"{_R}:purge_output")
-DISCOVER = TaskRef(f"{_R}:discover")
-EXPORT_VERSION = TaskRef("nexus.services.export:export_version")  # the backbone the policy ran on is resident
-MARK_INTERRUPTED = TaskRef(f"{_R}:mark_interrupted")
+START_ACTOR = TaskRef(f"{_W}:start_actor", "plugin")
+INIT_TENANT = TaskRef(f"{_A}:init_tenant", "actor")
+REBUILD_SLOTS = TaskRef(f"{_A}:rebuild_slots", "actor")
+RUN_UPDATE = TaskRef(f"{_A}:run_update", "actor")
+FINISH_JOB = TaskRef(f"{_A}:finish_job", "actor")
+DROP_TENANT = TaskRef(f"{_A}:drop_tenant", "actor")
+EXPORT_VERSION = TaskRef(f"{_A}:export_version", "actor")  # the backbone the policy ran on is resident
+# a tenant's output dirs (any worker that sees the service root; run on an actor rank)
+PURGE_OUTPUT = TaskRef(f"{_D}:purge_output")
+DISCOVER = TaskRef(f"{_D}:discover")
+MARK_INTERRUPTED = TaskRef(f"{_D}:mark_interrupted")
 # simulators (resource SIM): rollout producers
-RUN_ROLLOUT = TaskRef(f"{_R}:run_rollout")
-WRITE_EVAL_REPORT = TaskRef("nexus.services.rollout:write_eval_report")
+RUN_ROLLOUT = TaskRef(f"{_S}:run_rollout", "sim")
+PREWARM = TaskRef(f"{_S}:prewarm", "sim")  # a producer's envs built ahead (benchmarks)
+WRITE_EVAL_REPORT = TaskRef(f"{_D}:write_eval_report")
 MARK_EVALUATION = TaskRef("nexus.data.output_dir:mark_evaluation")  # retention keeps an evaluated version
 UNMARK_EVALUATION = TaskRef("nexus.data.output_dir:unmark_evaluation")  # ... unless it ended without a report
 # any worker: host a role in the worker's plugin (installs the plugin when the worker lacks it)
-START_ENGINE = TaskRef(f"{_W}:start_engine")
-START_TRACKER = TaskRef(f"{_W}:start_tracker")
+START_ENGINE = TaskRef(f"{_W}:start_engine", "plugin")
+START_TRACKER = TaskRef(f"{_W}:start_tracker", "plugin")

@@ -2,20 +2,35 @@
 
 A plain object (no Dask, no I/O). Versions only move forward: :meth:`TenantRegistry.publish` keeps
 the highest version ever reported for a tenant, so a late or repeated report can never move a
-tenant back to a version that was superseded.
+tenant back to a version that was superseded. A tenant's phase moves ``creating`` → ``ready`` →
+``deleting`` (:data:`TRANSITIONS`; :meth:`TenantState.move` refuses any other move).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
-from nexus.control.validation import schema_to_dict
+from nexus.control.transitions import move
 from nexus.errors import NotFound
 from nexus.features import TenantSchema
 from nexus.messages import TenantSetup
 from nexus.spec import TenantSpec
+
+
+class TenantPhase(StrEnum):
+    CREATING = "creating"  # validated, its slot being built (or restored) on the actor
+    READY = "ready"  # a rebuilt actor or a joining engine includes it; jobs may be submitted
+    DELETING = "deleting"  # leaving the service: unknown to every handler
+
+
+TRANSITIONS: dict[TenantPhase, frozenset[TenantPhase]] = {
+    TenantPhase.CREATING: frozenset({TenantPhase.READY}),  # a failed creation leaves the registry instead
+    TenantPhase.READY: frozenset({TenantPhase.DELETING}),
+    TenantPhase.DELETING: frozenset(),
+}
 
 
 @dataclass
@@ -24,7 +39,7 @@ class TenantState:
     schema: TenantSchema
     output_dir: str
     version: int = 0
-    phase: str = "creating"  # creating -> ready -> deleting
+    phase: TenantPhase = TenantPhase.CREATING
     training_job: str | None = None  # at most one SFT/RL job at a time; evals run beside it
     episodes: int = 0  # RL episodes started so far: ids and reset seeds never repeat
     jobs: list[str] = field(default_factory=list)
@@ -39,12 +54,16 @@ class TenantState:
     def kind(self) -> str:
         return "rl" if self.spec.env and not self.spec.dataset else "sft" if self.spec.dataset else "eval"
 
+    def move(self, new: TenantPhase) -> None:
+        """Change phase (only as :data:`TRANSITIONS` allows)."""
+        self.phase = move(f"tenant {self.name!r}", self.phase, TenantPhase(new), TRANSITIONS)
+
     def setup(self) -> TenantSetup:
-        return TenantSetup(name=self.name, spec=self.spec.model_dump(), schema=schema_to_dict(self.schema),
-                           output_dir=self.output_dir, version=self.version)
+        return TenantSetup(name=self.name, spec=self.spec, schema=self.schema, output_dir=self.output_dir,
+                           version=self.version)
 
     def view(self) -> dict[str, Any]:
-        return {"tenant": self.name, "kind": self.kind, "version": self.version, "phase": self.phase,
+        return {"tenant": self.name, "kind": self.kind, "version": self.version, "phase": str(self.phase),
                 "env": self.spec.env, "dataset": self.spec.dataset, "output_dir": self.output_dir,
                 "training_job": self.training_job, "jobs": list(self.jobs), "restored": self.restored}
 
@@ -70,7 +89,7 @@ class TenantRegistry:
 
     def get(self, name: str) -> TenantState:
         t = self._tenants.get(name)
-        if t is None or t.phase == "deleting":
+        if t is None or t.phase == TenantPhase.DELETING:
             raise NotFound(f"unknown tenant {name!r}")
         return t
 
@@ -84,7 +103,7 @@ class TenantRegistry:
         return list(self._tenants)
 
     def ready(self) -> list[TenantState]:
-        return [t for t in self._tenants.values() if t.phase == "ready"]
+        return [t for t in self._tenants.values() if t.phase == TenantPhase.READY]
 
     def versions(self) -> dict[str, int]:
         return {n: t.version for n, t in self._tenants.items()}

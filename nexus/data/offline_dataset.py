@@ -24,9 +24,11 @@ import numpy as np
 import pyarrow as pa
 
 from nexus.catalog import CatalogError, DatasetEntry
+from nexus.data.lerobot_format import DONE, REWARD, SUCCESS, TRUNCATED, LeRobotDataset, camera_feature
 from nexus.data.trajectory_store import (
     SUFFIX,
     arrays_to_observations,
+    episode_stats,
     read_ipc,
     scan_trajectories,
     schema_from_arrow,
@@ -35,7 +37,6 @@ from nexus.data.trajectory_store import (
     without_cached_features,
 )
 from nexus.features import Observation, TenantSchema
-from nexus.services.environment import episode_stats
 
 __all__ = ["DatasetMissingError", "OfflineDataset"]
 
@@ -172,7 +173,6 @@ def _load_lerobot(entry: DatasetEntry, cache_mb: int) -> tuple[dict[str, np.ndar
     concatenated; default ``observation.state``), ``action`` (default ``action``) and ``cameras``
     (our camera name -> feature; default ``observation.images.<camera>``).
     """
-    from nexus.data.lerobot_format import DONE, REWARD, SUCCESS, TRUNCATED, LeRobotDataset, camera_feature
 
     if not (entry.path / "meta" / "info.json").is_file():
         raise _missing(entry, f"no LeRobot dataset (meta/info.json) in {entry.path}")

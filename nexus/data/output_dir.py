@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nexus.errors import NotFound
 from nexus.paths import FILE_MODE, private_mkdir, private_write_bytes
 
 
@@ -299,7 +300,6 @@ class TenantOutputDir:
 def mark_evaluation(output_dir: str, job: str, version: int) -> str:
     """Start of an evaluation (a task on a worker): refuse a version whose weights retention removed, then
     write the report's first version so retention keeps this version from now on."""
-    from nexus.errors import NotFound
 
     out = TenantOutputDir(output_dir)
     path = out.eval_dir / f"{job}-v{version:06d}.json"

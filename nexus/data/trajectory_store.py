@@ -22,7 +22,6 @@ import os
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 
 from nexus.features import CameraSpec, Observation, TenantSchema
+from nexus.messages import BatchRef
 
 __all__ = [
     "BatchRef",
@@ -121,29 +121,6 @@ def schema_from_arrow(arrow_schema: pa.Schema) -> TenantSchema:
                         cameras=tuple(CameraSpec(c["name"], int(c["height"]), int(c["width"]))
                                       for c in d["cameras"]),
                         instruction=d.get("instruction", ""))
-
-
-@dataclass(frozen=True)
-class BatchRef:
-    """A handle to one stored batch; plain fields so it travels through msgpack, pickle and Dask.
-
-    ``policy_version`` is the *oldest* version that produced a row of the batch (conservative for
-    the staleness check when a batch straddles a weight update).
-    """
-
-    path: str
-    rows: int
-    episodes: int
-    policy_version: int
-    tenant: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> BatchRef:
-        return cls(path=str(d["path"]), rows=int(d["rows"]), episodes=int(d["episodes"]),
-                   policy_version=int(d["policy_version"]), tenant=str(d["tenant"]))
 
 
 class TrajectoryStore:
@@ -430,3 +407,27 @@ def table_to_observations(table: pa.Table, schema: TenantSchema) -> list[Observa
     if (stored.proprio_dim, stored.cameras) != (schema.proprio_dim, schema.cameras):
         raise ValueError(f"table schema {stored} does not match {schema}")
     return arrays_to_observations(table_arrays(table), schema)
+
+
+def episode_stats(columns: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Mean return, success rate (success at any step), episodes and steps of per-step columns.
+
+    Works on :func:`collect_episodes` output, on ``table_arrays`` of stored trajectories and on
+    offline-dataset arrays alike: it only needs the episode, reward and success columns.
+    """
+    episode = np.asarray(columns["episode"])
+    steps = int(episode.shape[0])
+    if steps == 0:
+        return {"episodes": 0, "steps": 0, "mean_return": float("nan"), "success_rate": float("nan"),
+                "mean_length": float("nan")}
+    ids, inverse, lengths = np.unique(episode, return_inverse=True, return_counts=True)
+    returns = np.bincount(inverse, weights=np.asarray(columns["reward"], np.float64), minlength=len(ids))
+    success = np.bincount(inverse, weights=np.asarray(columns["success"], np.float64), minlength=len(ids)) > 0
+    return {
+        "episodes": int(len(ids)),
+        "steps": steps,
+        "mean_return": float(returns.mean()),
+        "success_rate": float(success.mean()),
+        "mean_length": float(lengths.mean()),
+    }
+

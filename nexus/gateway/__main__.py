@@ -15,6 +15,13 @@ import socket
 import sys
 from pathlib import Path
 
+from nexus.config import ServiceConfig
+from nexus.gateway.app import create_app
+from nexus.gateway.auth import TokenStore
+from nexus.gateway.backend import Backend
+from nexus.paths import harden_process, private_write_bytes
+from nexus.tls import security
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nexus.gateway", description=__doc__)
@@ -24,12 +31,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from nexus.config import ServiceConfig
-    from nexus.gateway.app import create_app
-    from nexus.gateway.auth import TokenStore
-    from nexus.gateway.backend import Backend
-    from nexus.paths import harden_process, private_write_bytes
-    from nexus.tls import security
 
     harden_process()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

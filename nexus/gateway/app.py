@@ -3,7 +3,7 @@
 Every call carries ``Authorization: Bearer <token>``. A tenant token reads and writes its own tenant
 only; the operator token may do everything, including the admin calls (all tenants' status,
 monitoring, scale, delete any tenant). Inputs are checked here first — specs and jobs by the same
-validation the scheduler runs (``nexus.control.validation``, with the tenant's quotas), observations
+validation the scheduler runs (``nexus.validation``, with the tenant's quotas), observations
 and batches by ``nexus.inputs`` — so a bad request is refused before it reaches Dask, and every refusal
 is a :class:`nexus.errors.NexusError` answered with its ``http_status`` and a JSON body
 ``{"error": {"class", "code", "message"}}``; never a 500 for bad input.
@@ -30,8 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nexus.config import ServiceConfig, ServiceLimits
-from nexus.control.validation import validate_job, validate_tenant
-from nexus.errors import Conflict, Forbidden, LimitExceeded, NexusError, NotFound, SpecError
+from nexus.errors import Conflict, Forbidden, LimitExceeded, NexusError, NotFound, SpecError, describe_errors
 from nexus.features import TenantSchema
 from nexus.gateway.auth import Principal, TokenStore
 from nexus.gateway.backend import Backend
@@ -39,6 +38,7 @@ from nexus.gateway.backend import plain as jsonable
 from nexus.inputs import check_batch, check_observation
 from nexus.paths import confine, dir_bytes
 from nexus.spec import RL_ACTION_HEADS, SESSION_HEADER, JobSpec, TenantSpec, check_session
+from nexus.validation import validate_job, validate_tenant
 
 logger = logging.getLogger("nexus.gateway")
 
@@ -56,11 +56,7 @@ def error_body(e: NexusError) -> dict[str, Any]:
 
 
 def _validation_message(e: RequestValidationError) -> str:
-    parts = []
-    for err in e.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
-    return "invalid request: " + "; ".join(parts)
+    return "invalid request: " + describe_errors(list(e.errors()), root="body", skip=("body",))
 
 
 # -- request bodies ------------------------------------------------------------------------

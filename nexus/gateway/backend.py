@@ -16,6 +16,7 @@ import logging
 import uuid
 from typing import Any
 
+from nexus.engine_client import EngineClient
 from nexus.errors import NexusError, NotFound, NotSupported, Unavailable
 
 logger = logging.getLogger("nexus.gateway")
@@ -135,7 +136,6 @@ class Backend:
     async def predict(self, tenant: str, obs: Any, version: int | None, deterministic: bool) -> dict[str, Any]:
         """An action from the engine serving ``tenant`` (re-routed by the control plane when it drains or dies)."""
         if self._engines is None:
-            from nexus.services.engine_client import EngineClient
 
             self._engines = EngineClient(self.client, route_timeout_s=60.0)
         try:

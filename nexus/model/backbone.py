@@ -31,10 +31,8 @@ import torch
 from nexus.features import VLAFeature
 from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.lora import AdapterRouter, TenantAdapter, lora_shapes
-from nexus.model.qwen3vl import IMAGE_PAD, VISION_END, VISION_START, format_prompt
 
-__all__ = ["IMAGE_PAD", "VISION_END", "VISION_START", "BackboneConfig", "SharedBackbone", "compatible",
-           "family", "format_prompt", "model_key_of"]
+__all__ = ["BackboneConfig", "SharedBackbone", "compatible", "family", "model_key_of"]
 
 _FAMILIES = {"qwen3vl": "nexus.model.qwen3vl:Qwen3VLFamily", "paligemma": "nexus.model.paligemma:PaliGemmaFamily"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

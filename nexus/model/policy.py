@@ -15,6 +15,7 @@ noise; a stochastic one from Gaussian noise.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -131,6 +132,15 @@ class TenantPolicy(nn.Module):
                                      "(lora_shapes) are needed to build it")
                 lora = TenantAdapter(spec.lora, lora_shapes)
         return cls(head, value, cfg, lora)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, spec: TenantSpec, schema: TenantSchema, feat_dim: int, chunk: int | None = None,
+                   lora_shapes: dict[str, tuple[int, int]] | None = None) -> TenantPolicy:
+        """A policy (CPU, eval mode) from exported weights (``torch.save`` bytes of its ``state_dict``, as
+        ``TenantSlot.export_weights`` writes them), e.g. on an inference worker."""
+        policy = cls.from_spec(spec, schema, feat_dim, chunk=chunk, lora_shapes=lora_shapes)
+        policy.load_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+        return policy.eval()
 
     # -- what the policy is ------------------------------------------------------------------------
 

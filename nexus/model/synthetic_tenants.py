@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nexus import catalog
 from nexus.features import CameraSpec, Observation, TenantSchema
 
 LIBERO_INSTRUCTIONS = (
@@ -42,7 +43,6 @@ _INSTRUCTIONS = {LIBERO_LIKE: LIBERO_INSTRUCTIONS, CALVIN_LIKE: CALVIN_INSTRUCTI
 
 def maniskill_schema(task: str) -> TenantSchema:
     """A catalog ManiSkill schema, e.g. ``"pickcube-rgb"`` (29-dim state + one 64 px camera, 4-dim actions)."""
-    from nexus import catalog
 
     return catalog.env(f"maniskill/{task}").schema
 

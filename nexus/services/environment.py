@@ -15,16 +15,17 @@ importing this module stays cheap, so control-plane processes may reference it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from nexus.catalog import CatalogError, EnvEntry
+from nexus.data.trajectory_store import episode_stats
 from nexus.features import Observation, TenantSchema
 from nexus.simulators.base import EnvSchemaError, PolicyOutput, SimEnv, StepResult
-from nexus.simulators.maniskill import PROPRIO_GROUPS, ManiSkillBatchedEnv, ManiSkillEnv
+from nexus.simulators.maniskill import PROPRIO_GROUPS, ManiSkillBatchedEnv, ManiSkillEnv, cuda_available
 from nexus.simulators.robosuite import RobosuiteEnv
 from nexus.simulators.vector import LockstepEnvs, VectorSimEnv, make_single
 
@@ -80,7 +81,6 @@ def resolve_device(entry: EnvEntry, device: str) -> str:
     if device != "auto":
         return device
     if entry.simulator == "maniskill":
-        from nexus.simulators.maniskill import cuda_available
 
         return "cuda" if cuda_available() else "cpu"
     return "cpu"  # robosuite (MuJoCo) simulates on the CPU only
@@ -389,27 +389,3 @@ def _columns(records: list[dict[str, list[Any]]], schema: TenantSchema, tenant: 
 
 def _stack(items: list[np.ndarray], shape: tuple[int, ...], dtype: type) -> np.ndarray:
     return np.stack(items).astype(dtype, copy=False) if items else np.zeros(shape, dtype)
-
-
-def episode_stats(columns: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """Mean return, success rate (success at any step), episodes and steps of per-step columns.
-
-    Works on :func:`collect_episodes` output, on ``table_arrays`` of stored trajectories and on
-    offline-dataset arrays alike: it only needs the episode, reward and success columns.
-    """
-    episode = np.asarray(columns["episode"])
-    steps = int(episode.shape[0])
-    if steps == 0:
-        return {"episodes": 0, "steps": 0, "mean_return": float("nan"), "success_rate": float("nan"),
-                "mean_length": float("nan")}
-    ids, inverse, lengths = np.unique(episode, return_inverse=True, return_counts=True)
-    returns = np.bincount(inverse, weights=np.asarray(columns["reward"], np.float64), minlength=len(ids))
-    success = np.bincount(inverse, weights=np.asarray(columns["success"], np.float64), minlength=len(ids)) > 0
-    return {
-        "episodes": int(len(ids)),
-        "steps": steps,
-        "mean_return": float(returns.mean()),
-        "success_rate": float(success.mean()),
-        "mean_length": float(lengths.mean()),
-    }
-

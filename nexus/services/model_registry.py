@@ -21,7 +21,7 @@ import mlflow
 import numpy as np
 
 import nexus
-from nexus.policy import is_policy_dir
+from nexus.policy import is_policy_dir, load
 
 ARTIFACT = "policy"
 # what the wrapper imports (pinned as in setup.cfg): the model never needs the service's stack
@@ -34,7 +34,6 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
 
     # no type hints on the pyfunc methods: MLflow would turn them into a (wrong) input schema
     def load_context(self, context):
-        from nexus.policy import load
 
         self.policy = load(context.artifacts[ARTIFACT])
 

@@ -1,95 +1,36 @@
-"""Rollout producers: tasks on ``SIM`` workers that run a tenant's policy in its simulator.
+"""Rollout producers: a tenant's policy in its simulator, on a ``SIM`` worker (:mod:`nexus.services.sim_tasks`).
 
 A producer steps K envs of its tenant (lockstep in-process, or a vector env per wave) and asks the
 engine serving its tenant for all the actions of a wave in one direct worker-to-worker call; finished episodes go to
 the tenant's Arrow trajectory store (with the rollout's backbone features, for the update), and only
 a small reference to the batch goes back. Simulator time and action-wait time are measured apart.
-Module-level imports stay light (the scheduler names these functions).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import threading
 import time
 import uuid
-from typing import Any
 
+from nexus import catalog
+from nexus.catalog import EnvEntry
+from nexus.config import DataPathSettings
+from nexus.data.output_dir import TenantOutputDir
+from nexus.data.trajectory_store import TrajectoryStore, episode_stats
+from nexus.features import TenantSchema
+from nexus.messages import RolloutResult
+from nexus.services.environment import ActionReply, PolicyOutput, collect_waves
+from nexus.services.sim_host import EnvPool
 from nexus.signals import emit
 
 
-class EnvPool:
-    """Idle simulators of one worker process, reused across its rollout tasks (held by its worker plugin):
-    single envs stepped in lockstep, and gymnasium async vector envs by size."""
-
-    def __init__(self) -> None:
-        self._single: dict[str, list[Any]] = {}  # env name -> idle single envs
-        self._vectors: dict[tuple[str, int], list[Any]] = {}  # (env name, size) -> idle vector envs
-        self._lock = threading.Lock()
-
-    def checkout(self, entry, sizes: list[int], mode: str) -> list[Any]:
-        """Env groups of these sizes for one task (idle ones first, else new)."""
-        from nexus.services.environment import LockstepEnvs, make_env
-
-        groups = []
-        for n in sizes:
-            if mode == "lockstep":
-                with self._lock:
-                    idle = self._single.setdefault(entry.name, [])
-                    envs, idle[:] = idle[:n], idle[n:]
-                envs += [make_env(entry, num_envs=1) for _ in range(n - len(envs))]
-                groups.append(LockstepEnvs(envs))
-            else:
-                with self._lock:
-                    idle = self._vectors.setdefault((entry.name, n), [])
-                    env = idle.pop() if idle else None
-                if env is None:
-                    env = make_env(dataclasses.replace(entry, vector_mode="async"), num_envs=n) if n > 1 \
-                        else make_env(entry, num_envs=1)
-                groups.append(env)
-        return groups
-
-    def checkin(self, entry, groups: list[Any], mode: str) -> None:
-        with self._lock:
-            for g in groups:
-                if mode == "lockstep":
-                    self._single.setdefault(entry.name, []).extend(g.envs)
-                else:
-                    self._vectors.setdefault((entry.name, g.num_envs), []).append(g)
-
-    def idle(self, name: str) -> int:
-        with self._lock:
-            return len(self._single.get(name, [])) + sum(len(v) for (n, _), v in self._vectors.items() if n == name)
-
-
-def _pool() -> EnvPool:
-    from nexus.services.worker_plugin import state
-
-    return state().env_pool()
-
-
-def prewarm(env_name: str, envs: int, waves: int = 1, vector_mode: str = "lockstep") -> int:
-    """Build a producer's envs in this worker's pool ahead of the first rollout (env creation takes
-    seconds, ~7 s for a camera env): the groups a rollout of ``envs`` envs in ``waves`` waves checks out
-    (``vector_mode``: the data path's ``producer_vector_mode``); returns the env groups now idle."""
-    from nexus import catalog
-
-    entry = catalog.env(env_name)
-    mode = producer_mode(entry, vector_mode)
-    pool = _pool()
-    pool.checkin(entry, pool.checkout(entry, wave_sizes(producer_envs(entry, envs), waves), mode), mode)
-    return pool.idle(entry.name)
-
-
-def producer_mode(entry, vector_mode: str) -> str:
+def producer_mode(entry: EnvEntry, vector_mode: str) -> str:
     """How a producer steps its envs: "async" (a gymnasium vector env of processes) when the data path
     asks for it or the catalog entry is an async vector env, else "lockstep" (single envs in turn)."""
     return "async" if vector_mode == "async" or (entry.num_envs > 1 and entry.vector_mode == "async") \
         else "lockstep"
 
 
-def producer_envs(entry, envs_per_producer: int, episodes: int | None = None) -> int:
+def producer_envs(entry: EnvEntry, envs_per_producer: int, episodes: int | None = None) -> int:
     """How many envs a producer steps: the data path's K, at least the catalog entry's own vector size,
     and no more than the episodes it collects."""
     k = max(envs_per_producer, entry.num_envs)
@@ -104,7 +45,7 @@ def wave_sizes(envs: int, waves: int) -> list[int]:
 
 class ProducerLink:
     """A producer's line to its tenant's inference engine (``engine``: a routed
-    ``nexus.services.engine_client.EngineClient``): one ``predict_batch`` request per wave and step."""
+    ``nexus.engine_client.EngineClient``): one ``predict_batch`` request per wave and step."""
 
     def __init__(self, engine, tenant: str, version: int | None, deterministic: bool, job: str | None,
                  producer: str, features: bool, features_max_dim: int) -> None:
@@ -131,9 +72,7 @@ class _EngineReply:
     def done(self) -> bool:
         return self.future.done()
 
-    def result(self):
-        from nexus.services.environment import ActionReply, PolicyOutput
-
+    def result(self) -> ActionReply:
         d = self.future.result()
         outs = [PolicyOutput(action=o["action"], logprob=o["logprob"], value=o["value"], version=o["version"])
                 for o in d["outputs"]]
@@ -141,28 +80,29 @@ class _EngineReply:
                            engine_wait_s=d["wait_s"], compute_s=d["compute_s"])
 
 
-def collect(tenant: str, env_name: str, output_dir: str, schema: dict, episodes: int, seed: int,
-            episode_offset: int, deterministic: bool, version: int | None, engine,
-            job: str | None = None, producer: dict | None = None) -> dict[str, Any]:
-    """Run ``episodes`` episodes (ids from ``episode_offset``); RL batches are stored, eval
-    episodes (pinned ``version``) are not.
+def prewarm(pool: EnvPool, env_name: str, envs: int, waves: int = 1, vector_mode: str = "lockstep") -> int:
+    """Build a producer's envs in a worker's pool ahead of the first rollout (env creation takes seconds,
+    ~7 s for a camera env): the groups a rollout of ``envs`` envs in ``waves`` waves checks out
+    (``vector_mode``: the data path's ``producer_vector_mode``); returns the env groups now idle."""
+    entry = catalog.env(env_name)
+    mode = producer_mode(entry, vector_mode)
+    pool.checkin(entry, pool.checkout(entry, wave_sizes(producer_envs(entry, envs), waves), mode), mode)
+    return pool.idle(entry.name)
 
-    ``producer``: the data-path settings (``nexus.config.DataPathSettings`` fields; defaults if
-    omitted): K envs (at most ``episodes``) in ``producer_waves`` waves, each wave asking the engine
-    for all its actions in one request; RL batches keep the rollout's backbone features when
-    ``cache_features``."""
-    t_start = time.time()  # the whole task is the tenant's simulator time, imports included
-    import torch
 
-    from nexus import catalog
-    from nexus.config import DataPathSettings
-    from nexus.control.validation import schema_from_dict
-    from nexus.data.output_dir import TenantOutputDir
-    from nexus.data.trajectory_store import TrajectoryStore
-    from nexus.services.environment import collect_waves, episode_stats
+def collect(pool: EnvPool, tenant: str, env_name: str, output_dir: str, schema: TenantSchema, episodes: int,
+            seed: int, episode_offset: int, deterministic: bool, version: int | None, engine,
+            job: str | None = None, producer: DataPathSettings | None = None,
+            t_start: float | None = None) -> RolloutResult:
+    """Run ``episodes`` episodes (ids from ``episode_offset``) with envs from ``pool``; RL batches are
+    stored, eval episodes (pinned ``version``) are not.
 
-    torch.set_num_threads(1)
-    dp = DataPathSettings.model_validate(producer or {})
+    ``producer``: the data-path settings (defaults if omitted): K envs (at most ``episodes``) in
+    ``producer_waves`` waves, each wave asking the engine for all its actions in one request; RL batches
+    keep the rollout's backbone features when ``cache_features``. ``t_start``: when the task began (its
+    simulator slot is the tenant's from then on; default now)."""
+    t_start = time.time() if t_start is None else t_start
+    dp = producer or DataPathSettings()
     entry = catalog.env(env_name)
     k = producer_envs(entry, dp.envs_per_producer, episodes)
     mode = producer_mode(entry, dp.producer_vector_mode)
@@ -170,7 +110,6 @@ def collect(tenant: str, env_name: str, output_dir: str, schema: dict, episodes:
     pid = f"{tenant}/{job}/{uuid.uuid4().hex[:8]}"
     link = ProducerLink(engine, tenant, version, deterministic, job, pid,
                         features=rl and dp.cache_features, features_max_dim=dp.feature_cache_max_dim)
-    pool = _pool()
     groups = pool.checkout(entry, wave_sizes(k, dp.producer_waves), mode)
     try:
         link.open()
@@ -185,21 +124,12 @@ def collect(tenant: str, env_name: str, output_dir: str, schema: dict, episodes:
         raise
     pool.checkin(entry, groups, mode)
     stats = episode_stats(columns) | {"envs": k, "waves": len(groups), **pstats.to_dict()}
-    result: dict[str, Any] = {"stats": stats,
-                              "versions": sorted({int(v) for v in columns["policy_version"]})}
+    batch = None
     if rl:
-        store = TrajectoryStore(TenantOutputDir(output_dir).trajectories, tenant, schema_from_dict(schema))
-        result["batch"] = store.append(columns, feature_key=pstats.feature_key).to_dict()
+        store = TrajectoryStore(TenantOutputDir(output_dir).trajectories, tenant, schema)
+        batch = store.append(columns, feature_key=pstats.feature_key)
     # the simulator slot is the tenant's for the whole task, waits for actions included; the split
     # (stepping vs waiting for actions) travels with the signal
     emit("rollout", tenant=tenant, job=job, t0=t_start, t1=time.time(), what="rl" if rl else "eval",
          steps=int(stats["steps"]), sim_s=pstats.sim_s, action_wait_s=pstats.action_wait_s)
-    return result
-
-
-def write_eval_report(output_dir: str, report: dict[str, Any]) -> str:
-    from nexus.data.output_dir import TenantOutputDir, atomic_write_bytes
-
-    path = TenantOutputDir(output_dir).eval_dir / f"{report['job']}-v{report['version']:06d}.json"
-    atomic_write_bytes(path, json.dumps(report, indent=2).encode())
-    return str(path)
+    return RolloutResult(stats=stats, versions=sorted({int(v) for v in columns["policy_version"]}), batch=batch)

@@ -158,6 +158,11 @@ class TenantSlot:
         return self.spec.name
 
     @property
+    def pending_backward(self) -> int:
+        """``forward_backward`` calls whose gradients wait for the next ``optim_step``."""
+        return self._pending_backward
+
+    @property
     def device(self) -> torch.device:
         return self.policy.device
 
@@ -206,15 +211,6 @@ class TenantSlot:
         buf = io.BytesIO()
         torch.save(state, buf)
         return buf.getvalue()
-
-    @staticmethod
-    def load_weights_bytes(data: bytes, spec: TenantSpec, schema: TenantSchema, feat_dim: int,
-                           chunk: int | None = None,
-                           lora_shapes: dict[str, tuple[int, int]] | None = None) -> TenantPolicy:
-        """Rebuild a policy (CPU, eval mode) from ``export_weights`` bytes, e.g. on an inference worker."""
-        policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk, lora_shapes=lora_shapes)
-        policy.load_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
-        return policy.eval()
 
     def save_checkpoint(self, directory: str) -> str:
         """Params + optimizer state under tag ``v{version}`` (collective); returns the tag's directory."""

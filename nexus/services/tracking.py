@@ -28,6 +28,7 @@ from typing import Any
 
 from nexus.config import ServiceConfig
 from nexus.history import SYSTEM, plot_curves
+from nexus.services.model_registry import log_policy_models
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's classic (non-GenAI) experiment view
@@ -44,8 +45,8 @@ def metric_name(kind: str, key: str) -> str:
 
 
 class Tracker:
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = ServiceConfig.model_validate(config)
+    def __init__(self, config: ServiceConfig | dict[str, Any]) -> None:
+        self.config = config if isinstance(config, ServiceConfig) else ServiceConfig.model_validate(config)
         self._client = None
         self._experiment_id: str | None = None
         self.runs: dict[str, str] = {}  # job id -> MLflow run id
@@ -158,7 +159,6 @@ class Tracker:
                                           for service, seconds in (metering or {}).items()])
         if isinstance(result.get("version"), int):
             client.set_tag(run_id, "nexus.version", str(result["version"]))
-        from nexus.services.model_registry import log_policy_models
 
         for path in log_policy_models(run_id, artifacts, self.config.resolved_tracking_uri()):  # policies: the model
             if Path(path).exists():

@@ -1,37 +1,31 @@
-"""Master Service, validation part: turn a tenant's request into a checked spec and its schema.
+"""The contract's validation: a tenant's request becomes a checked spec and its schema, a job request a
+checked job, both against the catalogs and the tenant's quotas.
 
-Runs inside the scheduler process: pure Python, catalog files only (read once and cached).
+The control plane calls it once, where a spec enters (``nexus.control.lifecycle``, ``nexus.control.jobs``);
+after that the spec travels as a typed object. The CLI and the gateway call the same functions for their
+pre-checks. Pure Python, catalog files only (read once and cached): no torch, so the scheduler imports it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
 from nexus import catalog
 from nexus.config import ServiceLimits
-from nexus.errors import LimitExceeded, NotFound, SpecError
+from nexus.errors import LimitExceeded, NotFound, SpecError, describe_errors
 from nexus.features import TenantSchema
 from nexus.spec import RL_ACTION_HEADS, JobSpec, TenantSpec
 
 _JOB = TypeAdapter(JobSpec)
 
 __all__ = ["SpecError", "check_eval_version", "check_job_limits", "check_new_tenant", "check_tenant_limits",
-           "schema_from_dict", "schema_to_dict", "validate_job", "validate_tenant"]
+           "validate_job", "validate_tenant"]
 
 # Episode seeds are derived from a tenant's seed (RL: seed * 1_000_003 + episode, eval: 7_000_003 * (1 + seed)
 # + episode) and simulators take seeds in [0, 2**32): ServiceLimits.max_seed keeps both formulas in range.
 SIM_SEED_RANGE = 2**32
-
-
-def _pydantic_message(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "spec"
-        parts.append(f"{loc}: {err['msg']}")
-    return "; ".join(parts)
 
 
 def _over(what: str, value: Any, limit_name: str, limit: Any) -> LimitExceeded:
@@ -108,7 +102,7 @@ def validate_tenant(raw: dict[str, Any] | TenantSpec,
     try:
         spec = raw if isinstance(raw, TenantSpec) else TenantSpec.model_validate(raw)
     except ValidationError as e:
-        raise SpecError(f"invalid tenant spec: {_pydantic_message(e)}") from None
+        raise SpecError(f"invalid tenant spec: {describe_errors(e.errors())}") from None
     if limits is not None:
         check_tenant_limits(spec, limits)
     try:
@@ -138,7 +132,7 @@ def validate_job(spec: TenantSpec, raw: dict[str, Any], limits: ServiceLimits | 
     try:
         job = _JOB.validate_python(raw)
     except ValidationError as e:
-        raise SpecError(f"invalid job: {_pydantic_message(e)}") from None
+        raise SpecError(f"invalid job: {describe_errors(e.errors())}") from None
     if limits is not None:
         check_job_limits(job, limits, active_evals)
     if job.kind in ("rl", "eval") and not spec.env:
@@ -153,15 +147,3 @@ def validate_job(spec: TenantSpec, raw: dict[str, Any], limits: ServiceLimits | 
     if job.kind == "rl" and spec.chunk != 1:
         raise SpecError(f"tenant {spec.name!r}: RL trains one action per step, but chunk={spec.chunk}")
     return job
-
-
-def schema_to_dict(schema: TenantSchema) -> dict[str, Any]:
-    return asdict(schema)
-
-
-def schema_from_dict(d: dict[str, Any]) -> TenantSchema:
-    from nexus.features import CameraSpec
-
-    return TenantSchema(proprio_dim=d["proprio_dim"], action_dim=d["action_dim"],
-                        cameras=tuple(CameraSpec(**c) for c in d.get("cameras", ())),
-                        instruction=d.get("instruction", ""))

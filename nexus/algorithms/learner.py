@@ -1,0 +1,42 @@
+"""What the algorithms train: one tenant's slot (the actor's ``TenantSlot``) and its Gaussian policy, as
+protocols (the algorithms import no service or policy class: the control plane imports their configs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from nexus.model.backbone_features import BackboneFeatures
+
+
+class GaussianPolicy(Protocol):
+    """A policy with exact action log-probabilities (``nexus.model.policy.TenantPolicy`` of an OFT head)."""
+
+    def evaluate(self, feats: BackboneFeatures | torch.Tensor, proprio: torch.Tensor, actions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log-probability of ``actions``, entropy, value) per row."""
+        ...
+
+
+# a loss on the tenant's policy: policy -> (loss, stats)
+LossFn = Callable[[Any], tuple["torch.Tensor", dict[str, Any]]]
+
+
+class Seeded(Protocol):
+    seed: int
+
+
+class Learner(Protocol):
+    """A tenant's slot: its spec (seeds), version, chunk, policy and optimizer (one DeepSpeed engine)."""
+
+    spec: Seeded
+    version: int
+    chunk: int
+    policy: Any
+
+    def train_step(self, loss_fn: LossFn) -> dict[str, float]:
+        """Backpropagate ``loss_fn(policy)`` and apply one optimizer step -> stats."""
+        ...

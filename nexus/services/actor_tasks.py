@@ -1,0 +1,168 @@
+"""Tasks of the actor ranks (resource ``ACTOR``), each given the rank's :class:`ActorHost`: a tenant's slot
+built, rebuilt and dropped; one training-queue item run; a job finished; a version exported.
+
+An update is one function per kind of work, each handing its batch to its algorithm (:data:`UPDATES`:
+SFT → ``nexus.algorithms.sft``, RL → ``nexus.algorithms.ppo``); then the new version is published
+(:meth:`ActorHost.publish`). Low-level ops (:mod:`nexus.services.ops`) make a version only when they save
+weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from distributed import get_worker
+
+from nexus.algorithms import ppo, sft
+from nexus.data.output_dir import TenantOutputDir
+from nexus.data.trajectory_store import read_ipc, table_arrays
+from nexus.engine_client import EngineSet
+from nexus.messages import (
+    EngineEndpoint,
+    OpWork,
+    RLWork,
+    SFTWork,
+    SlotInfo,
+    TenantSetup,
+    UpdateRequest,
+    UpdateResult,
+    Work,
+)
+from nexus.services import export, ops
+from nexus.services.actor_host import ActorHost, metered
+from nexus.services.slots import build_slot, drop_slot
+from nexus.services.tenant_slot import TenantSlot
+
+logger = logging.getLogger("nexus.actor")
+
+
+# -- slots ------------------------------------------------------------------------------------------------
+def init_tenant(actor: ActorHost, setup: TenantSetup) -> SlotInfo:
+    """Allocate a tenant's slot on this rank from its durable state (a new tenant starts at 0)."""
+    with metered(setup.name, "init"):
+        return build_slot(actor, setup)
+
+
+def rebuild_slots(actor: ActorHost, setups: list[TenantSetup]) -> dict[str, Any]:
+    """A restarted actor rank: rebuild every tenant's slot (a tenant that fails does not stop the others)."""
+    slots, errors = [], {}
+    for s in setups:
+        try:
+            slots.append(init_tenant(actor, s))
+        except Exception as e:
+            errors[s.name] = f"{type(e).__name__}: {e}"
+    return {"slots": slots, "errors": errors}
+
+
+def drop_tenant(actor: ActorHost, tenant: str) -> bool:
+    drop_slot(actor, tenant)
+    return True
+
+
+# -- updates ----------------------------------------------------------------------------------------------
+def update_sft(actor: ActorHost, slot: TenantSlot, work: SFTWork) -> dict[str, float]:
+    """One SFT step on a batch of the tenant's dataset (chunked targets: each row's following actions)."""
+    ds = actor.dataset(work.dataset)
+
+    def targets(rows: dict) -> torch.Tensor:
+        if slot.chunk == 1:
+            return torch.as_tensor(rows["action"])
+        return torch.as_tensor(actor.chunks(work.dataset).targets(rows["episode"], rows["step"], slot.chunk))
+
+    batch = ds.sample_batch(work.batch_size, work.step, slot.spec.seed)
+    feats, proprio = actor.features(slot.name, ds.observations(batch))
+    metrics = sft.update(slot, feats, proprio, targets(batch), work.step)
+    if work.eval_heldout:
+        held = ds.heldout()
+        hf, hp = actor.features(slot.name, ds.observations(held))
+        metrics["heldout_action_mse"] = sft.action_mse(slot.policy, hf, hp, targets(held))
+    return metrics
+
+
+def update_rl(actor: ActorHost, slot: TenantSlot, work: RLWork) -> dict[str, float]:
+    """One RL update on a stored trajectory batch (the rollout's backbone features when reusable)."""
+    table = read_ipc(work.batch.path)
+    arrays = table_arrays(table)
+    feats, proprio, cached = actor.batch_features(slot, table, arrays, work.use_cached_features)
+    return ppo.update(slot, feats, proprio, arrays, work.config) | {"cached_features": float(cached)}
+
+
+UPDATES: dict[type, Callable[[ActorHost, TenantSlot, Any], dict[str, float]]] = {SFTWork: update_sft,
+                                                                                RLWork: update_rl}
+
+
+def run_update(actor: ActorHost, req: UpdateRequest, data: Any = None) -> UpdateResult:
+    """One training-queue item on this rank; a new version goes to every engine in ``req.engines``."""
+    return update(actor, req, EngineSet(get_worker(), req.engines), data)
+
+
+def update(actor: ActorHost, req: UpdateRequest, engines: EngineSet, data: Any = None) -> UpdateResult:
+    """:func:`run_update` with the engines to push to (an ``EngineSet``)."""
+    slot = actor.slot(req.tenant.name)
+    out = TenantOutputDir(req.tenant.output_dir)
+    work: Work = req.work
+    kind = "op" if isinstance(work, OpWork) else "rl" if isinstance(work, RLWork) else "sft"
+    with metered(slot.name, kind, req.job) as sig:
+        if isinstance(work, OpWork):
+            version, metrics = ops.run_op(actor, slot, work, data, out, engines)
+            sync: dict[str, float] = {}
+        else:
+            metrics = UPDATES[type(work)](actor, slot, work)
+            version, sync = actor.publish(slot, out, engines, f"{kind}:{req.item_id}", req.sync)
+        sig.update(sync_s=sync.get("weight_sync_s", 0.0), sync_bytes=sync.get("weight_sync_bytes", 0.0),
+                   synced=bool(sync.get("weight_sync_bytes")))
+    metrics = {k: float(v) for k, v in {**metrics, **sync, "update_s": sig["t1"] - sig["t0"]}.items()}
+    return UpdateResult(version=int(version), metrics=metrics, pushed_to=tuple(engines.pushed_to),
+                        push_errors=tuple(engines.errors))
+
+
+# -- jobs and exports -----------------------------------------------------------------------------------
+def finish_job(actor: ActorHost, tenant: str, output_dir: str, record: dict, checkpoint: bool,
+               version: int | None = None, engines: tuple[EngineEndpoint, ...] = ()) -> dict[str, Any]:
+    """At a job's end: checkpoint (training jobs, unless this version has one), record the job (its metric
+    history goes to ``jobs/<job>.json``), and push the last version to ``engines`` if lazy sync held it
+    back. The artifacts are the manifest and the weights of ``version`` (the version the job evaluated or
+    produced; default: the slot's current one) and, for a finished training job, its exported policy."""
+    with metered(tenant, "checkpoint"):
+        out = TenantOutputDir(output_dir)
+        slot = actor.slots.get(tenant)
+        if checkpoint and slot is not None:
+            ck = out.latest_checkpoint()
+            if ck is None or ck["version"] != slot.version:
+                tag = slot.save_checkpoint(str(out.checkpoints))
+                out.add_checkpoint(slot.version, tag)
+                limits = actor.config.limits_for(tenant)
+                out.prune(limits.max_versions_kept, limits.max_checkpoints_kept)
+            record["checkpoint"] = out.latest_checkpoint()["tag"]
+        if record.get("history") is None:
+            out.write_job(record)  # add_job writes the record file itself when there is a history
+        out.add_job(record)
+        artifacts = [str(out.manifest_path)]
+        if version is None and slot is not None:
+            version = slot.version
+        if version is not None and out.weights_path(version).exists():
+            artifacts.append(str(out.weights_path(version)))
+        if slot is not None and checkpoint and record.get("state") == "done":  # the job's MLflow model
+            artifacts += _export_for_tracking(actor, slot, output_dir)
+    res: dict[str, Any] = {"artifacts": artifacts}
+    if engines:
+        res["sync"] = actor.sync_weights(tenant, EngineSet(get_worker(), engines))
+    return res
+
+
+def _export_for_tracking(actor: ActorHost, slot: TenantSlot, output_dir: str) -> list[str]:
+    setup = TenantSetup(slot.name, slot.spec, slot.schema, output_dir, slot.version)
+    try:
+        path = export.export_for_tracking(actor, setup, slot.version)
+    except Exception:  # the job stays recorded; only its MLflow model is missing
+        logger.exception("could not export %s v%d", slot.name, slot.version)
+        return []
+    return [path] if path else []
+
+
+def export_version(actor: ActorHost, setup: TenantSetup, version: int, path: str | None = None) -> dict[str, Any]:
+    """Write a recorded version as a policy directory (only rank 0 writes; ``nexus.services.export``)."""
+    return export.export_version(actor, setup, version, path) if actor.rank == 0 else {}

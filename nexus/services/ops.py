@@ -1,0 +1,68 @@
+"""Low-level, Tinker-style ops on a tenant's slot: ``forward_backward`` (loss ``sft``, ``ppo`` or ``grpo``
+on a self-contained batch: observations + actions [+ the RL fields]), ``optim_step``, ``save_weights``.
+
+The batch is checked (``nexus.inputs.check_batch``) before it touches the slot, and a loss that is not
+finite is refused before its backward: a bad batch is a ``SpecError`` and the slot's gradients and version
+stay as they were.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nexus.algorithms.grpo import GRPOConfig, grpo_loss
+from nexus.algorithms.learner import LossFn
+from nexus.algorithms.ppo import PPOConfig, ppo_loss
+from nexus.algorithms.sft import sft_loss
+from nexus.data.output_dir import TenantOutputDir
+from nexus.engine_client import EngineSet
+from nexus.errors import Conflict, SpecError
+from nexus.inputs import check_batch
+from nexus.messages import OpWork
+from nexus.services.actor_host import ActorHost
+from nexus.services.tenant_slot import TenantSlot
+
+
+def _finite(loss_fn: LossFn, loss: str) -> LossFn:
+    """Refuse before backward: gradients of a NaN loss would poison the slot."""
+    def run(policy):
+        value, stats = loss_fn(policy)
+        if not bool(torch.isfinite(value)):
+            raise SpecError(f"batch: the {loss} loss is {float(value)} on this batch; nothing was accumulated")
+        return value, stats
+    return run
+
+
+def forward_backward(actor: ActorHost, slot: TenantSlot, loss: str, batch: Any) -> dict[str, float]:
+    limits = actor.config.limits_for(slot.name)
+    data = check_batch(batch, slot.schema, loss, chunk=slot.chunk, gaussian=slot.policy.gaussian,
+                       max_rows=limits.max_batch_rows, max_instruction_chars=limits.max_instruction_chars)
+    feats, proprio = actor.features(slot.name, data["observations"])
+    actions = torch.as_tensor(data["actions"])
+    t = {k: torch.as_tensor(v) for k, v in data.items() if k in ("logprobs", "advantages", "returns", "ref_logprobs")}
+    gcfg = GRPOConfig(**data.get("grpo", {})) if loss == "grpo" else None
+    cfg = PPOConfig(**data.get("ppo", {})) if loss == "ppo" else None
+
+    def fn(policy):
+        if loss == "sft":
+            return sft_loss(policy, feats, proprio, actions)
+        if loss == "grpo":  # advantages: group-relative (nexus.algorithms.grpo.group_advantages)
+            return grpo_loss(policy, feats, proprio, actions, t["logprobs"], t["advantages"], gcfg,
+                             t.get("ref_logprobs"))
+        return ppo_loss(policy, feats, proprio, actions, t["logprobs"], t["advantages"], t["returns"], cfg)
+
+    return {k: float(v) for k, v in slot.forward_backward(_finite(fn, loss)).items()}
+
+
+def run_op(actor: ActorHost, slot: TenantSlot, work: OpWork, batch: Any, out: TenantOutputDir,
+           engines: EngineSet) -> tuple[int, dict[str, float]]:
+    """One op -> (the slot's version, metrics). ``save_weights`` publishes a version (always pushed)."""
+    if work.op == "forward_backward":
+        return slot.version, forward_backward(actor, slot, work.loss, batch)
+    if work.op == "optim_step":
+        if slot.pending_backward == 0:
+            raise Conflict(f"tenant {slot.name!r}: optim_step without a forward_backward since the last step")
+        return slot.version, {k: float(v) for k, v in slot.optim_step().items()}
+    return actor.publish(slot, out, engines, "save_weights")  # explicit: always pushed

@@ -1,0 +1,94 @@
+"""An inference engine's weights: the frozen backbone, every tenant's live head and the versions pinned by
+running evaluations.
+
+Touched by the engine's model thread only (methods without ``async``), except the pin counts, which the
+engine keeps on its event loop. The backbone is built at the first registration.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nexus.config import ServiceConfig
+from nexus.data.output_dir import TenantOutputDir
+from nexus.features import TenantSchema
+from nexus.model.backbone import BackboneConfig, SharedBackbone
+from nexus.model.framework import VLAFramework
+from nexus.model.policy import TenantPolicy
+from nexus.model.preprocessor import TenantPreprocessor
+from nexus.spec import TenantSpec
+
+
+class TenantHeads:
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self._framework: VLAFramework | None = None
+        self.specs: dict[str, tuple[TenantSpec, TenantSchema]] = {}
+        self.live: dict[str, tuple[int, TenantPolicy]] = {}  # tenant -> (version, policy)
+        self.pinned: dict[tuple[str, int], list] = {}  # (tenant, version) -> [policy, refcount]
+        self.feature_keys: dict[str, str] = {}  # tenant -> compat key of the forward its rows run in
+
+    @property
+    def framework(self) -> VLAFramework:
+        if self._framework is None:
+            torch.set_num_threads(1)
+            self._framework = VLAFramework(SharedBackbone(BackboneConfig(**self.config.backbone.model_dump())))
+        return self._framework
+
+    @framework.setter
+    def framework(self, framework: VLAFramework) -> None:  # tests and benchmarks bring their own backbones
+        self._framework = framework
+
+    def policy_from_bytes(self, tenant: str, weights: bytes) -> TenantPolicy:
+        spec, schema = self.specs[tenant]
+        bb = self.framework.backbone
+        return TenantPolicy.from_bytes(weights, spec, schema, bb.hidden_size, lora_shapes=bb.lora_shapes(spec.lora))
+
+    # -- model thread -------------------------------------------------------------------------------
+    def register(self, spec: TenantSpec, schema: TenantSchema, version: int, weights: bytes) -> None:
+        self.specs[spec.name] = (spec, schema)
+        policy = self.policy_from_bytes(spec.name, weights)
+        pre = TenantPreprocessor(schema, self.framework.backbone.cfg)
+        self.framework.add_tenant(spec.name, policy, pre)
+        self.live[spec.name] = (version, policy)
+        self.feature_keys[spec.name] = pre.compat_key
+
+    def load(self, tenant: str, version: int, weights: bytes) -> None:
+        """The tenant's live head becomes ``version``."""
+        policy = self.policy_from_bytes(tenant, weights)
+        self.live[tenant] = (version, policy)
+        self.framework.policies[tenant] = policy
+
+    def unregister(self, tenant: str) -> None:
+        """Forget a deleted tenant (its live head and pinned versions)."""
+        self.specs.pop(tenant, None)
+        self.live.pop(tenant, None)
+        for key in [k for k in self.pinned if k[0] == tenant]:
+            del self.pinned[key]
+        self.framework.remove_tenant(tenant)
+
+    def load_pinned(self, tenant: str, version: int, output_dir: str) -> TenantPolicy:
+        """``version``'s head: the live one if it is that version, else read from the tenant's output dir."""
+        live_version, live = self.live[tenant]
+        if live_version == version:
+            return live
+        return self.policy_from_bytes(tenant, TenantOutputDir(output_dir).weights_path(version).read_bytes())
+
+    # -- lookups (any thread) -----------------------------------------------------------------------
+    def live_version(self, tenant: str) -> int | None:
+        entry = self.live.get(tenant)
+        return None if entry is None else entry[0]
+
+    def serves(self, tenant: str, version: int | None) -> bool:
+        """The tenant is registered and ``version`` (None: the live one) is live or pinned."""
+        if tenant not in self.live:
+            return False
+        return version is None or (tenant, version) in self.pinned or self.live[tenant][0] == version
+
+    def policy_of(self, tenant: str, version: int | None) -> TenantPolicy:
+        live_version, live = self.live[tenant]
+        return live if version is None or version == live_version else self.pinned[(tenant, version)][0]
+
+    def versions(self) -> dict[str, object]:
+        return {"live": {t: v for t, (v, _) in self.live.items()},
+                "pinned": sorted(f"{t}@{v}" for t, v in self.pinned)}

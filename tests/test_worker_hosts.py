@@ -1,0 +1,55 @@
+"""Role hosts on a real Dask worker: a task named with a role gets the calling worker's host of that role as
+its first argument (``TaskRef(path, role)``), the host's state outlives the task, and a role the worker does
+not host is refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import Client, LocalCluster
+
+from nexus.control.tasks import TaskRef
+from nexus.errors import Unavailable
+from nexus.services.sim_host import SimHost
+from nexus.services.worker_plugin import NexusWorkerPlugin
+
+
+def host_kind(host, tag: str) -> tuple[str, int, str]:
+    """What a task sees: its host's class, the host object's identity, and its own argument."""
+    return type(host).__name__, id(host), tag
+
+
+def remember(sim: SimHost, key: str) -> list[str]:
+    sim.producers.setdefault(key, None)  # state kept by the worker's host, not by the task
+    return sorted(sim.producers)
+
+
+@pytest.fixture(scope="module")
+def client():
+    # in-process (inproc comms, no sockets): the worker is a real Dask worker in this process
+    with LocalCluster(n_workers=1, processes=False, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as c:
+        yield c
+
+
+def test_a_role_task_gets_its_workers_host(client):
+    sim = client.submit(TaskRef("tests.test_worker_hosts:host_kind", "sim"), "a", pure=False).result()
+    again = client.submit(TaskRef("tests.test_worker_hosts:host_kind", "sim"), "b", pure=False).result()
+    assert sim[0] == "SimHost" and sim[2] == "a" and again[1] == sim[1]  # one host per worker process
+    plugin = client.submit(TaskRef("tests.test_worker_hosts:host_kind", "plugin"), "c", pure=False).result()
+    assert plugin[0] == NexusWorkerPlugin.__name__
+    plain = client.submit(TaskRef("nexus.messages:job_number"), "t-rl-7", pure=False).result()
+    assert plain == 7  # no role: the arguments only
+
+
+def test_a_hosts_state_outlives_its_tasks(client):
+    ref = TaskRef("tests.test_worker_hosts:remember", "sim")
+    client.submit(ref, "first", pure=False).result()
+    assert client.submit(ref, "second", pure=False).result() == ["first", "second"]
+
+
+def test_a_role_the_worker_does_not_host_is_refused(client):
+    fut = client.submit(TaskRef("tests.test_worker_hosts:host_kind", "actor"), "x", pure=False)
+    with pytest.raises(Unavailable, match="hosts no actor rank"):
+        fut.result()
+    with pytest.raises(ValueError, match="unknown role"):
+        client.submit(TaskRef("tests.test_worker_hosts:host_kind", "gpu"), "x", pure=False).result()  # type: ignore[arg-type]
