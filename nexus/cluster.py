@@ -31,7 +31,6 @@ import fcntl
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -109,7 +108,7 @@ class RootLock:
         if self._f is not None:
             self._f.seek(0)
             self._f.truncate()
-            self._f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), **fields}))
+            self._f.write(json.dumps({"pid": os.getpid(), **fields}))
             self._f.flush()
 
     def release(self) -> None:

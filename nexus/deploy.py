@@ -114,7 +114,8 @@ def plan_scheduler(config: ServiceConfig, port: int = SCHEDULER_PORT, dashboard_
         config_path = config.save(root / "service.json")
         scheduler_file = root / "scheduler.json"
         scheduler_file.unlink(missing_ok=True)  # a stale one: the lock says no live scheduler owns it
-        lock.record(role="scheduler", host_address=host)
+        # the host: `nexus down` on another host of the shared root must not signal a pid of its own
+        lock.record(role="scheduler", host=socket.gethostname(), address=f"{host}:{port}")
         args = scheduler_command(config_path, scheduler_file, host, port,
                                  dashboard_address or f"{host}:{DASHBOARD_PORT}", files)
     except BaseException:

@@ -12,6 +12,9 @@ its host was given. On loopback an INFER worker added later joins the engine poo
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from nexus.client.api import Nexus
 from nexus.client.faults import wait_for
 from nexus.gateway.auth import read_gateway_url, read_operator_token
 from nexus.spec import TenantSpec
-from tests.hosts import Host, Namespaces, Processes
+from tests.hosts import REPO, Host, Namespaces, Processes
 
 pytestmark = pytest.mark.cluster
 
@@ -36,6 +39,11 @@ def _roles(nx: Nexus) -> dict[str, dict]:
 def _sim_spans(nx: Nexus, tenant: str) -> list[dict]:
     spans = nx.call("nexus_monitoring", since=0.0)["spans"]
     return [s for s in spans if s["service"] == "simulator" and s["tenant"] == tenant]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nexus.client.cli", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 def _run_deployment(hosts: dict[str, Host], root: Path, logs: Path, join_infer: bool) -> None:
@@ -108,6 +116,13 @@ def _run_deployment(hosts: dict[str, Host], root: Path, logs: Path, join_infer: 
             assert any(t["role"] == "sim/sim-c" and t["to"] == "retired" for t in st["service"]["transitions"])
         finally:
             nx.close()
+        # the operator's commands work from the root alone (an https gateway verified with the root's CA)
+        status = _cli("status", *r, "--json")
+        assert status.returncode == 0, status.stderr
+        assert {w["name"] for w in json.loads(status.stdout)["workers"]} >= {"actor-0", "infer-0", "sim-d"}
+        down = _cli("down", *r)
+        assert down.returncode == 0, down.stderr
+        assert p.procs["scheduler"][0].wait(timeout=30) == 0, "`nexus down` stops the scheduler it names"
     except BaseException:
         for name in p.alive():
             print(f"--- {name} (last lines) ---\n{p.log(name)[-2000:]}")

@@ -181,7 +181,7 @@ def _down(a: argparse.Namespace) -> int:
     if holder is None:
         raise NotFound(f"no running service holds {root} (nothing to stop)")
     pid = int(holder.get("pid", 0))
-    if holder.get("host", socket.gethostname()) != socket.gethostname():  # a root on shared storage
+    if holder.get("host", socket.gethostname()) != socket.gethostname():  # `nexus scheduler` on shared storage
         raise Unavailable(f"the service on {root} runs on host {holder['host']} (pid {pid}): stop it there")
     if pid <= 0:
         raise Unavailable(f"the service on {root} did not record its process id; stop it with Ctrl-C")
