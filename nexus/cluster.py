@@ -11,7 +11,9 @@ Every worker preloads ``nexus.services.worker_plugin`` (its per-process state an
 and runs under a nanny, which restarts its process if it dies (the control plane then rebuilds the
 roles it hosted).
 
-Every process gets the service config through ``NEXUS_SERVICE_CONFIG`` and one torch thread. Every
+The command lines are :mod:`nexus.processes` (the same as the separate-host commands of :mod:`nexus.deploy`):
+the scheduler's plugin gets the service config as its preload argument (``--nexus-config``), the gateway as
+``--config``; every process gets one torch thread. Every
 listener — scheduler, dashboard, nannies, workers' comm ports and HTTP servers, torch.distributed,
 the gateway — binds to ``ServiceConfig.host`` (127.0.0.1 by default); with ``ServiceConfig.tls`` every
 Dask connection is mutual TLS with certificates generated into ``root/tls`` (``nexus.tls``). Service
@@ -34,18 +36,16 @@ import sys
 import time
 from pathlib import Path
 
-from nexus.config import ENV_VAR, ServiceConfig
+from nexus.config import ServiceConfig
 from nexus.errors import Conflict
 from nexus.gateway.auth import read_gateway_url, read_operator_token
 from nexus.paths import FILE_MODE, harden_process, private_mkdir
+from nexus.processes import gateway_command, role_env, role_of, scheduler_command, service_env, worker_command
 from nexus.tls import ensure_certificates, security
 
 
 def _cert_hosts(host: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys((host, "127.0.0.1", "localhost")))
-
-
-_DIST_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
 def _die_with_parent() -> None:
@@ -98,6 +98,12 @@ class RootLock:
         self._f = f
         self.record()
 
+    def fileno(self) -> int:
+        """The locked file's descriptor (kept open across ``exec`` by ``nexus scheduler``: the lock goes with it)."""
+        if self._f is None:
+            raise RuntimeError("the root lock is not held")
+        return self._f.fileno()
+
     def record(self, **fields) -> None:
         if self._f is not None:
             self._f.seek(0)
@@ -141,9 +147,6 @@ class LocalService:
 
         return read_operator_token(self.config.gateway_dir)
 
-    def _tls_args(self) -> list[str]:
-        return self.tls.cli_args() if self.tls else []
-
     @property
     def scheduler_file(self) -> Path:
         return self.root / "scheduler.json"
@@ -153,14 +156,7 @@ class LocalService:
         return self.root / "logs"
 
     def _env(self) -> dict[str, str]:
-        # a torch.distributed set-up of the calling process (its rendezvous port) must not leak into
-        # the actor, which starts its own
-        env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-        env.update({ENV_VAR: str(self.root / "service.json"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                    "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "MLFLOW_ENABLE_ASYNC_LOGGING": "false"})
-        env.update(self.config.cluster.dask_env())  # Dask's own way to configure a child process
-        return env
+        return service_env(self.config)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         fd = os.open(self.logs / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -172,21 +168,13 @@ class LocalService:
         self.names[self.procs[-1].pid] = name
 
     def _worker(self, name: str, resources: str) -> None:
-        # simulator workers may run vector envs with a process per sub-env: Dask's daemonic worker
-        # processes could not start them
-        env = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"} if resources.startswith("SIM") else None
-        # --host: the nanny and the worker's comm port; --dashboard-address: the worker's HTTP server
-        # (/health, /metrics), which would otherwise listen on every interface
-        host = self.config.host
-        self._spawn(name, ["distributed.cli.dask_worker", "--scheduler-file", str(self.scheduler_file),
-                           "--name", name, "--nthreads", "1", "--resources", resources, "--no-dashboard",
-                           "--host", host, "--dashboard-address", f"{host}:0", *self._tls_args(),
-                           "--memory-limit", self.memory_limit, "--death-timeout", "60",
-                           "--preload", "nexus.services.worker_plugin"], env)
+        role = role_of(resources)
+        self._spawn(name, worker_command(self.scheduler_file, name, role, self.config.host, self.memory_limit,
+                                         self.tls), role_env(role) or None)
 
     def _gateway(self) -> None:
         (self.config.gateway_dir / "gateway.json").unlink(missing_ok=True)
-        self._spawn("gateway", ["nexus.gateway", "--config", str(self.root / "service.json")])
+        self._spawn("gateway", gateway_command(self.root / "service.json"))
 
     def _wait_gateway(self, t0: float, timeout: float) -> None:
 
@@ -217,12 +205,8 @@ class LocalService:
             self.tls = ensure_certificates(self.config.tls_dir, hosts=_cert_hosts(self.config.host))
         self.config.save(self.root / "service.json")
         self.scheduler_file.unlink(missing_ok=True)  # a stale one: the lock says no live service owns it
-        protocol = ["--protocol", "tls"] if self.tls else []
-        self._spawn("scheduler", ["distributed.cli.dask_scheduler", "--host", self.config.host, "--port", "0",
-                                  *protocol, *self._tls_args(),
-                                  "--dashboard-address", self.dashboard_address,
-                                  "--scheduler-file", str(self.scheduler_file),
-                                  "--preload", "nexus.control.plugin"])
+        self._spawn("scheduler", scheduler_command(self.root / "service.json", self.scheduler_file, self.config.host,
+                                                   0, self.dashboard_address, self.tls))
         t0 = time.time()
         while not self.scheduler_file.exists():
             if self.procs[0].poll() is not None or time.time() - t0 > timeout:

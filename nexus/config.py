@@ -1,7 +1,9 @@
 """Service-wide settings, shared by the scheduler plugin and every worker through one JSON file.
 
-The file's path travels in the environment variable ``NEXUS_SERVICE_CONFIG`` (set by
-``nexus.cluster`` for the processes it starts, or by an operator for CLI-started workers).
+The file's path is passed explicitly: the scheduler plugin's preload argument
+(``dask scheduler --preload nexus.control.plugin --nexus-config ROOT/service.json``), the gateway's
+``--config``; workers get the config from the control plane. ``NEXUS_SERVICE_CONFIG`` is read only when a
+scheduler started by hand gives no ``--nexus-config``.
 
 Users write the same settings as TOML (``nexus up --config service.toml``, ``Nexus.local(config=...)``),
 and tenants and jobs as TOML too (``nexus submit``, ``Nexus.submit``); ``--set key=value`` overrides any
@@ -384,7 +386,8 @@ class ServiceConfig(BaseModel):
     def load(cls, path: str | Path | None = None) -> ServiceConfig:
         path = path or os.environ.get(ENV_VAR)
         if not path:
-            raise RuntimeError(f"no service config: set {ENV_VAR} to the JSON file written by nexus.cluster")
+            raise RuntimeError(f"no service config: pass --nexus-config (or set {ENV_VAR}) to the service.json "
+                               "written by nexus.cluster / nexus scheduler")
         return cls.model_validate(json.loads(Path(path).read_text()))
 
 

@@ -49,7 +49,8 @@ class Nexus:
     """A connection to a JoyNexus service."""
 
     def __init__(self, address: str, *, token: str | None = None, service: Any = None, timeout: float = 120,
-                 security: Any = None, session: str | None = None) -> None:
+                 security: Any = None, session: str | None = None, ca: PathLike | None = None) -> None:
+        """``ca``: the service's CA certificate (``root/tls/ca.pem``) to verify an ``https://`` gateway with."""
         self.service = service
         # this connection's id, sent with every low-level op: a session's ops are one MLflow run
         self.session = check_session(session) if session is not None else uuid.uuid4().hex
@@ -59,7 +60,7 @@ class Nexus:
         self._predicts: ThreadPoolExecutor | None = None
         if address.startswith(("http://", "https://")):
 
-            self.transport = HttpTransport(address, token=token, timeout=timeout)
+            self.transport = HttpTransport(address, token=token, timeout=timeout, ca=str(ca) if ca else None)
         else:
             from distributed import Client
 

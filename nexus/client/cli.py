@@ -1,10 +1,11 @@
 """``nexus`` command line.
 
 Service: ``up`` (a long-running local service, from ``--config service.toml`` and ``--set`` overrides),
-``down``, ``status`` (with the roles' health), ``scale-inference``. Work: ``submit`` (tenant and job TOML
-files), ``list`` (jobs and their progress), ``cancel``, ``delete``, ``logs`` (a tenant's metric history,
-from the service and the tenant's manifest), ``report`` (PNG plots), ``export`` (a tenant's policy version
-as a self-contained directory). ``demo`` runs the four-tenant demo.
+``down``, ``status`` (with the roles' health), ``scale-inference``; over several hosts: ``scheduler``,
+``gateway``, ``worker --role sim|actor|infer`` (one root on shared storage, :mod:`nexus.deploy`). Work:
+``submit`` (tenant and job TOML files), ``list`` (jobs and their progress), ``cancel``, ``delete``, ``logs``
+(a tenant's metric history, from the service and the tenant's manifest), ``report`` (PNG plots), ``export``
+(a tenant's policy version as a self-contained directory). ``demo`` runs the four-tenant demo.
 
 Commands reach a running service through its tenant gateway as the operator: the gateway's URL and the
 operator token are read from ``<root>/gateway/`` (0600 files), or given as ``--address http://… --token …``.
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Any
 
 from nexus.client.api import JobProgress, Nexus
 from nexus.client.cli_control import add_commands, keep_up, roles_table
+from nexus.client.cli_deploy import add_commands as add_deploy_commands
 from nexus.client.demo import run_demo
 from nexus.client.report import format_log, manifest_log, merge_logs, write_report
 from nexus.cluster import lock_holder
@@ -69,8 +72,9 @@ def _connect(a: argparse.Namespace):
     connection, for operators on the service's machine)."""
 
     address, token, source = _gateway_address(a)
+    ca = a.ca or (Path(a.root) / "tls" / "ca.pem" if address.startswith("https://") else None)
     try:
-        nx = Nexus(address, token=token, timeout=a.timeout)
+        nx = Nexus(address, token=token, timeout=a.timeout, ca=ca)
     except Unavailable as e:
         raise Unavailable(f"{e} — is `nexus up` running? (looked in {source})") from None
     try:
@@ -177,6 +181,8 @@ def _down(a: argparse.Namespace) -> int:
     if holder is None:
         raise NotFound(f"no running service holds {root} (nothing to stop)")
     pid = int(holder.get("pid", 0))
+    if holder.get("host", socket.gethostname()) != socket.gethostname():  # `nexus scheduler` on shared storage
+        raise Unavailable(f"the service on {root} runs on host {holder['host']} (pid {pid}): stop it there")
     if pid <= 0:
         raise Unavailable(f"the service on {root} did not record its process id; stop it with Ctrl-C")
     os.kill(pid, signal.SIGTERM)
@@ -347,6 +353,7 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="gateway URL (http[s]://host:port) instead of --root")
     p.add_argument("--token", default=None, help="with --address: the operator's (or a tenant's) token")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the service (default 10)")
+    p.add_argument("--ca", default=None, help="CA certificate of an https:// gateway (default: <root>/tls/ca.pem)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -424,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=_export)
 
     add_commands(sub, _connect, add_connection_args, [common])
+    add_deploy_commands(sub, DEFAULT_ROOT, [common])
     return p
 
 

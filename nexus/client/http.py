@@ -50,15 +50,20 @@ def _q(s: str) -> str:
 
 
 class HttpTransport:
-    def __init__(self, url: str, token: str | None = None, timeout: float = 120) -> None:
+    def __init__(self, url: str, token: str | None = None, timeout: float = 120, ca: str | None = None) -> None:
+        """``ca``: a CA certificate file (PEM) to verify an HTTPS gateway with (a service's ``root/tls/ca.pem``);
+        without one the system's trust store is used."""
+        import ssl
+
         import httpx
 
         self.url = url.rstrip("/")
         self.token = token
         self.tokens: dict[str, str] = {}
         # a low-level call waits its turn on the shared actor: reads may take long, connecting may not
+        verify = ssl.create_default_context(cafile=ca) if ca else True
         self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=min(timeout, 10),
-                                                                          read=max(timeout, 600)))
+                                                                          read=max(timeout, 600)), verify=verify)
 
     def close(self) -> None:
         self.http.close()

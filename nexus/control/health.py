@@ -20,7 +20,9 @@ again only once it has re-synced) → ``healthy``. Producers have no heartbeat o
 without progress for ``producer_stall_s`` is ``suspect``; a failed attempt makes it ``restarting``
 until the re-run succeeds. Each role may restart ``restart_budget`` times within
 ``budget_window_s``; past that it stays ``failed`` and the service reports that it needs a
-global restart. These timeouts and budgets are :class:`nexus.config.HealthSettings` (``[health]``).
+global restart. A simulator whose worker left the cluster for good (not restarted by its nanny within
+``fail_after_s``) is retired while other simulators serve: workers may join and leave. These timeouts
+and budgets are :class:`nexus.config.HealthSettings` (``[health]``).
 
 A plain object (no Dask, no I/O, the clock is injectable): unit-tested without a cluster.
 """
@@ -220,6 +222,22 @@ class HealthManager:
         r.epoch += 1
         r.budget_spent = False
         self._set(r, RoleState.HEALTHY, reason, now)
+
+    def retire_departed(self, kind: str, after_s: float, now: float | None = None) -> list[str]:
+        """Drop the roles of ``kind`` whose worker left the cluster ``after_s`` ago and never came back, while
+        another role of the kind serves: a host removed or scaled down (workers join and leave on a service over
+        several hosts), not a fault left to repair. A nanny-restarted worker rejoins under its name long before.
+        Returns the roles dropped (each with a history entry)."""
+        now = self.clock() if now is None else now
+        mine = [r for r in self.roles.values() if r.kind == kind]
+        if not any(r.state == RoleState.HEALTHY for r in mine):
+            return []  # the last ones stay failed: the service has no capacity of this kind
+        gone = [r for r in mine if r.state == RoleState.FAILED and r.address is None and now - r.since > after_s]
+        for r in gone:
+            del self.roles[r.role]
+            self.history.append({"t": now, "role": r.role, "from": str(r.state), "to": "retired",
+                                 "reason": f"its worker {r.worker} left the cluster {now - r.since:.0f} s ago"})
+        return [r.role for r in gone]
 
     # -- views -----------------------------------------------------------------------------------
     def needs_global_restart(self) -> list[str]:

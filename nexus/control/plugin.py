@@ -11,6 +11,7 @@ import json
 import logging
 from typing import Any
 
+import click
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
@@ -150,7 +151,19 @@ def log_to_stderr() -> None:
         root.setLevel(logging.INFO)
 
 
-def dask_setup(scheduler) -> None:
-    """Entry point of ``dask scheduler --preload nexus.control.plugin``."""
+@click.command(help="the Nexus plugin of `dask scheduler --preload nexus.control.plugin --nexus-config PATH`")
+@click.option("--nexus-config", "config_path", default=None, type=click.Path(dir_okay=False),
+              help="the service's service.json (default: $NEXUS_SERVICE_CONFIG)")
+def dask_setup(scheduler, config_path: str | None) -> None:
+    """Entry point of ``dask scheduler --preload nexus.control.plugin --nexus-config ROOT/service.json``.
+
+    Without a readable config the scheduler closes (Dask only logs a failed preload: a scheduler without
+    its plugin would take workers and serve nothing)."""
     log_to_stderr()
-    scheduler.add_plugin(NexusPlugin(ServiceConfig.load()))
+    try:
+        config = ServiceConfig.load(config_path)
+    except Exception as e:
+        logger.error("no Nexus service config (%s): %s; closing the scheduler", config_path, e)
+        scheduler.loop.add_callback(scheduler.close, reason="nexus-no-config")
+        raise
+    scheduler.add_plugin(NexusPlugin(config))

@@ -9,7 +9,8 @@ second) brings the service to its desired shape:
 * **inference pool** — ``target`` engines (:meth:`EnginePool.ensure`: a lost engine is replaced in its
   slot, preferring the restarted worker of the same name, and re-synced before it serves);
 * **tracker** — one MLflow tracker; a new one reopens the known runs (:class:`TrackerLink`);
-* **simulators** — ``sim/<worker>`` roles follow their workers (Dask re-runs their rollouts);
+* **simulators** — ``sim/<worker>`` roles follow their workers (Dask re-runs their rollouts on any SIM
+  worker, one that joined later included); one whose worker left for good is retired;
 * at boot, once the actor group is up, tenants are **rediscovered** from the root's output dirs and
   jobs a crashed service left running are marked failed (records, manifest, MLflow):
   :mod:`nexus.control.discovery`.
@@ -118,6 +119,7 @@ class Supervisor:
                 logger.warning("%s: %s; restarting worker %s", r.role, r.reason, address)
                 self.on_worker_removed(address, reason=r.reason)
                 self.runtime.spawn(self.runtime.restart_worker(address))
+        self.health.retire_departed("simulator", self.health.settings.fail_after_s)  # hosts that left for good
         await self._ensure_actor()
         await self._ensure_tracker()
         errors = await self.pool.ensure()

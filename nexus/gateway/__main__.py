@@ -1,8 +1,11 @@
 """``python -m nexus.gateway --config ROOT/service.json``: run the tenant gateway of a service.
 
-Binds ``ServiceConfig.host:gateway_port`` (127.0.0.1, any free port by default), connects its own Dask
-client to the scheduler (``ROOT/scheduler.json``; TLS when the service uses it), writes a fresh operator
-token and, once it serves, its URL to ``ROOT/gateway/gateway.json`` (0600).
+Binds ``ServiceConfig.host:gateway_port`` (127.0.0.1, any free port by default; ``--host``/``--port``: this
+host's own address when the gateway runs on a host of its own), connects its own Dask client to the
+scheduler (``ROOT/scheduler.json``; TLS when the service uses it), writes a fresh operator token and, once
+it serves, its URL to ``ROOT/gateway/gateway.json`` (0600). ``--certfile``/``--keyfile``: serve HTTPS
+(``nexus gateway`` issues them from the service CA on a non-loopback address); ``--advertise``: the host
+name clients use, written into the URL instead of the bound address.
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nexus.gateway", description=__doc__)
     p.add_argument("--config", required=True, help="the service's service.json")
     p.add_argument("--scheduler-file", default=None, help="default: scheduler.json in the service root")
+    p.add_argument("--host", default=None, help="address to bind (default: the config's host)")
+    p.add_argument("--port", type=int, default=None, help="port to bind (default: the config's gateway_port)")
+    p.add_argument("--certfile", default=None, help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--keyfile", default=None, help="the certificate's key (PEM)")
+    p.add_argument("--advertise", default=None, help="host name written into the gateway's URL")
     a = p.parse_args(argv)
+    if (a.certfile is None) != (a.keyfile is None):
+        p.error("--certfile and --keyfile go together")
 
     import uvicorn
 
@@ -38,13 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     scheduler_file = Path(a.scheduler_file or Path(config.root) / "scheduler.json")
     address = json.loads(scheduler_file.read_text())["address"]
     tokens = TokenStore(config.gateway_dir)
-    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    bind = a.host or config.host
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, config.gateway_port))
+    sock.bind((bind, config.gateway_port if a.port is None else a.port))
     port = sock.getsockname()[1]
-    host = f"[{config.host}]" if family == socket.AF_INET6 else config.host
-    url = f"http://{host}:{port}"
+    name = a.advertise or bind
+    host = f"[{name}]" if ":" in name else name
+    url = f"{'https' if a.certfile else 'http'}://{host}:{port}"
 
     def ready() -> None:
         private_write_bytes(config.gateway_dir / "gateway.json",
@@ -59,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     app = create_app(config, Backend(address, security(config)), tokens)
     server = Server(uvicorn.Config(app, loop="asyncio", log_level="warning", access_log=False,
-                                   timeout_graceful_shutdown=5))
+                                   timeout_graceful_shutdown=5, ssl_certfile=a.certfile, ssl_keyfile=a.keyfile))
     server.run(sockets=[sock])
     return 0
 

@@ -166,8 +166,13 @@ def host_for(role: str) -> Any:
 # The role's module is imported here, when a worker first hosts the role: the others never load its stack.
 def start_actor(plugin: NexusWorkerPlugin, config: ServiceConfig, rank: int = 0, world_size: int = 1) -> str:
     """Host actor rank ``rank`` here (kept when this process already hosts it: its slots stay)."""
+    from distributed.comm import get_address_host
+
     from nexus.services.actor_host import ActorHost
 
+    # torch.distributed binds this worker's own address: on a service over several hosts the config's host
+    # is the scheduler's, an address this host does not have
+    config = config.model_copy(update={"host": get_address_host(plugin.worker.address)})
     with plugin._lock:
         if plugin.actor is None or (plugin.actor.rank, plugin.actor.world_size) != (rank, world_size):
             plugin.actor = ActorHost(config, rank, world_size)
