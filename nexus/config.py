@@ -123,7 +123,7 @@ class ServiceLimits(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    max_tenants: int = Field(32, ge=1, description="tenants of the whole service")
+    max_tenants: int = Field(1024, ge=1, description="tenants of the whole service (one backbone for all)")
     max_hidden_dim: int = Field(4096, ge=8, description="width of a tenant's action module")
     max_head_bytes: int = Field(2 * 2**30, ge=1, description="actor memory estimate of one tenant's slot")
     actor_memory_fraction: float = Field(0.7, gt=0, le=0.95,
@@ -268,6 +268,8 @@ class ServiceConfig(BaseModel):
     experiment: str | None = Field(None, description="MLflow experiment; default: one per service root")
     ops_idle_s: float = Field(120.0, gt=0, description="a client session's low-level ops are one MLflow run; it "
                                                        "ends after this long without an op")
+    offload_idle_s: float = Field(600.0, ge=0, description="a tenant idle this long (nothing running or queued) "
+                                  "has its actor slot offloaded to disk and restored at its next item (0: never)")
     checkpoint_every: int = Field(1, ge=0, description="DeepSpeed checkpoint every N versions, saved before the "
                                   "version is published (0: at job end only)")
     inference_engines: int = Field(1, ge=1, description="inference engines at start (Nexus.scale_inference changes it)")

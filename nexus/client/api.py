@@ -186,13 +186,26 @@ class Nexus:
         """A handle on an existing tenant (``token``: its secret, when this client does not hold it yet)."""
         if token is not None and self.transport is not None:
             self.transport.tokens[name] = token
-        for t in self.status()["tenants"]:
+        for t in self.status(tenant=name)["tenants"]:
             if t["tenant"] == name:
                 return Tenant(self, name, t)
         raise NotFound(f"unknown tenant {name!r}")
 
-    def status(self) -> dict[str, Any]:
-        return self.call("nexus_status")
+    def status(self, limit: int | None = None, cursor: str | None = None, tenant: str | None = None) -> dict[str, Any]:
+        """One page of the service's status: at most ``limit`` tenants (by name) and jobs (newest first);
+        ``status()["page"]["next_cursor"]`` gives the next page; ``tenant``: that tenant's view only."""
+        return self.call("nexus_status", **{k: v for k, v in (("limit", limit), ("cursor", cursor),
+                                                               ("tenant", tenant)) if v is not None})
+
+    def pages(self, limit: int | None = None, tenant: str | None = None) -> Iterator[dict[str, Any]]:
+        """Every page of the status, in order (``for page in nx.pages(): page["tenants"], page["jobs"]``)."""
+        cursor = None
+        while True:
+            page = self.status(limit, cursor, tenant)
+            yield page
+            cursor = page.get("page", {}).get("next_cursor")
+            if cursor is None:
+                return
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)

@@ -195,11 +195,23 @@ def _down(a: argparse.Namespace) -> int:
     return 0
 
 
+def add_page_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--limit", type=int, default=None, help=f"{what} per page (default 100, at most 1000)")
+    p.add_argument("--cursor", default=None, help="continue after a page (the cursor it printed)")
+
+
+def _more(page: dict[str, Any] | None, shown: int, total_key: str, what: str) -> str | None:
+    """The hint under a page that is not the last: how many there are and the cursor of the next page."""
+    if not page or page.get("next_cursor") is None:
+        return None
+    return f"{shown} of {page.get(total_key, '?')} {what} shown; next page: --cursor {page['next_cursor']}"
+
+
 def _status(a: argparse.Namespace) -> int:
     from rich.table import Table
 
     with _connect(a) as nx:
-        st = nx.status()
+        st = nx.status(a.limit, a.cursor)
     if a.json:
         print(json.dumps(st, indent=2, default=str))
         return 0
@@ -226,6 +238,9 @@ def _status(a: argparse.Namespace) -> int:
     console.print(w)
 
     console.print(roles_table(st))
+    hint = _more(st.get("page"), len(st["tenants"]), "tenants_total", "tenants")
+    if hint:
+        console.print(hint)
     return 0
 
 
@@ -246,9 +261,12 @@ def jobs_table(progress: list, title: str = "jobs"):
 def _list(a: argparse.Namespace) -> int:
 
     with _connect(a) as nx:
-        jobs = nx.status()["jobs"]
-    if a.tenant:
-        jobs = [j for j in jobs if j["tenant"] == a.tenant]
+        if a.all:
+            pages = list(nx.pages(a.limit, a.tenant))
+            jobs, page = [j for pg in pages for j in pg["jobs"]], None
+        else:
+            st = nx.status(a.limit, a.cursor, a.tenant)
+            jobs, page = st["jobs"], st.get("page")
     if a.json:
         print(json.dumps(jobs, indent=2, default=str))
         return 0
@@ -256,6 +274,9 @@ def _list(a: argparse.Namespace) -> int:
         print("no jobs" + (f" of tenant {a.tenant!r}" if a.tenant else ""))
         return 0
     _console().print(jobs_table([JobProgress.from_info(j) for j in jobs]))
+    hint = _more(page, len(jobs), "jobs_total", "jobs")
+    if hint:
+        print(hint)
     return 0
 
 
@@ -390,12 +411,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", parents=[common], help="tenants, queues, versions and workers")
     add_connection_args(s)
     s.add_argument("--json", action="store_true")
+    add_page_args(s, "tenants")
     s.set_defaults(fn=_status)
 
-    ls = sub.add_parser("list", parents=[common], help="jobs with their state and progress")
+    ls = sub.add_parser("list", parents=[common], help="jobs with their state and progress, newest first")
     add_connection_args(ls)
     ls.add_argument("--tenant", default=None, help="only this tenant's jobs")
     ls.add_argument("--json", action="store_true")
+    add_page_args(ls, "jobs")
+    ls.add_argument("--all", action="store_true", help="every page, not only the first")
     ls.set_defaults(fn=_list)
 
     sb = sub.add_parser("submit", parents=[common], help="create a tenant and submit jobs from TOML files")

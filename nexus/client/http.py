@@ -135,7 +135,8 @@ class HttpTransport:
                 self.tokens[info["tenant"]] = info["token"]
             return info
         if handler == "nexus_status":
-            return self.request("GET", "/v1/status")
+            params = {k: kw[k] for k in ("limit", "cursor", "tenant") if kw.get(k) is not None}
+            return self.request("GET", "/v1/status", params=params or None, tenant=t)
         if handler == "nexus_submit":
             return self.request("POST", f"/v1/tenants/{_q(t)}/jobs", json_body=kw["job"], tenant=t)["job"]
         if handler == "nexus_job":

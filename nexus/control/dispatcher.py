@@ -91,6 +91,10 @@ class Dispatcher:
 
     def pump(self) -> None:
         """Dispatch queued items while the policy allows and the actor group is up."""
+        with self.queue.times.time("pump"):
+            self._pump()
+
+    def _pump(self) -> None:
         while self._available() and len(self._running) < self.max_concurrent:
             versions = self._versions()
             item, dropped = self.queue.pop(versions)

@@ -41,6 +41,7 @@ from nexus.control.jobs import JobManager
 from nexus.control.lifecycle import TenantLifecycle
 from nexus.control.low_level import LowLevelOps
 from nexus.control.monitoring import MonitoringState
+from nexus.control.offload import SlotOffload
 from nexus.control.op_runs import OpRuns
 from nexus.control.policy_control import PolicyControl
 from nexus.control.queues import TrainingItem, TrainingQueue
@@ -50,6 +51,7 @@ from nexus.control.tenants import TenantPhase, TenantRegistry
 from nexus.control.tracking_link import TrackerLink
 from nexus.errors import NotFound, Unavailable
 from nexus.messages import OpWork
+from nexus.paging import Page
 
 logger = logging.getLogger("nexus.master")
 
@@ -67,8 +69,8 @@ class Master:
         self.pool = EnginePool(self.engine_ops, lambda: [t.setup() for t in self.registry.ready()],
                                config.inference_engines, health=self.health,
                                batching=(config.infer_max_wait_s, config.infer_max_batch))
-        self.dispatcher = Dispatcher(self.queue, self._execute, self.registry.versions, config.dispatch,
-                                     lambda: self.actors.ready)
+        self.dispatcher = Dispatcher(self.queue, self._execute, self.registry.version_view, config.dispatch,
+                                     lambda: self.actors.ready and not self.offload.busy)
         self.tracker = TrackerLink(self._send_tracker)
         self.tracker.on_error = lambda e: self.health.error("tracker", e)
         self.op_runs = OpRuns(self.tracker, config.ops_idle_s)
@@ -80,15 +82,17 @@ class Master:
                                isolated=config.dispatch.isolated)
         self.lifecycle = TenantLifecycle(config, self.registry, self.actors, self.pool, self.dispatcher, self.jobs,
                                          self._event)
+        self.offload = SlotOffload(config.offload_idle_s, self.registry, self.jobs, self.queue, self.dispatcher,
+                                   self.actors)
         self.supervisor = Supervisor(config, self.runtime, self.health, self.actors, self.pool, self.registry,
-                                     self.tracker, self.dispatcher, self.lifecycle, self.jobs)
+                                     self.tracker, self.dispatcher, self.lifecycle, self.jobs, self.offload)
         self.ops = LowLevelOps(self.registry, self.runtime, ctx, self.op_runs)
         self.accounts = ServiceAccounting(scheduler, self.actors, self.pool, self.monitoring)
         self.policy = PolicyControl(config, [self.queue, self.dispatcher, self.jobs, self.lifecycle, self.engine_ops,
                                              self.supervisor], self.pool, self.jobs, self.queue, self.dispatcher)
         self.parts = status.StatusParts(scheduler, self.registry, self.jobs, self.queue, self.dispatcher, self.actors,
                                         self.pool, self.health, self.supervisor, self.monitoring, self.accounts,
-                                        self.policy)
+                                        self.policy, self.offload)
         self._sampler: asyncio.Task | None = None
 
     @property
@@ -120,6 +124,7 @@ class Master:
     async def _execute(self, item: TrainingItem) -> dict[str, Any]:
         """Run one training item on the actor group (the dispatcher's work)."""
         t = self.registry.get(item.tenant)
+        self.offload.touch(item.tenant)  # an offloaded slot is restored by this item, on every rank
         res = await self.actors.update(item, t.setup(), tuple(self.pool.push_targets()))
         self.registry.publish(item.tenant, res.version)
         for e in res.push_errors:
@@ -145,6 +150,8 @@ class Master:
         while True:
             self.monitoring.sample(status.control_signals(self.parts))
             self.op_runs.close_idle()
+            if not self.offload.busy:
+                self.runtime.spawn(self.offload.tick())
             await asyncio.sleep(period_s)
 
     # -- handlers (names and argument shapes are the public RPC contract) ------------------------------------
@@ -160,12 +167,15 @@ class Master:
     async def wait(self, job_id: str, timeout: float | None = None) -> dict[str, Any]:
         return await self.jobs.wait(job_id, timeout)
 
-    def status(self) -> dict[str, Any]:
-        return status.build(self.parts)
+    def status(self, limit: int | None = None, cursor: str | None = None, tenant: str | None = None) -> dict[str, Any]:
+        """One page of the status (:mod:`nexus.paging`); ``tenant``: that tenant's view only."""
+        return status.build(self.parts, Page.parse(limit, cursor, tenant))
 
-    def monitoring_view(self, since: float = 0.0) -> dict[str, Any]:
-        """Everything the dashboard page shows: status + signals since ``since``."""
-        return {"status": self.status(), **self.monitoring.snapshot(since)}
+    def monitoring_view(self, since: float = 0.0, limit: int | None = None,
+                        cursor: str | None = None) -> dict[str, Any]:
+        """Everything the dashboard page shows: a page of the status + its tenants' signals since ``since``."""
+        st = self.status(limit, cursor)
+        return {"status": st, **self.monitoring.snapshot(since, [t["tenant"] for t in st["tenants"]])}
 
     def tenant_log(self, tenant: str) -> dict[str, Any]:
         """A tenant's jobs with their full metric histories (CLI ``logs`` and ``report``)."""
@@ -213,6 +223,7 @@ class Master:
         finally:
             if t is not None and self.registry.find(tenant) is not t:  # it left the service: its sessions end
                 self.op_runs.close_tenant(tenant)
+                self.offload.forget(tenant)
 
     async def scale_inference(self, n: int) -> dict[str, Any]:
         return await self.pool.scale(int(n))

@@ -104,6 +104,10 @@ class MonitoringState:
     def metering_table(self) -> dict[str, dict[str, float]]:
         return {t: {s: round(v.get(s, 0.0), 6) for s in SERVICES} for t, v in self.metered.items()}
 
+    def tenant_metering(self, tenant: str) -> dict[str, float]:
+        per = self.metered.get(tenant, {})
+        return {s: round(per.get(s, 0.0), 6) for s in SERVICES}
+
     def job_metering(self, job: str) -> dict[str, float]:
         per = self.metered_jobs.get(job, {})
         return {s: round(per.get(s, 0.0), 6) for s in SERVICES}
@@ -139,17 +143,39 @@ class MonitoringState:
         out["device_s"], out["utilization"] = dev, busy_all / dev if dev > 0 else 0.0
         return out
 
-    def snapshot(self, since: float = 0.0) -> dict[str, Any]:
+    def _spans_since(self, since: float, tenants: set[str] | None) -> list[dict[str, Any]]:
+        """The newest ``horizon`` spans ending after ``since`` (of ``tenants``: an inference group's span names
+        every tenant it served, joined by '+')."""
+        out: list[dict[str, Any]] = []
+        for sp in reversed(self.spans):
+            if len(out) >= self.horizon:
+                break
+            if sp.t1 >= since and (tenants is None or tenants.intersection(sp.tenant.split("+"))):
+                out.append(vars(sp))
+        return out[::-1]
+
+    def snapshot(self, since: float = 0.0, tenants: list[str] | None = None) -> dict[str, Any]:
+        """The signals since ``since``; the per-tenant ones of ``tenants`` only (default: all), so a page of
+        the monitoring view stays the size of its page."""
+        keep = None if tenants is None else set(tenants)
+
+        def mine(d: dict) -> dict:
+            return {t: v for t, v in d.items() if keep is None or t in keep}
+
+        samples = [s for s in self.samples if s["t"] >= since]
+        if keep is not None:
+            samples = [{**s, "by_tenant": mine(s.get("by_tenant", {})), "lag": mine(s.get("lag", {}))}
+                       for s in samples]
         return {
             "t_start": self.t_start,
-            "metering": self.metering_table(),
+            "metering": mine(self.metering_table()),
             "busy": {s: self.busy.get(s, 0.0) for s in SERVICES},
-            "spans": [vars(s) for s in self.spans if s.t1 >= since],
-            "samples": [s for s in self.samples if s["t"] >= since],
+            "spans": self._spans_since(since, keep),
+            "samples": samples,
             "group_sizes": list(self.group_sizes),
             "group_waits": list(self.group_waits),
-            "weight_sync": {t: dict(v) for t, v in self.weight_sync.items()},
-            "simulator_split": {t: dict(v) for t, v in self.simulator_split.items()},
+            "weight_sync": {t: dict(v) for t, v in mine(self.weight_sync).items()},
+            "simulator_split": {t: dict(v) for t, v in mine(self.simulator_split).items()},
             "signals": dict(self.counts),
         }
 

@@ -19,6 +19,7 @@ from nexus.config import ServiceConfig
 from nexus.control import dashboard
 from nexus.control.master import Master
 from nexus.control.monitoring import TOPIC, PrometheusCollector
+from nexus.errors import SpecError
 from nexus.messages import HEALTH_TOPIC
 
 logger = logging.getLogger("nexus.scheduler")
@@ -58,6 +59,7 @@ class NexusPlugin(SchedulerPlugin):
             "nexus_accounting": m.accounting,
             "nexus_scheduling": m.scheduling,
             "nexus_set_policy": m.set_policy,
+            "nexus_offload": m.offload.now,  # idle tenants' actor slots to disk now (operators, benchmarks)
         })
         scheduler.get_task_stream(count=0)  # record task start/stops from the start (dashboard, metering checks)
         for address in scheduler.workers:  # workers that joined before the plugin
@@ -95,11 +97,12 @@ class NexusPlugin(SchedulerPlugin):
             self.master.supervisor.on_heartbeat(msg)
 
     # -- views used in-process (dashboard page, Prometheus, JSON route, tests) ------------------------------
-    def status(self) -> dict[str, Any]:
-        return self.master.status()
+    def status(self, limit: int | None = None, cursor: str | None = None) -> dict[str, Any]:
+        return self.master.status(limit, cursor)
 
-    def monitoring_view(self, since: float = 0.0) -> dict[str, Any]:
-        return self.master.monitoring_view(since)
+    def monitoring_view(self, since: float = 0.0, limit: int | None = None,
+                        cursor: str | None = None) -> dict[str, Any]:
+        return self.master.monitoring_view(since, limit, cursor)
 
     @property
     def monitoring(self):
@@ -119,8 +122,16 @@ class _StateHandler(web.RequestHandler):
         self.plugin = plugin
 
     def get(self) -> None:
+        """``/nexus/api/state?limit=N&cursor=C``: one page of the status."""
         self.set_header("Content-Type", "application/json")
-        self.write(json.dumps(self.plugin.status(), default=str))
+        limit = self.get_query_argument("limit", None)
+        try:
+            st = self.plugin.status(int(limit) if limit and limit.isdigit() else limit,
+                                    self.get_query_argument("cursor", None))
+        except SpecError as e:
+            self.set_status(422)
+            st = {"error": str(e)}
+        self.write(json.dumps(st, default=str))
 
 
 _prometheus_registered: list[PrometheusCollector] = []

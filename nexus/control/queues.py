@@ -16,8 +16,11 @@ import heapq
 import itertools
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from nexus.control.decisions import DecisionTimes
 
 if TYPE_CHECKING:
     from nexus.scheduling import SchedulerPolicy
@@ -77,6 +80,7 @@ class TrainingQueue:
         self._seq = itertools.count()
         self.limits: dict[str, TenantLimits] = {}
         self.counters: dict[str, TenantCounters] = {}
+        self.times = DecisionTimes()  # how long each queue operation takes (the plugin's decision latency)
 
     # -- tenants ---------------------------------------------------------------------------
     def set_limits(self, tenant: str, limits: TenantLimits) -> None:
@@ -103,12 +107,13 @@ class TrainingQueue:
 
     def reserve(self, tenant: str) -> bool:
         """Take an admission slot before producing an item (a rollout, an SFT batch)."""
-        c = self._c(tenant)
-        if c.inflight >= self.limits[tenant].max_inflight:
-            return False
-        c.reserved += 1
-        c.max_inflight_seen = max(c.max_inflight_seen, c.inflight)
-        return True
+        with self.times.time("reserve"):
+            c = self._c(tenant)
+            if c.inflight >= self.limits[tenant].max_inflight:
+                return False
+            c.reserved += 1
+            c.max_inflight_seen = max(c.max_inflight_seen, c.inflight)
+            return True
 
     def cancel_reservation(self, tenant: str) -> None:
         c = self._c(tenant)
@@ -118,15 +123,16 @@ class TrainingQueue:
 
     def put(self, item: TrainingItem) -> None:
         """Enqueue an item for which a reservation was taken."""
-        c = self._c(item.tenant)
-        if c.reserved <= 0:
-            raise AdmissionError(f"tenant {item.tenant!r} enqueued without a reservation")
-        c.reserved -= 1
-        c.queued += 1
-        seq = next(self._seq)
-        item.item_id = item.item_id or f"{item.tenant}-{item.kind}-{seq}"
-        item.enqueued_at = time.time()
-        heapq.heappush(self._heap, (self._rank(item.tenant), seq, item))
+        with self.times.time("put"):
+            c = self._c(item.tenant)
+            if c.reserved <= 0:
+                raise AdmissionError(f"tenant {item.tenant!r} enqueued without a reservation")
+            c.reserved -= 1
+            c.queued += 1
+            seq = next(self._seq)
+            item.item_id = item.item_id or f"{item.tenant}-{item.kind}-{seq}"
+            item.enqueued_at = time.time()
+            heapq.heappush(self._heap, (self._rank(item.tenant), seq, item))
 
     def requeue(self, item: TrainingItem) -> None:
         """A running item goes back to the head of its priority class (its worker was lost, or it is
@@ -159,8 +165,12 @@ class TrainingQueue:
         return True
 
     # -- consumer --------------------------------------------------------------------------
-    def pop(self, versions: dict[str, int]) -> tuple[TrainingItem | None, list[TrainingItem]]:
+    def pop(self, versions: Mapping[str, int]) -> tuple[TrainingItem | None, list[TrainingItem]]:
         """Next item to run, and the stale RL items dropped on the way (their slots are freed)."""
+        with self.times.time("pop"):
+            return self._pop(versions)
+
+    def _pop(self, versions: Mapping[str, int]) -> tuple[TrainingItem | None, list[TrainingItem]]:
         dropped: list[TrainingItem] = []
         while self._heap:
             _, _, item = heapq.heappop(self._heap)
@@ -177,10 +187,11 @@ class TrainingQueue:
         return None, dropped
 
     def done(self, item: TrainingItem) -> None:
-        c = self._c(item.tenant)
-        if c.running <= 0:
-            raise AdmissionError(f"tenant {item.tenant!r} has no running item")
-        c.running -= 1
+        with self.times.time("done"):
+            c = self._c(item.tenant)
+            if c.running <= 0:
+                raise AdmissionError(f"tenant {item.tenant!r} has no running item")
+            c.running -= 1
 
     # -- views -----------------------------------------------------------------------------
     def __len__(self) -> int:

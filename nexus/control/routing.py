@@ -12,10 +12,12 @@ A plain asyncio object over slot numbers: the pool (:mod:`nexus.control.engines`
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from collections import Counter
 from collections.abc import Callable
 
+from nexus.control.decisions import DecisionTimes
 from nexus.errors import Unavailable
 from nexus.messages import EngineEndpoint
 
@@ -25,9 +27,14 @@ class Routing:
         self.routes: dict[str, int] = {}  # tenant -> slot
         self.route_wait_s = route_wait_s  # how long a caller waits for a serving engine by default
         self._changed = asyncio.Event()
+        self.times = DecisionTimes()  # how long routing decisions take
 
     def slot_of(self, tenant: str, serving: list[int]) -> int | None:
         """The slot serving ``tenant`` (assigned to the least loaded of ``serving`` if its own is not there)."""
+        with self.times.time("route"):
+            return self._slot_of(tenant, serving)
+
+    def _slot_of(self, tenant: str, serving: list[int]) -> int | None:
         slot = self.routes.get(tenant)
         if slot is None or slot not in serving:
             if not serving:
@@ -38,19 +45,44 @@ class Routing:
         return slot
 
     def rebalance(self, tenants: list[str], serving: list[int]) -> None:
-        """Route exactly ``tenants``, spread over ``serving``: each serves within one tenant of the others."""
-        self.routes = {t: s for t, s in self.routes.items() if t in tenants}
+        with self.times.time("rebalance"):
+            self._rebalance(tenants, serving)
+
+    def _rebalance(self, tenants: list[str], serving: list[int]) -> None:
+        """Route exactly ``tenants``, spread over ``serving``: each serves within one tenant of the others.
+
+        Tenants whose engine still serves keep it; the others go, in the given order, to the least loaded
+        engine; then the most loaded engine hands its last tenant (by name) to the least loaded until they
+        are within one. O(T log T) for T tenants (a thousand tenants rebalance in milliseconds)."""
+        names = set(tenants)
+        self.routes = {t: s for t, s in self.routes.items() if t in names}
         if not serving:
             return
+        load: dict[int, list[str]] = {s: [] for s in sorted(serving)}  # slot -> its tenants, sorted by name
+        unrouted = []
+        for t, s in self.routes.items():
+            if s in load:
+                load[s].append(t)
         for t in tenants:
-            self.slot_of(t, serving)
+            if self.routes.get(t) not in load:
+                unrouted.append(t)
+        for ts in load.values():
+            ts.sort()
+
+        def least() -> int:
+            return min(load, key=lambda s: (len(load[s]), s))
+
+        for t in unrouted:
+            s = least()
+            bisect.insort(load[s], t)
+            self.routes[t] = s
         while True:
-            load = {s: [t for t, x in sorted(self.routes.items()) if x == s] for s in sorted(serving)}
-            hi = max(load, key=lambda s: (len(load[s]), s))
-            lo = min(load, key=lambda s: (len(load[s]), s))
+            hi, lo = max(load, key=lambda s: (len(load[s]), s)), least()
             if len(load[hi]) - len(load[lo]) <= 1:
                 return
-            self.routes[load[hi][-1]] = lo
+            t = load[hi].pop()
+            bisect.insort(load[lo], t)
+            self.routes[t] = lo
 
     def drop(self, tenant: str) -> None:
         self.routes.pop(tenant, None)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nexus.control.job_state import JobStatus
-from nexus.control.monitoring import SERVICES
 from nexus.control.tenants import TenantPhase
+from nexus.paging import Page
 
 if TYPE_CHECKING:
     from nexus.control.accounting import ServiceAccounting
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from nexus.control.health import HealthManager
     from nexus.control.jobs import JobManager
     from nexus.control.monitoring import MonitoringState
+    from nexus.control.offload import SlotOffload
     from nexus.control.policy_control import PolicyControl
     from nexus.control.queues import TrainingQueue
     from nexus.control.supervisor import Supervisor
@@ -46,13 +47,15 @@ class StatusParts:
     monitoring: MonitoringState
     accounting: ServiceAccounting
     policy: PolicyControl  # the scheduling view and the effective config
+    offload: SlotOffload | None = None  # which tenants' actor slots are on disk
 
 
-def tenant_rows(p: StatusParts) -> list[dict[str, Any]]:
-    metering = p.monitoring.metering_table()
+def tenant_rows(p: StatusParts, names: list[str] | None = None) -> list[dict[str, Any]]:
+    """Status rows of the tenants ``names`` (default: every tenant)."""
     serving = bool(p.pool.serving())
     rows = []
-    for t in p.registry:
+    tenants = list(p.registry) if names is None else [t for n in names if (t := p.registry.find(n)) is not None]
+    for t in tenants:
         c = p.queue.counters.get(t.name)
         running_eval = any(p.jobs.jobs[j].state == JobStatus.RUNNING for j in t.jobs if j in p.jobs.jobs)
         state = {TenantPhase.CREATING: "restoring" if t.restored else "creating",
@@ -67,7 +70,8 @@ def tenant_rows(p: StatusParts) -> list[dict[str, Any]]:
                      "inflight": c.inflight if c else 0, "queued": c.queued if c else 0,
                      "running": c.running if c else 0, "dropped_stale": c.dropped_stale if c else 0,
                      "max_inflight_seen": c.max_inflight_seen if c else 0,
-                     "metered_s": metering.get(t.name, {s: 0.0 for s in SERVICES})})
+                     "metered_s": p.monitoring.tenant_metering(t.name),
+                     "offloaded": p.offload is not None and t.name in p.offload.offloaded})
     return rows
 
 
@@ -102,13 +106,19 @@ def tenant_log(p: StatusParts, tenant: str) -> dict[str, Any]:
             "spans": [vars(sp) for sp in p.monitoring.spans]}
 
 
-def build(p: StatusParts) -> dict[str, Any]:
+def build(p: StatusParts, page: Page | None = None) -> dict[str, Any]:
+    """The status, one page of tenants and jobs (``page``: default the first :data:`DEFAULT_LIMIT` of each)."""
+    page = page or Page()
     now = time.time()
     versions = p.registry.versions()
+    names, more_tenants = page.tenants(p.registry.names())
+    jobs, more_jobs = page.jobs(p.jobs.jobs.values())
     workers = [{"name": str(ws.name), "address": ws.address, "status": ws.status.name,
                 "resources": dict(ws.resources), "since_heartbeat_s": round(now - ws.last_seen, 3),
                 "processing": len(ws.processing)} for ws in p.scheduler.workers.values()]
-    return {"tenants": tenant_rows(p), "jobs": [p.jobs.view(j) for j in p.jobs.jobs.values()],
+    return {"tenants": tenant_rows(p, names), "jobs": [p.jobs.view(j) for j in jobs],
+            "page": page.info(names, more_tenants, jobs, more_jobs,
+                              {"tenants_total": len(p.registry), "jobs_total": len(p.jobs.jobs)}),
             "training_queue": {"depth": len(p.queue), "by_tenant": p.queue.depth(), "lag": p.queue.lags(versions)},
             "inference_queue": {"pending": p.monitoring.inference_pending},
             "roles": p.health.views(now), "service": service_view(p), "inference": p.pool.view(),
@@ -116,5 +126,6 @@ def build(p: StatusParts) -> dict[str, Any]:
                       "epoch": p.actors.epoch, "running": [i.item_id for i in p.dispatcher.running]},
             "workers": workers, "busy_s": dict(p.monitoring.busy), "actor_busy": len(p.dispatcher.running),
             "scheduling": p.policy.view(),
+            "decisions": {**p.queue.times.view(), **p.pool.routing.times.view()},  # plugin decision latency, us
             "accounting": p.accounting.totals(),  # windows: the nexus_accounting handler
             "config": p.policy.config.model_dump()}

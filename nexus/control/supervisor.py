@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from nexus.control.health import HealthManager
     from nexus.control.jobs import JobManager
     from nexus.control.lifecycle import TenantLifecycle
+    from nexus.control.offload import SlotOffload
     from nexus.control.runtime import DaskRuntime
     from nexus.control.tenants import TenantRegistry
     from nexus.control.tracking_link import TrackerLink
@@ -56,7 +57,7 @@ TRACKER_GRACE_S = 30.0  # how long the tracker waits for an INFER worker at boot
 class Supervisor:
     def __init__(self, config: ServiceConfig, runtime: DaskRuntime, health: HealthManager, actors: ActorGroup,
                  pool: EnginePool, registry: TenantRegistry, tracker: TrackerLink, dispatcher: Dispatcher,
-                 lifecycle: TenantLifecycle, jobs: JobManager) -> None:
+                 lifecycle: TenantLifecycle, jobs: JobManager, offload: SlotOffload | None = None) -> None:
         self.config = config
         self.runtime = runtime
         self.health = health
@@ -65,6 +66,7 @@ class Supervisor:
         self.registry = registry
         self.tracker = tracker
         self.dispatcher = dispatcher
+        self.offload = offload
         self.boot_time = time.time()
         self.rediscovery = Rediscovery(str(config.root), self.boot_time, actors, registry, lifecycle, jobs, tracker)
         self._wake = asyncio.Event()
@@ -189,12 +191,15 @@ class Supervisor:
                 return
         for role, w in zip(a.roles, workers, strict=True):
             self.health.register(role, "actor", w.address, w.name)
-        setups = [t.setup() for t in self.registry if t.phase == "ready"]
+        ready = [t.setup() for t in self.registry if t.phase == "ready"]
+        offloaded = self.offload.offloaded if self.offload is not None else set()
+        setups = [s for s in ready if s.name not in offloaded]  # the others are restored at their next item
+        gone = [s.name for s in ready if s.name in offloaded]
         addresses = [w.address for w in workers]
         try:
             await asyncio.wait_for(a.run_on(addresses, tasks.START_ACTOR, lambda r: (self.config, r, a.world_size),
                                             key=f"nexus-actor-start-{a.epoch + 1}"), START_TIMEOUT_S)
-            res = await asyncio.wait_for(a.run_on(addresses, tasks.REBUILD_SLOTS, lambda r: (setups,),
+            res = await asyncio.wait_for(a.run_on(addresses, tasks.REBUILD_SLOTS, lambda r: (setups, gone),
                                                   key=f"nexus-rebuild-{a.epoch + 1}"), START_TIMEOUT_S)
         except Exception as e:
             for role in a.roles:

@@ -57,6 +57,7 @@ REBUILD_SLOTS = TaskRef(f"{_A}:rebuild_slots", "actor")
 RUN_UPDATE = TaskRef(f"{_A}:run_update", "actor")
 FINISH_JOB = TaskRef(f"{_A}:finish_job", "actor")
 DROP_TENANT = TaskRef(f"{_A}:drop_tenant", "actor")
+OFFLOAD_SLOTS = TaskRef(f"{_A}:offload_slots", "actor")  # idle tenants' slots to disk (restored on demand)
 EXPORT_VERSION = TaskRef(f"{_A}:export_version", "actor")  # the backbone the policy ran on is resident
 # a tenant's output dirs (any worker that sees the service root; run on an actor rank)
 PURGE_OUTPUT = TaskRef(f"{_D}:purge_output")

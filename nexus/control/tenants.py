@@ -9,6 +9,7 @@ tenant back to a version that was superseded. A tenant's phase moves ``creating`
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -108,6 +109,11 @@ class TenantRegistry:
     def versions(self) -> dict[str, int]:
         return {n: t.version for n, t in self._tenants.items()}
 
+    def version_view(self) -> Mapping[str, int]:
+        """Every tenant's version as a live mapping: a lookup costs O(1), whatever the number of tenants
+        (the dispatcher asks it at every decision)."""
+        return _Versions(self._tenants)
+
     def publish(self, name: str, version: int) -> int:
         """Record that ``version`` of a tenant exists; returns the tenant's (never decreasing) version."""
         t = self._tenants.get(name)
@@ -115,3 +121,17 @@ class TenantRegistry:
             return version
         t.version = max(t.version, int(version))
         return t.version
+
+
+class _Versions(Mapping):
+    def __init__(self, tenants: dict[str, TenantState]) -> None:
+        self._tenants = tenants
+
+    def __getitem__(self, name: str) -> int:
+        return self._tenants[name].version
+
+    def __iter__(self):
+        return iter(self._tenants)
+
+    def __len__(self) -> int:
+        return len(self._tenants)

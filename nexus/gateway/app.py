@@ -36,6 +36,7 @@ from nexus.gateway.auth import Principal, TokenStore
 from nexus.gateway.backend import Backend
 from nexus.gateway.backend import plain as jsonable
 from nexus.inputs import check_batch, check_observation
+from nexus.paging import MAX_LIMIT as MAX_PAGE
 from nexus.paths import confine, dir_bytes
 from nexus.spec import RL_ACTION_HEADS, SESSION_HEADER, JobSpec, TenantSpec, check_session
 from nexus.validation import validate_job, validate_tenant
@@ -43,6 +44,8 @@ from nexus.validation import validate_job, validate_tenant
 logger = logging.getLogger("nexus.gateway")
 
 MAX_WAIT_S = 60.0  # one result / stream poll holds a request at most this long
+PageLimit = Annotated[int | None, Query(ge=1, le=MAX_PAGE, description="tenants (and jobs) per page")]
+PageCursor = Annotated[str | None, Query(max_length=512, description="page.next_cursor of the previous page")]
 FILE_CHUNK = 1 << 20  # bytes per chunk when a file is streamed to a client
 
 
@@ -229,13 +232,17 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         return {"ok": True}
 
     @app.get("/v1/status", tags=["service"])
-    async def status(who: Who) -> dict[str, Any]:
-        """Operator: the whole service. Tenant: its own tenant and jobs only."""
-        st = await backend.status()
+    async def status(who: Who, limit: PageLimit = None, cursor: PageCursor = None,
+                     tenant: Annotated[str | None, Query(max_length=64)] = None) -> dict[str, Any]:
+        """Operator: the whole service, a page at a time (``limit`` tenants and ``limit`` jobs, newest jobs
+        first; ``page.next_cursor`` continues), or one ``tenant``'s. Tenant: its own tenant and a page of its
+        jobs only."""
+        if tenant is not None:
+            who.may_act_on(tenant)
         if who.operator:
-            return st
-        return {"tenants": [t for t in st["tenants"] if t["tenant"] == who.tenant],
-                "jobs": [j for j in st["jobs"] if j["tenant"] == who.tenant]}
+            return await backend.status(limit, cursor, tenant)
+        st = await backend.status(limit, cursor, tenant=who.tenant)
+        return {"tenants": st["tenants"], "jobs": st["jobs"], "page": st["page"]}
 
     # -- tenants ------------------------------------------------------------------------------
     @app.post("/v1/tenants", status_code=201, tags=["tenants"])
@@ -255,7 +262,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
                 if who is None or not (who.operator or who.tenant == name):
                     raise Conflict(f"tenant {name!r} exists; re-creating it needs its token")
                 return {**await backend.create_tenant(raw), "token": None}
-            if any(t["tenant"] == name for t in (await backend.status())["tenants"]):
+            if (await backend.status(tenant=name))["tenants"]:
                 raise Conflict(f"tenant {name!r} exists (created inside the service)")
             view = await backend.create_tenant(raw)
             return {**view, "token": tokens.issue(name, raw)}
@@ -337,10 +344,11 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         return {"job": await backend.submit(tenant, raw)}
 
     @app.get("/v1/tenants/{tenant}/jobs", tags=["jobs"])
-    async def jobs(tenant: str, who: Who) -> dict[str, Any]:
+    async def jobs(tenant: str, who: Who, limit: PageLimit = None, cursor: PageCursor = None) -> dict[str, Any]:
+        """A page of the tenant's jobs, newest first."""
         who.may_act_on(tenant)
-        st = await backend.status()
-        return {"jobs": [j for j in st["jobs"] if j["tenant"] == tenant]}
+        st = await backend.status(limit, cursor, tenant=tenant)
+        return {"jobs": st["jobs"], "page": st["page"]}
 
     @app.get("/v1/jobs/{job_id}", tags=["jobs"])
     async def job(job_id: str, who: Who) -> dict[str, Any]:
@@ -420,9 +428,11 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
 
     # -- admin --------------------------------------------------------------------------------
     @app.get("/v1/admin/monitoring", tags=["admin"])
-    async def monitoring(who: Who, since: Annotated[float, Query(ge=0, le=1e12)] = 0.0) -> dict[str, Any]:
+    async def monitoring(who: Who, since: Annotated[float, Query(ge=0, le=1e12)] = 0.0, limit: PageLimit = None,
+                         cursor: PageCursor = None) -> dict[str, Any]:
+        """The status page (as ``/v1/status``) with its tenants' signals since ``since``."""
         who.require_operator("monitoring")
-        return await backend.monitoring(since)
+        return await backend.monitoring(since, limit, cursor)
 
     @app.post("/v1/admin/flush", tags=["admin"])
     async def flush(who: Who) -> dict[str, Any]:
@@ -441,10 +451,11 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         return await backend.wait_ready(timeout)
 
     @app.get("/v1/admin/tenants", tags=["admin"])
-    async def all_tenants(who: Who) -> dict[str, Any]:
+    async def all_tenants(who: Who, limit: PageLimit = None, cursor: PageCursor = None) -> dict[str, Any]:
+        """A page of the tenants (``page.next_cursor`` continues) and the names holding a token."""
         who.require_operator("listing all tenants")
-        return {"tenants": (await backend.status())["tenants"], "with_token": tokens.tenants(),
-                "time": time.time()}
+        st = await backend.status(limit, cursor)
+        return {"tenants": st["tenants"], "page": st["page"], "with_token": tokens.tenants(), "time": time.time()}
 
     return app
 

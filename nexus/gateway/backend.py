@@ -59,14 +59,16 @@ class Backend:
     async def create_tenant(self, spec: dict[str, Any]) -> dict[str, Any]:
         return await self._call("nexus_create_tenant", spec=spec)
 
-    async def status(self) -> dict[str, Any]:
-        return await self._call("nexus_status")
+    async def status(self, limit: int | None = None, cursor: str | None = None,
+                     tenant: str | None = None) -> dict[str, Any]:
+        """One page of the status (``tenant``: that tenant and its jobs only)."""
+        return await self._call("nexus_status", limit=limit, cursor=cursor, tenant=tenant)
 
     async def tenant_view(self, tenant: str) -> dict[str, Any]:
-        for t in (await self.status())["tenants"]:
-            if t["tenant"] == tenant:
-                return t
-        raise NotFound(f"unknown tenant {tenant!r}")
+        rows = (await self.status(tenant=tenant))["tenants"]
+        if not rows:
+            raise NotFound(f"unknown tenant {tenant!r}")
+        return rows[0]
 
     async def submit(self, tenant: str, job: dict[str, Any]) -> str:
         return await self._call("nexus_submit", tenant=tenant, job=job)
@@ -80,8 +82,8 @@ class Backend:
     async def tenant_log(self, tenant: str) -> dict[str, Any]:
         return await self._call("nexus_tenant_log", tenant=tenant)
 
-    async def monitoring(self, since: float) -> dict[str, Any]:
-        return await self._call("nexus_monitoring", since=since)
+    async def monitoring(self, since: float, limit: int | None = None, cursor: str | None = None) -> dict[str, Any]:
+        return await self._call("nexus_monitoring", since=since, limit=limit, cursor=cursor)
 
     async def flush(self) -> bool:
         return await self._call("nexus_flush")

@@ -57,6 +57,7 @@ class ActorHost:
         self.synced: dict[str, int] = {}  # tenant -> the version this actor last pushed to inference (lazy sync)
         self.datasets: dict[str, OfflineDataset] = {}
         self.action_chunks: dict[str, ActionChunks] = {}  # dataset name -> chunked SFT targets
+        self.offloaded: dict[str, int] = {}  # tenant -> the version its slot was offloaded at (on disk)
 
     @property
     def feat_dim(self) -> int:

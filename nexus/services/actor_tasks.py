@@ -33,7 +33,7 @@ from nexus.messages import (
 )
 from nexus.services import export, ops
 from nexus.services.actor_host import ActorHost, metered
-from nexus.services.slots import build_slot, drop_slot
+from nexus.services.slots import build_slot, drop_slot, release_memory
 from nexus.services.tenant_slot import TenantSlot
 
 logger = logging.getLogger("nexus.actor")
@@ -46,8 +46,10 @@ def init_tenant(actor: ActorHost, setup: TenantSetup) -> SlotInfo:
         return build_slot(actor, setup)
 
 
-def rebuild_slots(actor: ActorHost, setups: list[TenantSetup]) -> dict[str, Any]:
-    """A restarted actor rank: rebuild every tenant's slot (a tenant that fails does not stop the others)."""
+def rebuild_slots(actor: ActorHost, setups: list[TenantSetup], offloaded: list[str] = ()) -> dict[str, Any]:
+    """A restarted actor rank: rebuild every tenant's slot (a tenant that fails does not stop the others);
+    the ``offloaded`` tenants' slots stay on disk until their next item."""
+    actor.offloaded.update(dict.fromkeys(offloaded, 0))
     slots, errors = [], {}
     for s in setups:
         try:
@@ -59,7 +61,41 @@ def rebuild_slots(actor: ActorHost, setups: list[TenantSetup]) -> dict[str, Any]
 
 def drop_tenant(actor: ActorHost, tenant: str) -> bool:
     drop_slot(actor, tenant)
+    actor.offloaded.pop(tenant, None)
     return True
+
+
+def offload_slots(actor: ActorHost, setups: list[TenantSetup]) -> dict[str, Any]:
+    """Idle tenants' slots to disk: each slot's current version gets its checkpoint if it has none yet (a
+    collective: every rank runs this task in the same order), then the rank frees the slot. A slot with
+    gradients waiting for an ``optim_step`` stays (they are in no checkpoint)."""
+    done, kept = [], {}
+    for setup in setups:
+        slot = actor.slots.get(setup.name)
+        if slot is None:
+            continue
+        if slot.pending_backward:
+            kept[setup.name] = "gradients wait for an optim_step"
+            continue
+        out = TenantOutputDir(setup.output_dir)
+        ck = out.latest_checkpoint()
+        if ck is None or ck["version"] != slot.version:
+            out.add_checkpoint(slot.version, slot.save_checkpoint(str(out.checkpoints)))
+            limits = actor.config.limits_for(setup.name)
+            out.prune(limits.max_versions_kept, limits.max_checkpoints_kept)
+        actor.offloaded[setup.name] = slot.version
+        drop_slot(actor, setup.name)
+        done.append(setup.name)
+    release_memory()
+    return {"offloaded": done, "kept": kept}
+
+
+def slot_for(actor: ActorHost, setup: TenantSetup) -> TenantSlot:
+    """The tenant's slot on this rank, restored from its checkpoint when it was offloaded."""
+    if setup.name not in actor.slots and setup.name in actor.offloaded:
+        build_slot(actor, setup)
+        actor.offloaded.pop(setup.name, None)
+    return actor.slot(setup.name)
 
 
 # -- updates ----------------------------------------------------------------------------------------------
@@ -101,7 +137,7 @@ def run_update(actor: ActorHost, req: UpdateRequest, data: Any = None) -> Update
 
 def update(actor: ActorHost, req: UpdateRequest, engines: EngineSet, data: Any = None) -> UpdateResult:
     """:func:`run_update` with the engines to push to (an ``EngineSet``)."""
-    slot = actor.slot(req.tenant.name)
+    slot = slot_for(actor, req.tenant)
     out = TenantOutputDir(req.tenant.output_dir)
     work: Work = req.work
     kind = "op" if isinstance(work, OpWork) else "rl" if isinstance(work, RLWork) else "sft"

@@ -17,6 +17,8 @@ its memory limit (Dask would restart it and every tenant would lose its slot).
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import time
 
 import psutil
@@ -73,6 +75,8 @@ def build_slot(actor: ActorHost, setup: TenantSetup) -> SlotInfo:
         slot.load_checkpoint(str(out.checkpoints), ck["tag"])
         ck_version = slot.version
     slot.version = max(slot.version, published)  # numbering continues past everything ever written
+    if current is not None:  # replaced by the rebuilt one
+        current.close()
     actor.slots[name] = slot
     actor.framework.add_tenant(name, slot.policy, TenantPreprocessor(schema, actor.backbone_cfg))
     if not out.weights_path(slot.version).exists():  # a new tenant: its version 0
@@ -90,9 +94,21 @@ def build_slot(actor: ActorHost, setup: TenantSetup) -> SlotInfo:
 
 
 def drop_slot(actor: ActorHost, tenant: str) -> None:
-    actor.slots.pop(tenant, None)
+    slot = actor.slots.pop(tenant, None)
+    if slot is not None:
+        slot.close()
     actor.synced.pop(tenant, None)
     actor.framework.remove_tenant(tenant)
+
+
+def release_memory() -> None:
+    """Give dropped slots' memory back: their engines hold reference cycles, and glibc keeps freed pages
+    in its arenas unless asked to trim them."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _initial_state(spec: TenantSpec, schema: TenantSchema, backbone: SharedBackbone, out: TenantOutputDir):

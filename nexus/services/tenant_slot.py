@@ -196,6 +196,11 @@ class TenantSlot:
         return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "lr": float(self.engine.get_lr()[0]), "optimizer_steps": float(self.engine.global_steps)}
 
+    def close(self) -> None:
+        """Free the engine: DeepSpeed's gradient hooks live in autograd's C++ graph, where Python's garbage
+        collector cannot see the cycle through them, so a dropped slot would otherwise never be freed."""
+        self.engine.destroy()
+
     def train_step(self, loss_fn: LossFn) -> dict[str, float]:
         return {**self.forward_backward(loss_fn), **self.optim_step()}
 
