@@ -237,10 +237,10 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         """Operator: the whole service, a page at a time (``limit`` tenants and ``limit`` jobs, newest jobs
         first; ``page.next_cursor`` continues), or one ``tenant``'s. Tenant: its own tenant and a page of its
         jobs only."""
-        if tenant is not None:
-            who.may_act_on(tenant)
         if who.operator:
             return await backend.status(limit, cursor, tenant)
+        if tenant is not None and tenant != who.tenant:  # another tenant is unknown to this token, as its jobs are
+            return {"tenants": [], "jobs": [], "page": {"limit": limit, "next_cursor": None}}
         st = await backend.status(limit, cursor, tenant=who.tenant)
         return {"tenants": st["tenants"], "jobs": st["jobs"], "page": st["page"]}
 
