@@ -30,7 +30,7 @@ class RankGroup:
     def start(self) -> RankGroup:
         host = self.config.host
         self.cluster = LocalCluster(n_workers=self.ranks, threads_per_worker=1, processes=True, host=host,
-                                    dashboard_address=None, resources={"ACTOR": 1}, memory_limit="4GiB",
+                                    dashboard_address=f"{host}:0", resources={"ACTOR": 1}, memory_limit="4GiB",
                                     env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
         self.client = Client(self.cluster)
         workers = self.client.scheduler_info(n_workers=-1)["workers"]

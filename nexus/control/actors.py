@@ -173,7 +173,7 @@ class ActorGroup:
                 return (await self.runtime.gather(call.futures))[0]
             return await self._agreed(call.futures, key)
         except BaseException as e:
-            if call.lost and not _cancelling():
+            if call.lost and not _cancelling() and not isinstance(e, RoleLost):
                 raise RoleLost(f"an actor rank was lost during {key}") from e
             if isinstance(e, asyncio.CancelledError):
                 self.runtime.cancel(call.futures)
