@@ -2,7 +2,8 @@
 
 * scheduler: ``dask scheduler --preload nexus.control.plugin`` (Master + queues, no torch)
 * ``sim-i``: simulator workers, resource ``SIM=1`` each (one simulator process per core)
-* ``actor-0``: the training model service, resource ``ACTOR=1``
+* ``actor-0`` .. ``actor-{N-1}``: the training model service's ranks (``actor_ranks = N``), resource
+  ``ACTOR=1`` each; the control plane forms one torch.distributed group over them
 * ``infer-i``: inference engines (and the MLflow tracker), resource ``INFER=1`` each
   (``n_infer``, default ``inference_engines``; spare ones let ``scale_inference`` grow the pool)
 * ``gateway``: the tenant gateway (``python -m nexus.gateway``), the only door tenants use
@@ -216,7 +217,8 @@ class LocalService:
         self._lock.record(address=self.address)
         for i in range(self.n_sim):
             self._worker(f"sim-{i}", "SIM=1")
-        self._worker("actor-0", "ACTOR=1")
+        for rank in range(self.config.actor_ranks):
+            self._worker(f"actor-{rank}", "ACTOR=1")
         for i in range(self.n_infer):
             self._worker(f"infer-{i}", "INFER=1")
         self._gateway()
@@ -225,7 +227,7 @@ class LocalService:
 
     @property
     def n_workers(self) -> int:
-        return self.n_sim + 1 + self.n_infer
+        return self.n_sim + self.config.actor_ranks + self.n_infer
 
     def stop(self) -> None:
         self._end_sessions()

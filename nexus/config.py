@@ -273,7 +273,8 @@ class ServiceConfig(BaseModel):
     checkpoint_every: int = Field(1, ge=0, description="DeepSpeed checkpoint every N versions, saved before the "
                                   "version is published (0: at job end only)")
     inference_engines: int = Field(1, ge=1, description="inference engines at start (Nexus.scale_inference changes it)")
-    actor_ranks: int = Field(1, ge=1, description="ranks of the actor group (workers with resource ACTOR)")
+    actor_ranks: int = Field(1, ge=1, description="ranks of the actor group: ACTOR workers forming one "
+                             "torch.distributed group (gloo on CPU, nccl on CUDA), each batch split between them")
     health: HealthSettings = HealthSettings()
     dispatch: DispatchSettings = DispatchSettings()
     datapath: DataPathSettings = DataPathSettings()

@@ -80,6 +80,17 @@ class BatchRef(_Plain):
 
 
 @dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one incarnation (``epoch``) of the actor group meet: the TCP store that rank 0 serves
+    on ``host:port``, from a socket its worker bound (on its own address) before the group starts."""
+
+    host: str
+    port: int
+    world_size: int
+    epoch: int
+
+
+@dataclass(frozen=True)
 class SlotInfo:
     """A tenant slot built on an actor rank from the tenant's durable state."""
 

@@ -30,13 +30,17 @@ class Seeded(Protocol):
 
 
 class Learner(Protocol):
-    """A tenant's slot: its spec (seeds), version, chunk, policy and optimizer (one DeepSpeed engine)."""
+    """A tenant's slot on one rank of the actor group: its spec (seeds), version, chunk, policy and optimizer
+    (one DeepSpeed engine over the group's ``world_size`` ranks)."""
 
     spec: Seeded
     version: int
     chunk: int
     policy: Any
+    rank: int
+    world_size: int
 
-    def train_step(self, loss_fn: LossFn) -> dict[str, float]:
-        """Backpropagate ``loss_fn(policy)`` and apply one optimizer step -> stats."""
+    def train_step(self, loss_fn: LossFn, share: float = 1.0) -> dict[str, float]:
+        """Backpropagate ``loss_fn(policy)`` on this rank's ``share`` of a batch (``nexus.algorithms.shards``)
+        and apply one optimizer step (every rank together) -> the batch's stats."""
         ...

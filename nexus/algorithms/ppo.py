@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from nexus.algorithms.shards import owned_in, shard
+
 if TYPE_CHECKING:
     import torch
 
@@ -135,13 +137,23 @@ def ppo_loss(policy: GaussianPolicy, feats: BackboneFeatures | torch.Tensor, pro
     return loss, stats
 
 
+def normalized_advantages(advantages: torch.Tensor, cfg: PPOConfig) -> tuple[torch.Tensor, PPOConfig]:
+    """A minibatch's advantages normalized as :func:`ppo_loss` would (``cfg.norm_adv``), and the config that
+    leaves them as they are: the ranks of the actor group normalize over the whole minibatch, then cut it."""
+    if cfg.norm_adv and advantages.numel() > 1:
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    return advantages, cfg.model_copy(update={"norm_adv": False})
+
+
 def update(learner: Learner, feats: BackboneFeatures, proprio: torch.Tensor, arrays: Mapping[str, Any],
            cfg: PPOConfig) -> dict[str, float]:
     """One PPO update on a batch of whole episodes (``arrays``: the stored columns reward, value, action,
-    logprob, terminated, truncated; ``feats``/``proprio``: the backbone features and states of its steps).
+    logprob, terminated, truncated; ``feats``/``proprio``: the backbone features and states of the steps this
+    rank owns, ``nexus.algorithms.shards.shard(rows, rank, world_size)``; all of them on one rank).
 
     Returns the stats averaged over minibatches, with ``batch_steps`` and ``epochs`` run. The minibatch
-    order is a pure function of the tenant's seed and version, so a retried update is identical."""
+    order is a pure function of the tenant's seed and version, so a retried update is identical; every rank
+    draws the same order and computes its own rows of each minibatch."""
     import torch
 
     dones = np.logical_or(arrays["terminated"], arrays["truncated"]).astype(np.float32)
@@ -154,6 +166,7 @@ def update(learner: Learner, feats: BackboneFeatures, proprio: torch.Tensor, arr
     actions = torch.as_tensor(np.array(arrays["action"]))  # a copy: the Arrow buffers are read-only
     old_logprob = torch.as_tensor(np.array(arrays["logprob"]))
     n = len(actions)
+    own = shard(n, learner.rank, learner.world_size).rows  # the rows feats/proprio hold
     gen = torch.Generator().manual_seed(learner.spec.seed + learner.version)
     sums: dict[str, float] = {}
     count = epochs = 0
@@ -161,8 +174,15 @@ def update(learner: Learner, feats: BackboneFeatures, proprio: torch.Tensor, arr
         perm = torch.randperm(n, generator=gen)
         for start in range(0, n, cfg.minibatch_size):
             mb = perm[start:start + cfg.minibatch_size]
-            stats = learner.train_step(lambda policy, mb=mb: ppo_loss(
-                policy, feats[mb], proprio[mb], actions[mb], old_logprob[mb], adv[mb], ret[mb], cfg))
+            mb_adv, mb_cfg = normalized_advantages(adv[mb], cfg)
+            norm = adv.clone()
+            norm[mb] = mb_adv  # over the whole minibatch, whichever rank computes a row
+            local, share = owned_in(mb.numpy(), learner.rank, learner.world_size)
+            rows = torch.as_tensor(own[local])  # this rank's rows of the minibatch (rows of the batch)
+            cut = torch.as_tensor(local)  # ... and of feats/proprio
+            stats = learner.train_step(lambda policy, rows=rows, cut=cut, mb_cfg=mb_cfg, norm=norm: ppo_loss(
+                policy, feats[cut], proprio[cut], actions[rows], old_logprob[rows], norm[rows], ret[rows], mb_cfg),
+                share)
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             count += 1

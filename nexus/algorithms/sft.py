@@ -16,43 +16,68 @@ import torch
 import torch.nn.functional as F
 
 from nexus.algorithms.learner import Learner
+from nexus.algorithms.shards import Shard
 from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.flow_matching import interpolate, noise_like, sample_tau
 from nexus.model.policy import TenantPolicy
 
 
 def sft_loss(policy: TenantPolicy, feats: BackboneFeatures | torch.Tensor, proprio: torch.Tensor,
-             actions: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+             actions: torch.Tensor, generator: torch.Generator | None = None,
+             draws: FlowDraws | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The family's SFT loss on demonstrated actions [N, chunk*action_dim] -> (loss, stats).
 
     stats: ``mse`` (Gaussian mean vs action) or ``flow_mse`` (velocity error); the value head is unused.
+    ``draws``: the flow family's noise and times, drawn beforehand (else from ``generator``).
     """
     if policy.gaussian:
         pred = policy.mean_action(feats, proprio)
         loss = F.mse_loss(pred, torch.as_tensor(actions).to(pred.device, pred.dtype))
         return loss, {"mse": loss.item()}
-    return flow_matching_loss(policy, feats, proprio, actions, generator)
+    return flow_matching_loss(policy, feats, proprio, actions, generator, draws)
+
+
+FlowDraws = tuple[torch.Tensor, torch.Tensor]  # (noise [N, chunk, A], tau [N]) of a flow-matching step
+
+
+def flow_draws(policy: TenantPolicy, rows: int, generator: torch.Generator | None = None) -> FlowDraws:
+    """Noise and flow times of a batch of ``rows`` rows, in the order :func:`flow_matching_loss` draws them."""
+    noise = noise_like(torch.empty(rows, policy.chunk, policy.action_dim), generator)
+    return noise, sample_tau(rows, policy.cfg.flow, generator)
 
 
 def flow_matching_loss(policy: TenantPolicy, feats: BackboneFeatures | torch.Tensor, proprio: torch.Tensor,
-                       actions: torch.Tensor, generator: torch.Generator | None = None
-                       ) -> tuple[torch.Tensor, dict[str, float]]:
+                       actions: torch.Tensor, generator: torch.Generator | None = None,
+                       draws: FlowDraws | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """MSE between the predicted and the true velocity ``A - eps`` at ``x_tau``, tau ~ the family's schedule."""
     p = next(policy.parameters())
     target = torch.as_tensor(actions).to(p.device, p.dtype).reshape(-1, policy.chunk, policy.action_dim)
-    noise = noise_like(target, generator)
-    tau = sample_tau(target.shape[0], policy.cfg.flow, generator, device=p.device)
+    if draws is None:
+        noise = noise_like(target, generator)
+        tau = sample_tau(target.shape[0], policy.cfg.flow, generator, device=p.device)
+    else:
+        noise, tau = draws[0].to(p.device, p.dtype), draws[1].to(p.device)
     x_tau, velocity = interpolate(target, noise, tau)
     loss = F.mse_loss(policy.velocity(feats, proprio, x_tau, tau), velocity)
     return loss, {"flow_mse": loss.item()}
 
 
 def update(learner: Learner, feats: BackboneFeatures, proprio: torch.Tensor, actions: torch.Tensor,
-           step: int) -> dict[str, float]:
-    """One SFT step (one optimizer step of the tenant's engine) on demonstrated ``actions`` -> {"loss"}."""
-    # flow-matching noise and times: a pure function of (tenant seed, step), so a retried item is identical
+           step: int, shard: Shard | None = None) -> dict[str, float]:
+    """One SFT step (one optimizer step of the tenant's engine) on demonstrated ``actions`` -> {"loss"}.
+
+    ``shard``: which rows of the step's batch ``feats``/``proprio``/``actions`` are (this rank's; default:
+    the whole batch)."""
+    shard = shard or Shard.whole(len(actions))
+    # flow-matching noise and times: a pure function of (tenant seed, step), so a retried item is identical;
+    # drawn for the whole batch and cut, so every group size trains on the same draws
     gen = torch.Generator().manual_seed(learner.spec.seed * 1_000_003 + int(step))
-    stats = learner.train_step(lambda policy: sft_loss(policy, feats, proprio, actions, gen))
+    draws = None
+    if not learner.policy.gaussian:
+        idx = torch.as_tensor(shard.rows)
+        noise, tau = flow_draws(learner.policy, shard.total, gen)
+        draws = (noise[idx], tau[idx])
+    stats = learner.train_step(lambda policy: sft_loss(policy, feats, proprio, actions, gen, draws), shard.share)
     return {"loss": float(stats["loss"])}
 
 

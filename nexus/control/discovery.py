@@ -57,7 +57,8 @@ class Rediscovery:
         reason = INTERRUPTED
         found_tenants, interrupted, errors = [], [], {}
         try:
-            found = await self.actors.run(tasks.DISCOVER, lambda r: (root,), key="nexus-discover", retry_lost=True)
+            found = await self.actors.run(tasks.DISCOVER, lambda r: (root,), key="nexus-discover", retry_lost=True,
+                                          first_only=True)
             for f in found:
                 self.jobs.ids.observe(f["job_seq"])
             for f in found:
@@ -65,7 +66,8 @@ class Rediscovery:
                 try:
                     if f["interrupted"]:
                         marked = await self.actors.run(tasks.MARK_INTERRUPTED, lambda r, f=f: (f["output_dir"], reason),
-                                                       key=f"nexus-interrupted-{name}", retry_lost=True)
+                                                       key=f"nexus-interrupted-{name}", retry_lost=True,
+                                                       first_only=True)
                         interrupted.extend(marked)
                     spec = dict(f["spec"])
                     if self.registry.find(name) is None:

@@ -32,4 +32,4 @@ async def export_version(registry: TenantRegistry, actors: ActorGroup, tenant: s
     setup = t.setup()
     return await actors.run(
         tasks.EXPORT_VERSION, lambda r: (setup, version, path),
-        key=f"nexus-export-{tenant}-v{version}", retry_lost=True, timeout=600)
+        key=f"nexus-export-{tenant}-v{version}", retry_lost=True, timeout=600, first_only=True)

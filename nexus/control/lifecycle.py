@@ -115,7 +115,7 @@ class TenantLifecycle:
         purged = False
         if not keep_output:
             await self.actors.run(tasks.PURGE_OUTPUT, lambda r: (t.output_dir, name, str(self.config.root)),
-                                  key=f"nexus-purge-{name}", retry_lost=True, timeout=300)
+                                  key=f"nexus-purge-{name}", retry_lost=True, timeout=300, first_only=True)
             purged = True
         self._event("tenant", {"tenant": name, "deleted": True, "purged": purged})
         return {"tenant": name, "output_dir": t.output_dir, "purged": purged, "cancelled_jobs": cancelled}

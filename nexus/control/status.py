@@ -123,7 +123,8 @@ def build(p: StatusParts, page: Page | None = None) -> dict[str, Any]:
             "inference_queue": {"pending": p.monitoring.inference_pending},
             "roles": p.health.views(now), "service": service_view(p), "inference": p.pool.view(),
             "actor": {"ranks": p.actors.world_size, "ready": p.actors.ready, "workers": list(p.actors.workers),
-                      "epoch": p.actors.epoch, "running": [i.item_id for i in p.dispatcher.running]},
+                      "epoch": p.actors.epoch, "running": [i.item_id for i in p.dispatcher.running],
+                      "last_rebuild_reason": p.actors.broken_reason},
             "workers": workers, "busy_s": dict(p.monitoring.busy), "actor_busy": len(p.dispatcher.running),
             "scheduling": p.policy.view(),
             "decisions": {**p.queue.times.view(), **p.pool.routing.times.view()},  # plugin decision latency, us

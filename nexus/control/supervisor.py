@@ -3,9 +3,10 @@
 A reconcile loop (level-triggered, one pass at a time, woken by worker joins/leaves and every
 second) brings the service to its desired shape:
 
-* **actor group** — ``actor_ranks`` ranks on ``ACTOR`` workers; after a loss, the group is rebuilt on
-  the restarted worker: every tenant's slot from its durable state (checkpoint, version past the
-  highest published), then the dispatcher re-runs the interrupted item;
+* **actor group** — ``actor_ranks`` ranks on ``ACTOR`` workers, one torch.distributed group; after a
+  loss, the group is rebuilt on the restarted workers (with N > 1 every rank's: a survivor's group is
+  broken) — every tenant's slot from its durable state (checkpoint, version past the highest
+  published), then the dispatcher re-runs the interrupted item (:mod:`nexus.control.actor_placement`);
 * **inference pool** — ``target`` engines (:meth:`EnginePool.ensure`: a lost engine is replaced in its
   slot, preferring the restarted worker of the same name, and re-synced before it serves);
 * **tracker** — one MLflow tracker; a new one reopens the known runs (:class:`TrackerLink`);
@@ -30,10 +31,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from nexus.control import tasks
+from nexus.control.actor_placement import ActorPlacement
 from nexus.control.discovery import Rediscovery
 from nexus.control.engine_ops import START_TIMEOUT_S
 from nexus.control.health import RoleState
-from nexus.messages import Heartbeat, SlotInfo
+from nexus.messages import Heartbeat
 
 if TYPE_CHECKING:
     from nexus.config import ServiceConfig
@@ -73,7 +75,7 @@ class Supervisor:
         self._task: asyncio.Task | None = None
         self._tracker_starts = 0
         self._tracker_retry_at = 0.0
-        self._actor_retry_at = 0.0
+        self.placement = ActorPlacement(config, runtime, health, actors, pool, registry, dispatcher, offload)
         self._producer_requests: dict[str, int] = {}
         for role in actors.roles:
             health.register(role, "actor")
@@ -96,6 +98,7 @@ class Supervisor:
     def apply(self, policy: SchedulerPolicy) -> None:
         """A new scheduling policy: an actor group or tracker started from now on gets its settings."""
         self.config = self.config.with_policy(policy)
+        self.placement.config = self.config
 
     def wake(self) -> None:
         self._wake.set()
@@ -122,7 +125,7 @@ class Supervisor:
                 self.on_worker_removed(address, reason=r.reason)
                 self.runtime.spawn(self.runtime.restart_worker(address))
         self.health.retire_departed("simulator", self.health.settings.fail_after_s)  # hosts that left for good
-        await self._ensure_actor()
+        await self.placement.ensure()
         await self._ensure_tracker()
         errors = await self.pool.ensure()
         for e in errors:
@@ -147,6 +150,7 @@ class Supervisor:
             if r.state != RoleState.FAILED:
                 self.health.fail(r.role, reason)
         self.health.worker_lost(address)
+        self.placement.worker_removed(address)
         self.actors.lost(address)  # the dispatcher holds new items until the group is rebuilt
         self.pool.member_lost(address)
         if self.tracker.address == address:
@@ -175,54 +179,6 @@ class Supervisor:
             if p["requests"] != self._producer_requests.get(key):
                 self._producer_requests[key] = p["requests"]
                 self.health.progress(f"producer/{p['job']}", requests=p["requests"])
-
-    # -- actor group ------------------------------------------------------------------------------------
-    async def _ensure_actor(self) -> None:
-        a = self.actors
-        if a.ready:
-            return
-        workers = self.runtime.workers("ACTOR")[: a.world_size]
-        if len(workers) < a.world_size or time.monotonic() < self._actor_retry_at:
-            return  # wait for the nanny (or an operator) to bring the worker back
-        for role in a.roles:
-            h = self.health.register(role, "actor")
-            if h.state == RoleState.FAILED and not self.health.begin_restart(role, "rebuilding the actor group"):
-                a.set_unavailable(f"{role}: restart budget spent")
-                return
-        for role, w in zip(a.roles, workers, strict=True):
-            self.health.register(role, "actor", w.address, w.name)
-        ready = [t.setup() for t in self.registry if t.phase == "ready"]
-        offloaded = self.offload.offloaded if self.offload is not None else set()
-        setups = [s for s in ready if s.name not in offloaded]  # the others are restored at their next item
-        gone = [s.name for s in ready if s.name in offloaded]
-        addresses = [w.address for w in workers]
-        try:
-            await asyncio.wait_for(a.run_on(addresses, tasks.START_ACTOR, lambda r: (self.config, r, a.world_size),
-                                            key=f"nexus-actor-start-{a.epoch + 1}"), START_TIMEOUT_S)
-            res = await asyncio.wait_for(a.run_on(addresses, tasks.REBUILD_SLOTS, lambda r: (setups, gone),
-                                                  key=f"nexus-rebuild-{a.epoch + 1}"), START_TIMEOUT_S)
-        except Exception as e:
-            for role in a.roles:
-                self.health.fail(role, f"rebuild failed: {type(e).__name__}: {e}")
-            self._actor_retry_at = time.monotonic() + 5.0
-            return
-        for info in res["slots"]:
-            self._restored(info)
-        for name, err in res["errors"].items():
-            self.health.error(a.roles[0], f"slot {name}: {err}")
-        a.set_ready(addresses, [w.name for w in workers])
-        for role, w in zip(a.roles, workers, strict=True):
-            self.health.ready(role, w.address, w.name, reason=f"slots rebuilt ({len(res['slots'])} tenants)")
-        self.dispatcher.pump()
-
-    def _restored(self, info: SlotInfo) -> None:
-        t = self.registry.find(info.tenant)
-        if t is None:
-            return
-        before = t.version
-        self.registry.publish(info.tenant, info.version)
-        if t.version > before:  # an update finished on the lost worker after its last report
-            self.runtime.spawn(self.pool.on_published(t.setup(), ()))
 
     # -- tracker ----------------------------------------------------------------------------------------
     async def _ensure_tracker(self) -> None:

@@ -51,6 +51,7 @@ _D = "nexus.data.tenant_dirs"
 _W = "nexus.services.worker_plugin"
 
 # actor ranks (resource ACTOR): tenant slots and their durable state
+OPEN_RENDEZVOUS = TaskRef(f"{_W}:open_rendezvous", "plugin")  # on rank 0's worker, before START_ACTOR
 START_ACTOR = TaskRef(f"{_W}:start_actor", "plugin")
 INIT_TENANT = TaskRef(f"{_A}:init_tenant", "actor")
 REBUILD_SLOTS = TaskRef(f"{_A}:rebuild_slots", "actor")

@@ -1,7 +1,10 @@
 """Training Model Service, one actor rank's state (resource ``ACTOR``): the frozen backbone, loaded once per
 process, and every tenant's slot (head + value head + adapter in its own DeepSpeed ZeRO engine + version).
 
-Held by the worker's Nexus plugin and passed to the actor tasks (:mod:`nexus.services.actor_tasks`). Besides
+Held by the worker's Nexus plugin and passed to the actor tasks (:mod:`nexus.services.actor_tasks`). With N
+ranks (``actor_ranks``) every rank holds every slot, computes its shard of each batch
+(:mod:`nexus.algorithms.shards`) and steps with the others; only rank 0 writes weights and manifests and pushes
+to inference (:attr:`ActorHost.writes`). Besides
 the state, the few things every update needs: backbone features of a batch (the rollout's own features of an
 RL batch when they are reusable), and publishing a new version — weights (and a checkpoint when due) made
 durable before the version is pushed to the inference engines directly, worker to worker, when something
@@ -27,11 +30,12 @@ from nexus.data.trajectory_store import FEATURE_COLUMN, batch_metadata, table_to
 from nexus.engine_client import EngineSet
 from nexus.errors import Unavailable
 from nexus.features import Observation
-from nexus.messages import SyncRule
+from nexus.messages import Rendezvous, SyncRule
 from nexus.model.backbone import BackboneConfig, SharedBackbone
 from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.framework import VLAFramework
-from nexus.services.tenant_slot import TenantSlot, ensure_distributed
+from nexus.services.process_group import ensure_distributed
+from nexus.services.tenant_slot import TenantSlot
 from nexus.signals import emit
 
 
@@ -47,10 +51,14 @@ def metered(tenant: str, what: str, job: str | None = None) -> Iterator[dict[str
 
 
 class ActorHost:
-    def __init__(self, config: ServiceConfig, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, config: ServiceConfig, rank: int = 0, world_size: int = 1, rendezvous: Rendezvous | None = None,
+                 local_rank: int = 0, host: str | None = None, listen_fd: int | None = None) -> None:
+        """Rank ``rank`` of ``world_size`` (``rendezvous``: where the group meets; None: a world of 1); ``host``:
+        this rank's own address (default: the service's host), ``listen_fd``: rank 0's rendezvous socket."""
         torch.set_num_threads(1)
-        self.config, self.rank, self.world_size = config, rank, world_size
-        ensure_distributed(config.host)  # before any slot: the rendezvous stays on the service's host
+        self.config, self.rank, self.world_size, self.rendezvous = config, rank, world_size, rendezvous
+        # before any slot: the process group's sockets stay on this rank's own address
+        ensure_distributed(host or config.host, rank, world_size, rendezvous, local_rank, listen_fd)
         self.backbone_cfg = BackboneConfig(**config.backbone.model_dump())
         self.framework = VLAFramework(SharedBackbone(self.backbone_cfg))
         self.slots: dict[str, TenantSlot] = {}
@@ -90,9 +98,10 @@ class ActorHost:
         module reads) and proprio tensors for a batch."""
         return self.framework.tenant_features(tenant, observations)
 
-    def batch_features(self, slot: TenantSlot, table, arrays: dict,
-                       use_cache: bool = True) -> tuple[BackboneFeatures, torch.Tensor, bool]:
-        """Backbone features + proprio of a stored RL batch -> (features, proprio, from_cache).
+    def batch_features(self, slot: TenantSlot, table, arrays: dict, use_cache: bool = True,
+                       rows: np.ndarray | None = None) -> tuple[BackboneFeatures, torch.Tensor, bool]:
+        """Backbone features + proprio of a stored RL batch (of its ``rows``; default all) -> (features, proprio,
+        from_cache).
 
         The rollout's own features when the batch carries them, they came from this actor's backbone
         (same compat key), the tenant's head reads pooled features only and it has no LoRA adapter (its
@@ -102,26 +111,37 @@ class ActorHost:
         pre = self.framework.preprocessors.get(slot.name)
         if (use_cache and FEATURE_COLUMN in arrays and pre is not None and key == pre.compat_key
                 and not slot.policy.prefix_layers and slot.policy.lora is None):
-            pooled = torch.from_numpy(np.array(arrays[FEATURE_COLUMN], np.float32))  # a copy: Arrow is read-only
-            return BackboneFeatures(pooled), torch.from_numpy(np.array(arrays["state"], np.float32)), True
-        feats, proprio = self.features(slot.name, table_to_observations(table, slot.schema))
+            pick = slice(None) if rows is None else rows
+            pooled = torch.from_numpy(np.array(arrays[FEATURE_COLUMN][pick], np.float32))  # a copy: Arrow is read-only
+            return BackboneFeatures(pooled), torch.from_numpy(np.array(arrays["state"][pick], np.float32)), True
+        part = table if rows is None else table.take(rows)
+        feats, proprio = self.features(slot.name, table_to_observations(part, slot.schema))
         return feats, proprio, False
 
     # -- versions ---------------------------------------------------------------------------------------
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes the tenants' files and pushes to inference (rank 0 only: the other
+        ranks hold the same weights; checkpoints are written by every rank, each its optimizer partition)."""
+        return self.rank == 0
+
     def publish(self, slot: TenantSlot, out: TenantOutputDir, engines: EngineSet, source: str,
                 sync: SyncRule | None = None) -> tuple[int, dict[str, float]]:
-        """Bump the slot's version and make it durable — its weights written once and, every
-        ``checkpoint_every`` versions, its checkpoint, both listed in the manifest (retention applied) —
-        then push it to inference if the sync rule says so (versions count every optimizer step either way)."""
+        """Bump the slot's version and make it durable — every ``checkpoint_every`` versions its checkpoint
+        (collective), then its weights written once, both listed in the manifest (retention applied) —
+        then push it to inference if the sync rule says so (versions count every optimizer step either way).
+        A rank lost during the checkpoint leaves no trace of the version: the re-run makes it again."""
         version = slot.bump_version()
-        weights = slot.export_weights()
-        digest = out.write_weights(version, weights)
         every = self.config.checkpoint_every
         tag = slot.save_checkpoint(str(out.checkpoints)) if every and version % every == 0 else None
+        pushed = {"weight_sync_s": 0.0, "weight_sync_bytes": 0.0}
+        if not self.writes:
+            return version, pushed
+        weights = slot.export_weights()
+        digest = out.write_weights(version, weights)
         limits = self.config.limits_for(slot.name)
         out.add_version(version, source, keep=(limits.max_versions_kept, limits.max_checkpoints_kept),
                         checkpoint=tag, sha256=digest)
-        pushed = {"weight_sync_s": 0.0, "weight_sync_bytes": 0.0}
         if sync is None or sync.should_push(version):
             pushed = self._push(engines, slot, weights)
         return version, pushed
@@ -131,7 +151,7 @@ class ActorHost:
         e.g. at the end of an SFT job)."""
         with metered(tenant, "sync") as sig:
             slot = self.slots.get(tenant)
-            if slot is None or self.synced.get(tenant) == slot.version:
+            if slot is None or not self.writes or self.synced.get(tenant) == slot.version:
                 return {"version": None if slot is None else slot.version, "pushed": False}
             sync = self._push(engines, slot, slot.export_weights())
             sig.update(sync_s=sync["weight_sync_s"], sync_bytes=sync["weight_sync_bytes"], synced=True)

@@ -17,6 +17,7 @@ import torch
 from distributed import get_worker
 
 from nexus.algorithms import ppo, sft
+from nexus.algorithms.shards import Shard, shard
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.trajectory_store import read_ipc, table_arrays
 from nexus.engine_client import EngineSet
@@ -78,11 +79,12 @@ def offload_slots(actor: ActorHost, setups: list[TenantSetup]) -> dict[str, Any]
             kept[setup.name] = "gradients wait for an optim_step"
             continue
         out = TenantOutputDir(setup.output_dir)
-        ck = out.latest_checkpoint()
-        if ck is None or ck["version"] != slot.version:
-            out.add_checkpoint(slot.version, slot.save_checkpoint(str(out.checkpoints)))
-            limits = actor.config.limits_for(setup.name)
-            out.prune(limits.max_versions_kept, limits.max_checkpoints_kept)
+        if slot.checkpoint_version != slot.version:  # the slot's own state: the same on every rank
+            tag = slot.save_checkpoint(str(out.checkpoints))
+            if actor.writes:
+                out.add_checkpoint(slot.version, tag)
+                limits = actor.config.limits_for(setup.name)
+                out.prune(limits.max_versions_kept, limits.max_checkpoints_kept)
         actor.offloaded[setup.name] = slot.version
         drop_slot(actor, setup.name)
         done.append(setup.name)
@@ -100,7 +102,8 @@ def slot_for(actor: ActorHost, setup: TenantSetup) -> TenantSlot:
 
 # -- updates ----------------------------------------------------------------------------------------------
 def update_sft(actor: ActorHost, slot: TenantSlot, work: SFTWork) -> dict[str, float]:
-    """One SFT step on a batch of the tenant's dataset (chunked targets: each row's following actions)."""
+    """One SFT step on a batch of the tenant's dataset (chunked targets: each row's following actions); this
+    rank computes its shard of the batch (``nexus.algorithms.shards``)."""
     ds = actor.dataset(work.dataset)
 
     def targets(rows: dict) -> torch.Tensor:
@@ -109,20 +112,31 @@ def update_sft(actor: ActorHost, slot: TenantSlot, work: SFTWork) -> dict[str, f
         return torch.as_tensor(actor.chunks(work.dataset).targets(rows["episode"], rows["step"], slot.chunk))
 
     batch = ds.sample_batch(work.batch_size, work.step, slot.spec.seed)
-    feats, proprio = actor.features(slot.name, ds.observations(batch))
-    metrics = sft.update(slot, feats, proprio, targets(batch), work.step)
+    part = shard(len(batch["episode"]), slot.rank, slot.world_size)
+    mine = _rows(batch, part)
+    feats, proprio = actor.features(slot.name, ds.observations(mine))
+    metrics = sft.update(slot, feats, proprio, targets(mine), work.step, part)
     if work.eval_heldout:
         held = ds.heldout()
-        hf, hp = actor.features(slot.name, ds.observations(held))
-        metrics["heldout_action_mse"] = sft.action_mse(slot.policy, hf, hp, targets(held))
+        part = shard(len(held["episode"]), slot.rank, slot.world_size)
+        rows = _rows(held, part)
+        hf, hp = actor.features(slot.name, ds.observations(rows))
+        mse = {"heldout_action_mse": sft.action_mse(slot.policy, hf, hp, targets(rows))}
+        metrics |= slot.combine(mse, part.share)
     return metrics
 
 
+def _rows(batch: dict, part: Shard) -> dict:
+    return batch if part.share == 1.0 else {k: v[part.rows] for k, v in batch.items()}
+
+
 def update_rl(actor: ActorHost, slot: TenantSlot, work: RLWork) -> dict[str, float]:
-    """One RL update on a stored trajectory batch (the rollout's backbone features when reusable)."""
+    """One RL update on a stored trajectory batch (the rollout's backbone features when reusable); this rank
+    computes the backbone features of the rows it owns (``nexus.algorithms.shards``)."""
     table = read_ipc(work.batch.path)
     arrays = table_arrays(table)
-    feats, proprio, cached = actor.batch_features(slot, table, arrays, work.use_cached_features)
+    own = None if slot.world_size == 1 else shard(table.num_rows, slot.rank, slot.world_size).rows
+    feats, proprio, cached = actor.batch_features(slot, table, arrays, work.use_cached_features, own)
     return ppo.update(slot, feats, proprio, arrays, work.config) | {"cached_features": float(cached)}
 
 
@@ -166,12 +180,16 @@ def finish_job(actor: ActorHost, tenant: str, output_dir: str, record: dict, che
         out = TenantOutputDir(output_dir)
         slot = actor.slots.get(tenant)
         if checkpoint and slot is not None:
-            ck = out.latest_checkpoint()
-            if ck is None or ck["version"] != slot.version:
+            # decided from the slot's own state, the same on every rank (the save is collective)
+            if slot.checkpoint_version != slot.version:
                 tag = slot.save_checkpoint(str(out.checkpoints))
-                out.add_checkpoint(slot.version, tag)
-                limits = actor.config.limits_for(tenant)
-                out.prune(limits.max_versions_kept, limits.max_checkpoints_kept)
+                if actor.writes:
+                    out.add_checkpoint(slot.version, tag)
+                    limits = actor.config.limits_for(tenant)
+                    out.prune(limits.max_versions_kept, limits.max_checkpoints_kept)
+        if not actor.writes:
+            return {"artifacts": []}
+        if checkpoint and slot is not None:
             record["checkpoint"] = out.latest_checkpoint()["tag"]
         if record.get("history") is None:
             out.write_job(record)  # add_job writes the record file itself when there is a history

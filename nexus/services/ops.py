@@ -14,8 +14,9 @@ import torch
 
 from nexus.algorithms.grpo import GRPOConfig, grpo_loss
 from nexus.algorithms.learner import LossFn
-from nexus.algorithms.ppo import PPOConfig, ppo_loss
+from nexus.algorithms.ppo import PPOConfig, normalized_advantages, ppo_loss
 from nexus.algorithms.sft import sft_loss
+from nexus.algorithms.shards import shard
 from nexus.data.output_dir import TenantOutputDir
 from nexus.engine_client import EngineSet
 from nexus.errors import Conflict, SpecError
@@ -36,14 +37,21 @@ def _finite(loss_fn: LossFn, loss: str) -> LossFn:
 
 
 def forward_backward(actor: ActorHost, slot: TenantSlot, loss: str, batch: Any) -> dict[str, float]:
+    """The loss of a client's batch backpropagated into the slot (gradients wait for ``optim_step``): every rank
+    checks the whole batch, then computes its shard of it (``nexus.algorithms.shards``)."""
     limits = actor.config.limits_for(slot.name)
     data = check_batch(batch, slot.schema, loss, chunk=slot.chunk, gaussian=slot.policy.gaussian,
                        max_rows=limits.max_batch_rows, max_instruction_chars=limits.max_instruction_chars)
-    feats, proprio = actor.features(slot.name, data["observations"])
-    actions = torch.as_tensor(data["actions"])
+    part = shard(len(data["observations"]), slot.rank, slot.world_size)
+    rows = torch.as_tensor(part.rows)
+    feats, proprio = actor.features(slot.name, [data["observations"][i] for i in part.rows])
+    actions = torch.as_tensor(data["actions"])[rows]
     t = {k: torch.as_tensor(v) for k, v in data.items() if k in ("logprobs", "advantages", "returns", "ref_logprobs")}
     gcfg = GRPOConfig(**data.get("grpo", {})) if loss == "grpo" else None
     cfg = PPOConfig(**data.get("ppo", {})) if loss == "ppo" else None
+    if cfg is not None:  # normalized over the whole batch, whichever rank computes a row
+        t["advantages"], cfg = normalized_advantages(t["advantages"].float(), cfg)
+    t = {k: v[rows] for k, v in t.items()}
 
     def fn(policy):
         if loss == "sft":
@@ -53,7 +61,7 @@ def forward_backward(actor: ActorHost, slot: TenantSlot, loss: str, batch: Any) 
                              t.get("ref_logprobs"))
         return ppo_loss(policy, feats, proprio, actions, t["logprobs"], t["advantages"], t["returns"], cfg)
 
-    return {k: float(v) for k, v in slot.forward_backward(_finite(fn, loss)).items()}
+    return {k: float(v) for k, v in slot.forward_backward(_finite(fn, loss), part.share).items()}
 
 
 def run_op(actor: ActorHost, slot: TenantSlot, work: OpWork, batch: Any, out: TenantOutputDir,

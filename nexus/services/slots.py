@@ -36,6 +36,7 @@ from nexus.model.preprocessor import TenantPreprocessor
 from nexus.paths import confine, private_mkdir
 from nexus.policy import initial_state
 from nexus.services.actor_host import ActorHost
+from nexus.services.process_group import agreed_error, gather_objects, portable
 from nexus.services.tenant_slot import TenantSlot
 from nexus.spec import TenantSpec
 
@@ -46,28 +47,32 @@ ACTOR_BYTES_PER_PARAM = 32
 
 
 def build_slot(actor: ActorHost, setup: TenantSetup) -> SlotInfo:
-    """Allocate (or keep) a tenant's slot on this rank from its durable state (a new tenant starts at 0)."""
+    """Allocate (or keep) a tenant's slot on this rank from its durable state (a new tenant starts at 0).
+
+    With N ranks every rank reads the tenant's state and the ranks compare outcomes before anything is
+    written or built (a refusal on one rank is the refusal of all); only rank 0 writes the tenant's files,
+    after every rank has read them; building the slot's engine and loading its checkpoint are collective."""
     name, spec, schema = setup.name, setup.spec, setup.schema
     out = TenantOutputDir(setup.output_dir)
-    if name not in actor.slots:  # first: a refused tenant leaves nothing behind
-        check_actor_budget(actor, spec, schema)
-    existed = out.path.exists()
-    check_output_dir(actor, spec, out)
-    bb = actor.framework.backbone
-    ck = out.latest_checkpoint()
+    error, state, existed = None, None, out.path.exists()
+    try:
+        state = _read_state(actor, setup, out)
+    except Exception as e:
+        error = e
+    failed = agreed_error(error, gather_objects(portable(error)))
+    if failed is not None:
+        if actor.writes and not existed and out.path.is_dir() and not any(out.path.iterdir()):
+            out.path.rmdir()  # a refused tenant (or init_from) leaves nothing behind
+        raise failed
+    assert state is not None
+    ck, init, published = state
     current = actor.slots.get(name)
-    try:  # before the manifest: a refused init_from leaves no tenant behind
-        init = None if ck is not None else _initial_state(spec, schema, bb, out)
-    except BaseException:
-        if not existed and not any(out.path.iterdir()):
-            out.path.rmdir()
-        raise
-    if not out.exists():
+    if actor.writes and not out.exists():
         out.create(spec.model_dump(), schema.to_dict())
-    published = out.highest_version()
     if current is not None and current.version >= published:  # this process still holds it
         return SlotInfo(name, current.version, True, current.version, published, job_seq(out))
     # a LoRA tenant's adapter is part of its policy: the slot's engine trains it, its weights files carry it
+    bb = actor.framework.backbone
     slot = TenantSlot(spec, schema, actor.feat_dim, grad_clip=spec.grad_clip, lora_shapes=bb.lora_shapes(spec.lora),
                       init_state=init)
     ck_version = None
@@ -79,6 +84,28 @@ def build_slot(actor: ActorHost, setup: TenantSetup) -> SlotInfo:
         current.close()
     actor.slots[name] = slot
     actor.framework.add_tenant(name, slot.policy, TenantPreprocessor(schema, actor.backbone_cfg))
+    actor.synced[name] = slot.version  # the engine pool registers the tenant at this version
+    if actor.writes:
+        _record_build(actor, slot, out, ck_version, published)
+    return SlotInfo(name, slot.version, ck is not None, ck_version, published, job_seq(out))
+
+
+def _read_state(actor: ActorHost, setup: TenantSetup, out: TenantOutputDir
+                ) -> tuple[dict | None, dict[str, torch.Tensor] | None, int]:
+    """What a slot is built from -> (latest checkpoint, initial weights, highest version published), the
+    checks first (before the manifest: a refused ``init_from`` leaves no tenant behind)."""
+    spec, schema = setup.spec, setup.schema
+    if setup.name not in actor.slots:  # first: a refused tenant leaves nothing behind
+        check_actor_budget(actor, spec, schema)
+    check_output_dir(actor, spec, out)
+    ck = out.latest_checkpoint()
+    init = None if ck is not None else _initial_state(spec, schema, actor.framework.backbone, out)
+    return ck, init, out.highest_version()
+
+
+def _record_build(actor: ActorHost, slot: TenantSlot, out: TenantOutputDir, ck_version: int | None,
+                  published: int) -> None:
+    """Rank 0: a new tenant's version 0, the updates a rebuild lost, the tenant's link under the root."""
     if not out.weights_path(slot.version).exists():  # a new tenant: its version 0
         out.write_weights(slot.version, slot.export_weights())
         out.add_version(slot.version, "init")
@@ -88,9 +115,7 @@ def build_slot(actor: ActorHost, setup: TenantSetup) -> SlotInfo:
         m.setdefault("restores", []).append({"time": time.time(), "checkpoint_version": ck_version,
                                              "published_version": published, "lost_updates": lost})
         out.write(m)
-    actor.synced[name] = slot.version  # the engine pool registers the tenant at this version
-    link_outside_root(actor.config.tenants_dir, name, out.path)
-    return SlotInfo(name, slot.version, ck is not None, ck_version, published, job_seq(out))
+    link_outside_root(actor.config.tenants_dir, slot.name, out.path)
 
 
 def drop_slot(actor: ActorHost, tenant: str) -> None:

@@ -6,8 +6,11 @@ step of one tenant can never touch another tenant's parameters or optimizer stat
 
 Constraints the caller must respect:
 
-- DeepSpeed collectives (``optim_step``, ``save_checkpoint``, ``load_checkpoint``) must be issued by
-  every rank for the same tenant in the same order; with one process (the default here) this is free.
+- DeepSpeed collectives (construction, ``forward_backward`` and ``optim_step``, ``save_checkpoint``,
+  ``load_checkpoint``) must be issued by every rank for the same tenant in the same order; with one
+  process (the default here) this is free. With N ranks each rank computes its shard of a batch and
+  passes its ``share`` of the rows: losses are scaled so DeepSpeed's gradient average is the batch's mean,
+  and the ranks compare outcomes before the backward, so an error on one rank is raised on all.
 - A slot is not thread-safe: drive all slots of a process from one thread (e.g. one actor task at a time).
 - Gradient accumulation is owned by the caller: the engine runs with
   ``managed_gradient_accumulation=false``, so any number of ``forward_backward`` calls *sum* their
@@ -17,11 +20,7 @@ Constraints the caller must respect:
 from __future__ import annotations
 
 import io
-import logging
 import os
-import socket
-import threading
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,84 +31,25 @@ import torch
 from nexus.features import Observation, TenantSchema
 from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.policy import TenantPolicy
+from nexus.services.process_group import (
+    agreed_error,
+    deepspeed,
+    ensure_distributed,
+    gather_objects,
+    portable,
+    weighted,
+    world,
+)
 from nexus.spec import TenantSpec
 
 if TYPE_CHECKING:
     from nexus.model.framework import VLAFramework
 
-if not torch.cuda.is_available():
-    # Skip DeepSpeed's accelerator probing (and its "unable to detect a GPU" warning) on CPU machines.
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-import deepspeed  # noqa: E402  (must see DS_ACCELERATOR)
-from deepspeed.accelerator import get_accelerator  # noqa: E402
+__all__ = ["TenantSlot", "ensure_distributed", "grouped_forward_backward"]
 
 LossFn = Callable[[TenantPolicy], tuple[torch.Tensor, dict[str, Any]]]
 # a tenant's loss on its rows of a grouped forward: (policy, its features, its proprio) -> (loss, stats)
 GroupLossFn = Callable[[TenantPolicy, BackboneFeatures, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
-
-_dist_lock = threading.Lock()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _quiet_deepspeed() -> None:
-    # DeepSpeed logs its whole config at INFO on every initialize(); one engine per tenant makes that loud.
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    # torch 2.13 deprecates all_gather_into_tensor/reduce_scatter_tensor, which DeepSpeed 0.19.8
-    # calls on every step.
-    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.",
-                            category=FutureWarning)
-
-
-def _interface_of(host: str) -> str | None:
-    """The network interface holding ``host`` (gloo binds its device to one interface)."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == host for a in addrs):
-            return name
-    return None
-
-
-def ensure_distributed(host: str = "127.0.0.1") -> None:
-    """Initialize torch.distributed/DeepSpeed once per process (idempotent, thread-safe).
-
-    Without a launcher this is a world of size 1 whose rendezvous is an in-memory ``HashStore``: no
-    TCP store listens anywhere (an ``env://`` store binds every interface), and gloo's device binds to
-    the interface of ``host`` (127.0.0.1 by default; ``ServiceConfig.host`` on multi-host services).
-    Under torchrun or the deepspeed launcher (``WORLD_SIZE`` > 1) their variables keep control;
-    MASTER_ADDR defaults to ``host``. Backend: gloo on CPU, nccl on CUDA.
-    """
-    _quiet_deepspeed()
-    with _dist_lock:
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
-                deepspeed.comm.is_initialized():
-            return
-        accel = get_accelerator()
-        backend = accel.communication_backend_name()
-        if not torch.distributed.is_initialized():
-            iface = _interface_of(host)
-            if iface is not None:
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
-            for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", host)):
-                os.environ.setdefault(key, value)
-            if os.environ["WORLD_SIZE"] == "1":
-                torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0,
-                                                     world_size=1)
-            elif "MASTER_PORT" not in os.environ:
-                os.environ["MASTER_PORT"] = str(_free_port())
-        if accel.device_name() == "cpu":
-            # The shm comm op would be JIT-compiled (minutes of g++); it only serves
-            # inference_all_reduce, ZeRO's collectives go through gloo anyway.
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        else:
-            accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        deepspeed.init_distributed(dist_backend=backend)
 
 
 class TenantSlot:
@@ -150,7 +90,9 @@ class TenantSlot:
                                                     model_parameters=list(policy.parameters()),
                                                     dist_init_required=False)
         self.policy: TenantPolicy = self.engine.module
+        self.rank, self.world_size = world()
         self.version: int = 0
+        self.checkpoint_version: int | None = None  # the version of the last checkpoint saved or loaded
         self._pending_backward = 0
 
     @property
@@ -168,17 +110,34 @@ class TenantSlot:
 
     # -- training -------------------------------------------------------------------------------------
 
-    def forward_backward(self, loss_fn: LossFn) -> dict[str, float]:
+    def forward_backward(self, loss_fn: LossFn, share: float = 1.0) -> dict[str, float]:
         """Run ``loss_fn(policy)`` and backpropagate its loss; gradients add up until ``optim_step``.
 
-        A LoRA tenant's features (``DeferredFeatures``) are computed inside, through its adapter, so the
-        backward reaches the adapter through the frozen backbone."""
+        ``share``: this rank's fraction of the batch's rows (``loss_fn`` sees only those; 0 for a rank that
+        recomputes a stand-in row so that every rank runs the same graph). Returns the batch's stats (each
+        rank's mean weighted by its share). A LoRA tenant's features (``DeferredFeatures``) are computed
+        inside, through its adapter, so the backward reaches the adapter through the frozen backbone."""
         self.policy.train()
-        loss, stats = loss_fn(self.policy)
-        self.backward(loss)
-        out = {k: float(v) for k, v in stats.items()}
-        out["loss"] = float(loss.detach())
-        return out
+        if self.world_size == 1:
+            loss, stats = loss_fn(self.policy)
+            self.backward(loss)
+            out = {k: float(v) for k, v in stats.items()}
+            out["loss"] = float(loss.detach())
+            return out
+        error: Exception | None = None
+        mine: dict[str, float] = {}
+        try:
+            loss, stats = loss_fn(self.policy)
+            mine = {**{k: float(v) for k, v in stats.items()}, "loss": float(loss.detach())}
+        except Exception as e:  # compared with the other ranks first: all raise, or none
+            error = e
+        outcomes = gather_objects((portable(error), mine, share))
+        failed = agreed_error(error, [o[0] for o in outcomes])
+        if failed is not None:
+            raise failed
+        # DeepSpeed averages gradients over the ranks: scaled by share * N, the average is the batch's mean
+        self.backward(loss * (share * self.world_size))
+        return weighted([(o[1], o[2]) for o in outcomes])
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` through this tenant's engine (gradients add up until ``optim_step``)."""
@@ -201,8 +160,23 @@ class TenantSlot:
         collector cannot see the cycle through them, so a dropped slot would otherwise never be freed."""
         self.engine.destroy()
 
-    def train_step(self, loss_fn: LossFn) -> dict[str, float]:
-        return {**self.forward_backward(loss_fn), **self.optim_step()}
+    def train_step(self, loss_fn: LossFn, share: float = 1.0) -> dict[str, float]:
+        return {**self.forward_backward(loss_fn, share), **self.optim_step()}
+
+    def combine(self, stats: dict[str, float], share: float) -> dict[str, float]:
+        """Stats of this rank's shard of a batch -> the batch's (a collective with N ranks)."""
+        if self.world_size == 1:
+            return stats
+        return weighted(gather_objects((stats, share)))
+
+    def optimizer_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds for the tenant, measured from the tensors: AdamW's
+        moments and ZeRO's fp32 master partition (ZeRO 1-2 partition both across the ranks)."""
+        zero = self.engine.optimizer
+        inner = getattr(zero, "optimizer", zero)
+        tensors = [t for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        tensors += list(getattr(zero, "single_partition_of_fp32_groups", []))
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def bump_version(self) -> int:
         self.version += 1
@@ -223,6 +197,7 @@ class TenantSlot:
         self.engine.save_checkpoint(directory, tag=tag, client_state={"version": self.version})
         if self.engine.global_rank == 0:
             Path(directory, "version").write_text(f"{self.version}\n")
+        self.checkpoint_version = self.version
         return os.path.join(directory, tag)
 
     def load_checkpoint(self, directory: str, tag: str | None = None) -> None:
@@ -232,6 +207,7 @@ class TenantSlot:
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory!r} (tag={tag!r})")
         self.version = int((client_state or {}).get("version", 0))
+        self.checkpoint_version = self.version
         self._pending_backward = 0
 
 

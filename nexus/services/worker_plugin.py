@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from distributed import get_worker
+from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 from distributed.utils import sync
@@ -40,7 +42,7 @@ from tornado.ioloop import PeriodicCallback
 
 from nexus.data.output_dir import TenantOutputDir
 from nexus.errors import Draining, Unavailable
-from nexus.messages import HEALTH_TOPIC, HEARTBEAT_S, Heartbeat
+from nexus.messages import HEALTH_TOPIC, HEARTBEAT_S, Heartbeat, Rendezvous
 from nexus.services.sim_host import SimHost
 
 if TYPE_CHECKING:
@@ -63,6 +65,7 @@ class NexusWorkerPlugin(WorkerPlugin):
         self.sim = SimHost()
         self.engines: dict[str, EngineHost] = {}
         self.tracker: TrackerHost | None = None
+        self.rendezvous_socket: socket.socket | None = None  # rank 0's, for its actor group's TCP store
         self.served_log: deque[tuple[str, str]] = deque(maxlen=200_000)  # (engine, request id) answered here
         self._lock = threading.Lock()
         self._beat: PeriodicCallback | None = None
@@ -164,18 +167,40 @@ def host_for(role: str) -> Any:
 
 # -- tasks that place a role in this process (named by import path in nexus.control.tasks) ------------
 # The role's module is imported here, when a worker first hosts the role: the others never load its stack.
-def start_actor(plugin: NexusWorkerPlugin, config: ServiceConfig, rank: int = 0, world_size: int = 1) -> str:
-    """Host actor rank ``rank`` here (kept when this process already hosts it: its slots stay)."""
-    from distributed.comm import get_address_host
+def open_rendezvous(plugin: NexusWorkerPlugin) -> int:
+    """Bind the socket that rank 0 of a new actor group serves its rendezvous on (this worker's own address,
+    a free port; kept by the plugin for :func:`start_actor`) -> its port."""
+    with plugin._lock:
+        if plugin.actor is not None and plugin.actor.rendezvous is not None:  # its store serves on the socket
+            raise RuntimeError(f"worker {plugin.worker.name} is rank {plugin.actor.rank} of a formed actor group: "
+                               "a new group needs a fresh process")
+        if plugin.rendezvous_socket is not None:  # a group that never formed
+            plugin.rendezvous_socket.close()
+        host = get_address_host(plugin.worker.address)
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        s.bind((host, 0))
+        s.listen(128)  # connections wait in the backlog until rank 0's store serves them
+        plugin.rendezvous_socket = s
+        return int(plugin.rendezvous_socket.getsockname()[1])
 
+
+def start_actor(plugin: NexusWorkerPlugin, config: ServiceConfig, rank: int = 0, world_size: int = 1,
+                rendezvous: Rendezvous | None = None, local_rank: int = 0) -> str:
+    """Host actor rank ``rank`` of ``world_size`` here (kept when this process already hosts it: its slots stay).
+
+    With N ranks, every rank's task runs at the same time (the group forms when all have joined); rank 0
+    serves ``rendezvous`` on the socket of :func:`open_rendezvous`. A process joins one group in its life."""
     from nexus.services.actor_host import ActorHost
 
-    # torch.distributed binds this worker's own address: on a service over several hosts the config's host
-    # is the scheduler's, an address this host does not have
-    config = config.model_copy(update={"host": get_address_host(plugin.worker.address)})
     with plugin._lock:
-        if plugin.actor is None or (plugin.actor.rank, plugin.actor.world_size) != (rank, world_size):
-            plugin.actor = ActorHost(config, rank, world_size)
+        actor = plugin.actor
+        if actor is None or (actor.rank, actor.world_size, actor.rendezvous) != (rank, world_size, rendezvous):
+            sock = plugin.rendezvous_socket if rank == 0 and rendezvous is not None else None
+            if rank == 0 and rendezvous is not None and sock is None:
+                raise RuntimeError("rank 0 has no rendezvous socket: run open_rendezvous on this worker first")
+            plugin.actor = ActorHost(config, rank, world_size, rendezvous, local_rank,
+                                     host=get_address_host(plugin.worker.address),
+                                     listen_fd=sock.fileno() if sock is not None else None)
     return plugin.worker.address
 
 
@@ -200,11 +225,13 @@ def start_tracker(plugin: NexusWorkerPlugin, config: ServiceConfig) -> dict[str,
 
 
 def slot_states(dask_worker) -> dict[str, dict[str, int]]:
-    """Operator view of a worker's actor slots: version and pending backward passes per tenant
+    """Operator view of a worker's actor slots: per tenant its version, pending backward passes, the rank and
+    group size, and the bytes of optimizer state this rank holds (measured from the optimizer's tensors)
     (``client.run(slot_states, workers=[...])``: tests, audits)."""
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     actor = plugin.actor if plugin is not None else None
-    return {t: {"version": s.version, "pending_backward": s.pending_backward}
+    return {t: {"version": s.version, "pending_backward": s.pending_backward, "rank": s.rank,
+                "world_size": s.world_size, "optimizer_bytes": s.optimizer_bytes()}
             for t, s in (actor.slots if actor is not None else {}).items()}
 
 
