@@ -155,6 +155,10 @@ def test_status_pages_through_the_gateway(svc):
             assert r.status_code == 200
             page = r.json()
             assert len(page["tenants"]) <= 2 and page["page"]["tenants_total"] == 5
+            shown = {t["tenant"] for t in page["tenants"]}
+            assert set(page["inference"]["routes"]) == shown  # the page's tenants' routes only
+            (engine,) = page["inference"]["engines"]
+            assert set(engine["tenants"]) == shown and engine["tenants_total"] == 5
             names += [t["tenant"] for t in page["tenants"]]
             cursor = page["page"]["next_cursor"]
             if cursor is None:

@@ -54,9 +54,9 @@ class EngineMember:
         """Receives new versions, pins and tenants (syncing or serving)."""
         return self.state in (MemberState.SYNCING, MemberState.SERVING)
 
-    def view(self, tenants: list[str]) -> dict[str, Any]:
+    def view(self, tenants: list[str], tenants_total: int) -> dict[str, Any]:
         return {"slot": self.slot, "engine": self.endpoint.engine, "address": self.endpoint.address,
-                "worker": self.worker, "state": str(self.state), "tenants": tenants}
+                "worker": self.worker, "state": str(self.state), "tenants": tenants, "tenants_total": tenants_total}
 
 
 class EngineOps(Protocol):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -81,12 +81,17 @@ class EnginePool:
         """Engines that must receive a new version: serving ones and those still syncing."""
         return [m.endpoint for _, m in sorted(self.members.items()) if m.live]
 
-    def view(self) -> dict[str, Any]:
+    def view(self, tenants: Collection[str] | None = None) -> dict[str, Any]:
+        """The pool; ``tenants``: list only these tenants' routes (a status page stays the same size however
+        many tenants there are; each engine still counts all of its own)."""
         by_slot = self.routing.by_slot()
+        shown = None if tenants is None else set(tenants)
+        routes = sorted(self.routing.routes.items()) if shown is None else sorted(
+            (t, s) for t in shown if (s := self.routing.routes.get(t)) is not None)
         return {"target": self.target, "busy": self._lock.locked(),
-                "engines": [m.view(by_slot.get(s, [])) for s, m in sorted(self.members.items())],
-                "routes": {t: self.members[s].endpoint.engine for t, s in sorted(self.routing.routes.items())
-                           if s in self.members},
+                "engines": [m.view([t for t in by_slot.get(s, []) if shown is None or t in shown],
+                                   len(by_slot.get(s, []))) for s, m in sorted(self.members.items())],
+                "routes": {t: self.members[s].endpoint.engine for t, s in routes if s in self.members},
                 "pins": sorted(f"{t}@{v}" for (t, v), c in self.pins.items() if c > 0),
                 "operations": self.membership.operations[-20:]}
 

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from nexus.control.tenants import TenantRegistry
 
 
+RECENT_JOBS = 5  # job ids per tenant row: a row's size never grows with the jobs a tenant ever ran
+
+
 @dataclass(frozen=True)
 class StatusParts:
     """What the status view reads."""
@@ -66,7 +69,8 @@ def tenant_rows(p: StatusParts, names: list[str] | None = None) -> list[dict[str
             waiting.append("actor")
         if (t.training_job or running_eval) and not serving:
             waiting.append("inference")
-        rows.append({**t.view(), "state": state, "waiting_for": waiting,
+        rows.append({**t.view(), "jobs": list(t.jobs)[-RECENT_JOBS:], "jobs_total": len(t.jobs),
+                     "state": state, "waiting_for": waiting,
                      "inflight": c.inflight if c else 0, "queued": c.queued if c else 0,
                      "running": c.running if c else 0, "dropped_stale": c.dropped_stale if c else 0,
                      "max_inflight_seen": c.max_inflight_seen if c else 0,
@@ -89,11 +93,12 @@ def service_view(p: StatusParts) -> dict[str, Any]:
 
 
 def control_signals(p: StatusParts) -> dict[str, Any]:
-    """One sample of the control signals: queue depths, in-flight and version lag per tenant."""
+    """One sample of the control signals: queue depths, in-flight and version lag of the tenants with work
+    (an idle tenant adds nothing: a sample's size follows the work, not the tenants ever seen)."""
     versions = p.registry.versions()
     return {"training_depth": len(p.queue), "inference_pending": p.monitoring.inference_pending,
             "by_tenant": {n: {"queued": c.queued, "inflight": c.inflight, "version": versions.get(n, 0)}
-                          for n, c in p.queue.counters.items()},
+                          for n, c in p.queue.counters.items() if c.queued or c.inflight},
             "lag": p.queue.lags(versions)}
 
 
@@ -121,7 +126,7 @@ def build(p: StatusParts, page: Page | None = None) -> dict[str, Any]:
                               {"tenants_total": len(p.registry), "jobs_total": len(p.jobs.jobs)}),
             "training_queue": {"depth": len(p.queue), "by_tenant": p.queue.depth(), "lag": p.queue.lags(versions)},
             "inference_queue": {"pending": p.monitoring.inference_pending},
-            "roles": p.health.views(now), "service": service_view(p), "inference": p.pool.view(),
+            "roles": p.health.views(now), "service": service_view(p), "inference": p.pool.view(names),
             "actor": {"ranks": p.actors.world_size, "ready": p.actors.ready, "workers": list(p.actors.workers),
                       "epoch": p.actors.epoch, "running": [i.item_id for i in p.dispatcher.running],
                       "last_rebuild_reason": p.actors.broken_reason},
