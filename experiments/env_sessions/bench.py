@@ -1,0 +1,145 @@
+"""Stable-Baselines3 PPO on the service's simulators vs the same env in-process: env-steps/s, side by side.
+
+Both sides run SB3's PPO (``MultiInputPolicy``, the same settings and seed) on N envs of the same catalog env
+(default ``maniskill/pushcube-state``, state observations):
+
+- in-process: ``DummyVecEnv`` of N catalog envs in this process (``nexus.simulators.vector.gym_env``: the
+  ManiSkill env as a ``gymnasium.Env`` with the catalog's time limit);
+- service: ``SB3VecEnv(ServiceVectorEnv(tenant, env, N))`` — one environment session of N envs on a simulator
+  worker of a local service (``Nexus.local``), every vector step one HTTP call to the gateway, which forwards
+  it to the simulator worker.
+
+Each measurement is ``model.learn(total_timesteps)`` (collection and PPO's updates: what a user waits for),
+its envs built before the clock starts. Rounds interleave the two sides (the order alternates); the figure is
+the median over rounds of service / in-process env-steps/s (target >= 0.8). Also the raw vector-step time
+of each side without SB3 (``--raw-steps``).
+
+    python experiments/env_sessions/bench.py                        # ~5 min on 2 loaded cores
+    python experiments/env_sessions/bench.py --envs 4,8,16 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def ppo(env, args):
+    from stable_baselines3 import PPO
+
+    return PPO("MultiInputPolicy", env, n_steps=args.n_steps, batch_size=args.batch_size, n_epochs=args.epochs,
+               seed=args.seed, device="cpu", verbose=0)
+
+
+def learn_rate(env, args) -> float:
+    """env-steps/s of ``model.learn`` on ``env`` (model built before the clock starts)."""
+    model = ppo(env, args)
+    t0 = time.perf_counter()
+    model.learn(total_timesteps=args.timesteps)
+    return model.num_timesteps / (time.perf_counter() - t0)
+
+
+def raw_rate(step, n: int, steps: int) -> float:
+    """env-steps/s of bare vector steps with zero actions (no learner)."""
+    import numpy as np
+
+    actions = np.zeros((n, 4), np.float32)
+    step(actions)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(actions)
+    return n * steps / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--env", default="maniskill/pushcube-state")
+    p.add_argument("--envs", default="8", help="comma-separated numbers of envs (one comparison each)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--timesteps", type=int, default=2048, help="env steps per measurement")
+    p.add_argument("--n-steps", type=int, default=64, help="PPO n_steps per env")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--raw-steps", type=int, default=50, help="bare vector steps per raw measurement (0: skip)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(HERE / "results.json"))
+    args = p.parse_args()
+
+    import torch
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from nexus import catalog
+    from nexus.client.api import Nexus
+    from nexus.client.sb3 import SB3VecEnv
+    from nexus.simulators.vector import gym_env
+    from nexus.spec import TenantSpec
+
+    torch.set_num_threads(1)
+    entry = catalog.env(args.env)
+    sizes = [int(x) for x in args.envs.split(",")]
+    rows: list[dict] = []
+    load = [os.getloadavg()]
+    with tempfile.TemporaryDirectory(prefix="nexus-envbench-") as root, \
+            Nexus.local(root, n_sim=1, limits={"max_envs_per_session": max(sizes)}) as nx:
+        tenant = nx.create_tenant(TenantSpec(name="sb3", env=args.env))
+        for n in sizes:
+            local = DummyVecEnv([lambda: gym_env(entry) for _ in range(n)])
+            remote = SB3VecEnv(tenant.vector_env(args.env, num_envs=n, seed=args.seed))
+            try:
+                for r in range(args.rounds):
+                    order = [("in_process", local), ("service", remote)]
+                    if r % 2:
+                        order.reverse()
+                    row: dict = {"envs": n, "round": r}
+                    for side, env in order:
+                        row[side] = learn_rate(env, args)
+                    if args.raw_steps:
+                        local.reset()
+                        remote.reset()
+                        for side, env in order:
+                            row[f"{side}_raw"] = raw_rate(lambda a, env=env: env.step(a), n, args.raw_steps)
+                    row["ratio"] = row["service"] / row["in_process"]
+                    rows.append(row)
+                    load.append(os.getloadavg())
+                    print(f"envs {n} round {r}: in-process {row['in_process']:.1f}, service {row['service']:.1f} "
+                          f"env-steps/s -> {row['ratio']:.2f}x", flush=True)
+            finally:
+                local.close()
+                remote.close()
+        metered = nx.status(tenant="sb3")["tenants"][0].get("metered_s", {})
+
+    summary = []
+    for n in sizes:
+        mine = [r for r in rows if r["envs"] == n]
+        s = {"envs": n, "rounds": len(mine)}
+        for k in ("in_process", "service", "ratio", "in_process_raw", "service_raw"):
+            vals = [r[k] for r in mine if k in r]
+            if vals:
+                s[k] = statistics.median(vals)
+                s[f"{k}_range"] = [min(vals), max(vals)]
+        summary.append(s)
+    print()
+    print("| envs | in-process env-steps/s | service env-steps/s | service / in-process (median, range) "
+          "| raw vector steps: in-process / service |")
+    print("|---:|---:|---:|---:|---:|")
+    for s in summary:
+        raw = (f"{s['in_process_raw']:.0f} / {s['service_raw']:.0f}" if "service_raw" in s else "-")
+        print(f"| {s['envs']} | {s['in_process']:.1f} | {s['service']:.1f} | **{s['ratio']:.2f}x** "
+              f"({s['ratio_range'][0]:.2f}-{s['ratio_range'][1]:.2f}) | {raw} |")
+    out = {"env": args.env, "settings": vars(args), "rows": rows, "summary": summary,
+           "metered_simulator_s": metered.get("simulator"), "load_average": load,
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "time": time.time()}
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
