@@ -39,12 +39,30 @@ def ppo(env, args):
                seed=args.seed, device="cpu", verbose=0)
 
 
-def learn_rate(env, args) -> float:
-    """env-steps/s of ``model.learn`` on ``env`` (model built before the clock starts)."""
+def tree_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) of these processes and all their descendants (Dask nannies' workers)."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for p in [root, *root.children(recursive=True)]:
+                t = p.cpu_times()
+                total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def learn_rate(env, args, service_pids: list[int]) -> tuple[float, float]:
+    """env-steps/s of ``model.learn`` on ``env`` (model built before the clock starts), and the CPU seconds per
+    env step of this process plus the service's processes."""
     model = ppo(env, args)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time() + tree_cpu(service_pids), time.perf_counter()
     model.learn(total_timesteps=args.timesteps)
-    return model.num_timesteps / (time.perf_counter() - t0)
+    wall, cpu = time.perf_counter() - t0, time.process_time() + tree_cpu(service_pids) - c0
+    return model.num_timesteps / wall, cpu / model.num_timesteps
 
 
 def raw_rate(step, n: int, steps: int) -> float:
@@ -90,6 +108,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nexus-envbench-") as root, \
             Nexus.local(root, n_sim=1, limits={"max_envs_per_session": max(sizes)}) as nx:
         tenant = nx.create_tenant(TenantSpec(name="sb3", env=args.env))
+        service_pids = list(nx.service.names)  # scheduler, gateway, workers (their nannies' trees)
         for n in sizes:
             local = DummyVecEnv([lambda: gym_env(entry) for _ in range(n)])
             remote = SB3VecEnv(tenant.vector_env(args.env, num_envs=n, seed=args.seed))
@@ -100,7 +119,10 @@ def main() -> None:
                         order.reverse()
                     row: dict = {"envs": n, "round": r}
                     for side, env in order:
-                        row[side] = learn_rate(env, args)
+                        row[side], row[f"{side}_cpu_ms_per_step"] = learn_rate(env, args, service_pids)
+                        row[f"{side}_cpu_ms_per_step"] *= 1000
+                    # what the ratio would be where nothing else competes for the cores: CPU per step, both sides
+                    row["cpu_ratio"] = row["in_process_cpu_ms_per_step"] / row["service_cpu_ms_per_step"]
                     if args.raw_steps:
                         local.reset()
                         remote.reset()
@@ -120,7 +142,8 @@ def main() -> None:
     for n in sizes:
         mine = [r for r in rows if r["envs"] == n]
         s = {"envs": n, "rounds": len(mine)}
-        for k in ("in_process", "service", "ratio", "in_process_raw", "service_raw"):
+        for k in ("in_process", "service", "ratio", "in_process_raw", "service_raw", "in_process_cpu_ms_per_step",
+                  "service_cpu_ms_per_step", "cpu_ratio"):
             vals = [r[k] for r in mine if k in r]
             if vals:
                 s[k] = statistics.median(vals)
@@ -128,12 +151,14 @@ def main() -> None:
         summary.append(s)
     print()
     print("| envs | in-process env-steps/s | service env-steps/s | service / in-process (median, range) "
-          "| raw vector steps: in-process / service |")
-    print("|---:|---:|---:|---:|---:|")
+          "| raw vector steps: in-process / service | CPU ms per env step: in-process / service (all processes) "
+          "| CPU ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for s in summary:
         raw = (f"{s['in_process_raw']:.0f} / {s['service_raw']:.0f}" if "service_raw" in s else "-")
         print(f"| {s['envs']} | {s['in_process']:.1f} | {s['service']:.1f} | **{s['ratio']:.2f}x** "
-              f"({s['ratio_range'][0]:.2f}-{s['ratio_range'][1]:.2f}) | {raw} |")
+              f"({s['ratio_range'][0]:.2f}-{s['ratio_range'][1]:.2f}) | {raw} | "
+              f"{s['in_process_cpu_ms_per_step']:.2f} / {s['service_cpu_ms_per_step']:.2f} | {s['cpu_ratio']:.2f}x |")
     out = {"env": args.env, "settings": vars(args), "rows": rows, "summary": summary,
            "metered_simulator_s": metered.get("simulator"), "load_average": load,
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "time": time.time()}
