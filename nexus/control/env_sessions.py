@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("nexus.env_sessions")
 
 SEED_RANGE = 2**32  # simulators take seeds in [0, 2**32)
-REPORT_GRACE_S = 5.0  # a session younger than this may be missing from its worker's heartbeat
+REPORT_GRACE_S = 2.0  # a heartbeat made this soon after a session opened may not list it yet
 
 
 @dataclass
@@ -115,9 +115,9 @@ class EnvSessions:
         """Drop sessions their worker no longer hosts (closed after idling); close those of deleted tenants."""
         address = msg.get("address")
         hosted = {s.get("session") for s in msg.get("sessions") or ()}
-        now = time.time()
+        made = float(msg.get("t") or time.time())  # when the worker made the report (it may arrive late)
         for rec in [r for r in self.sessions.values() if r.address == address]:
-            if rec.session not in hosted and now - rec.t_open > REPORT_GRACE_S:
+            if rec.session not in hosted and made - rec.t_open > REPORT_GRACE_S:
                 logger.info("environment session %s of %s closed on its worker", rec.session, rec.tenant)
                 self.sessions.pop(rec.session, None)
             elif self.registry.find(rec.tenant) is None:
