@@ -47,7 +47,8 @@ def load_example(name: str):
 def svc(tmp_path_factory):
     root = tmp_path_factory.mktemp("envs")
     with Nexus.local(root, n_sim=2, limits={"max_env_sessions": 2, "max_envs_per_session": 4},
-                     tenant_limits={"idler": {"env_session_idle_s": 2.0}}) as nx:
+                     tenant_limits={"idler": {"env_session_idle_s": 2.0},
+                                    "b": {"env_session_inline_s": 0.1}}) as nx:  # b's short calls: on the loop
         tenants = {name: nx.create_tenant(TenantSpec(name=name, env=PUSH, seed=i))
                    for i, name in enumerate(("a", "b", "idler"))}
         yield {"nx": nx, "t": tenants, "url": nx.transport.url}

@@ -116,3 +116,22 @@ def test_records_follow_heartbeats_lost_workers_and_deleted_tenants():
         s.on_worker_removed(c["address"])
         assert s.sessions == {}
     asyncio.run(go())
+
+
+def test_a_session_call_runs_on_the_workers_loop_only_when_short_and_alone():
+    from types import SimpleNamespace
+
+    from nexus import catalog
+    from nexus.services.env_sessions import EnvSession
+
+    s = EnvSession("s", "a", catalog.env(PUSH), SimpleNamespace(num_envs=2), autoreset=True, idle_s=60, seed=0,
+                   inline_s=0.05)
+    assert not s.inline  # the first call is measured on the session thread
+    s.last_call_s = 0.01
+    assert s.inline
+    s.pending = 1  # a call of this session is under way: the next one waits behind it on the thread
+    assert not s.inline
+    s.pending, s.last_call_s = 0, 0.2
+    assert not s.inline
+    s.inline_s, s.last_call_s = 0.0, 0.001  # the default: always the thread
+    assert not s.inline

@@ -7,7 +7,9 @@ Both sides run SB3's PPO (``MultiInputPolicy``, the same settings and seed) on N
   ManiSkill env as a ``gymnasium.Env`` with the catalog's time limit);
 - service: ``SB3VecEnv(ServiceVectorEnv(tenant, env, N))`` — one environment session of N envs on a simulator
   worker of a local service (``Nexus.local``), every vector step one HTTP call to the gateway, which forwards
-  it to the simulator worker.
+  it to the simulator worker, where it runs on the worker's session thread;
+- service_inline: the same for a tenant whose ``limits.env_session_inline_s`` is ``--inline-s``: a call whose
+  previous call took less runs on the worker's event loop (two thread hand-offs fewer per step).
 
 Each measurement is ``model.learn(total_timesteps)`` (collection and PPO's updates: what a user waits for),
 its envs built before the clock starts. Rounds interleave the two sides (the order alternates); the figure is
@@ -88,6 +90,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--raw-steps", type=int, default=50, help="bare vector steps per raw measurement (0: skip)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--inline-s", type=float, default=0.05, help="env_session_inline_s of the service_inline side")
     p.add_argument("--out", default=str(HERE / "results.json"))
     args = p.parse_args()
 
@@ -106,61 +109,73 @@ def main() -> None:
     rows: list[dict] = []
     load = [os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="nexus-envbench-") as root, \
-            Nexus.local(root, n_sim=1, limits={"max_envs_per_session": max(sizes)}) as nx:
+            Nexus.local(root, n_sim=1, limits={"max_envs_per_session": max(sizes)},
+                        tenant_limits={"sb3-inline": {"env_session_inline_s": args.inline_s}}) as nx:
         tenant = nx.create_tenant(TenantSpec(name="sb3", env=args.env))
+        tenant_inline = nx.create_tenant(TenantSpec(name="sb3-inline", env=args.env))
         service_pids = list(nx.service.names)  # scheduler, gateway, workers (their nannies' trees)
         for n in sizes:
             local = DummyVecEnv([lambda: gym_env(entry) for _ in range(n)])
             remote = SB3VecEnv(tenant.vector_env(args.env, num_envs=n, seed=args.seed))
+            inline = SB3VecEnv(tenant_inline.vector_env(args.env, num_envs=n, seed=args.seed))
             try:
                 for r in range(args.rounds):
-                    order = [("in_process", local), ("service", remote)]
-                    if r % 2:
-                        order.reverse()
+                    order = [("in_process", local), ("service", remote), ("service_inline", inline)]
+                    order = order[r % 3:] + order[:r % 3]  # each side first once in 3 rounds
                     row: dict = {"envs": n, "round": r}
                     for side, env in order:
                         row[side], row[f"{side}_cpu_ms_per_step"] = learn_rate(env, args, service_pids)
                         row[f"{side}_cpu_ms_per_step"] *= 1000
                     # what the ratio would be where nothing else competes for the cores: CPU per step, both sides
                     row["cpu_ratio"] = row["in_process_cpu_ms_per_step"] / row["service_cpu_ms_per_step"]
+                    row["cpu_ratio_inline"] = (row["in_process_cpu_ms_per_step"]
+                                               / row["service_inline_cpu_ms_per_step"])
                     if args.raw_steps:
-                        local.reset()
-                        remote.reset()
+                        for _, env in order:
+                            env.reset()
                         for side, env in order:
                             row[f"{side}_raw"] = raw_rate(lambda a, env=env: env.step(a), n, args.raw_steps)
                     row["ratio"] = row["service"] / row["in_process"]
+                    row["ratio_inline"] = row["service_inline"] / row["in_process"]
                     rows.append(row)
                     load.append(os.getloadavg())
-                    print(f"envs {n} round {r}: in-process {row['in_process']:.1f}, service {row['service']:.1f} "
-                          f"env-steps/s -> {row['ratio']:.2f}x", flush=True)
+                    print(f"envs {n} round {r}: in-process {row['in_process']:.1f}, service {row['service']:.1f}, "
+                          f"inline {row['service_inline']:.1f} env-steps/s -> {row['ratio']:.2f}x, "
+                          f"{row['ratio_inline']:.2f}x", flush=True)
             finally:
                 local.close()
                 remote.close()
-        metered = nx.status(tenant="sb3")["tenants"][0].get("metered_s", {})
+                inline.close()
+        metered = {t: nx.status(tenant=t)["tenants"][0].get("metered_s", {}).get("simulator")
+                   for t in ("sb3", "sb3-inline")}
 
     summary = []
     for n in sizes:
         mine = [r for r in rows if r["envs"] == n]
         s = {"envs": n, "rounds": len(mine)}
-        for k in ("in_process", "service", "ratio", "in_process_raw", "service_raw", "in_process_cpu_ms_per_step",
-                  "service_cpu_ms_per_step", "cpu_ratio"):
+        for k in ("in_process", "service", "service_inline", "ratio", "ratio_inline", "in_process_raw",
+                  "service_raw", "service_inline_raw", "in_process_cpu_ms_per_step", "service_cpu_ms_per_step",
+                  "service_inline_cpu_ms_per_step", "cpu_ratio", "cpu_ratio_inline"):
             vals = [r[k] for r in mine if k in r]
             if vals:
                 s[k] = statistics.median(vals)
                 s[f"{k}_range"] = [min(vals), max(vals)]
         summary.append(s)
     print()
-    print("| envs | in-process env-steps/s | service env-steps/s | service / in-process (median, range) "
-          "| raw vector steps: in-process / service | CPU ms per env step: in-process / service (all processes) "
-          "| CPU ratio |")
+    print("| envs | env-steps/s: in-process / service / service inline | service / in-process (median, range) "
+          "| inline / in-process | raw vector steps: in-process / service / inline | CPU ms per env step, all "
+          "processes: in-process / service / inline | CPU ratio: service / inline |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for s in summary:
-        raw = (f"{s['in_process_raw']:.0f} / {s['service_raw']:.0f}" if "service_raw" in s else "-")
-        print(f"| {s['envs']} | {s['in_process']:.1f} | {s['service']:.1f} | **{s['ratio']:.2f}x** "
-              f"({s['ratio_range'][0]:.2f}-{s['ratio_range'][1]:.2f}) | {raw} | "
-              f"{s['in_process_cpu_ms_per_step']:.2f} / {s['service_cpu_ms_per_step']:.2f} | {s['cpu_ratio']:.2f}x |")
+        raw = (f"{s['in_process_raw']:.0f} / {s['service_raw']:.0f} / {s['service_inline_raw']:.0f}"
+               if "service_raw" in s else "-")
+        print(f"| {s['envs']} | {s['in_process']:.1f} / {s['service']:.1f} / {s['service_inline']:.1f} | "
+              f"**{s['ratio']:.2f}x** ({s['ratio_range'][0]:.2f}-{s['ratio_range'][1]:.2f}) | "
+              f"**{s['ratio_inline']:.2f}x** ({s['ratio_inline_range'][0]:.2f}-{s['ratio_inline_range'][1]:.2f}) | "
+              f"{raw} | {s['in_process_cpu_ms_per_step']:.2f} / {s['service_cpu_ms_per_step']:.2f} / "
+              f"{s['service_inline_cpu_ms_per_step']:.2f} | {s['cpu_ratio']:.2f}x / {s['cpu_ratio_inline']:.2f}x |")
     out = {"env": args.env, "settings": vars(args), "rows": rows, "summary": summary,
-           "metered_simulator_s": metered.get("simulator"), "load_average": load,
+           "metered_simulator_s": metered, "load_average": load,
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "time": time.time()}
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"\nwrote {args.out}")

@@ -86,7 +86,8 @@ class EnvSessions:
         try:
             info = await self.runtime.call(address, "nexus_env_ctl", timeout=600, action="open", tenant=tenant,
                                            env=entry.name, num_envs=num_envs, seed=seed, autoreset=bool(autoreset),
-                                           idle_s=limits.env_session_idle_s, session=sid)
+                                           idle_s=limits.env_session_idle_s, session=sid,
+                                           inline_s=limits.env_session_inline_s)
         except (OSError, TimeoutError) as e:
             raise Unavailable(f"the simulator worker could not open the session ({type(e).__name__}: {e})") from None
         finally:

@@ -60,11 +60,19 @@ class EnvSession:
     autoreset: bool
     idle_s: float
     seed: int  # env i's first episode is reset with seed + i unless the first reset names one
+    inline_s: float = 0.0  # calls faster than this may run on the worker's event loop (limits.env_session_inline_s)
     t_open: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     steps: int = 0  # env steps over the session's life
     busy_s: float = 0.0  # simulator seconds not yet reported (metering)
     busy_total_s: float = 0.0
+    last_call_s: float = float("inf")  # how long the previous reset or step took
+    pending: int = 0  # calls handed to the session thread and not finished (the event loop's count)
+
+    @property
+    def inline(self) -> bool:
+        """May the next call run on the worker's event loop? Only a fast session with no call under way."""
+        return self.inline_s > 0 and self.pending == 0 and self.last_call_s < self.inline_s
 
     def __post_init__(self) -> None:
         n = self.group.num_envs
@@ -139,14 +147,14 @@ class SessionTable:
         self._lock = threading.Lock()
 
     def open(self, tenant: str, env: str, num_envs: int, seed: int, autoreset: bool, idle_s: float,
-             session: str | None = None) -> dict[str, Any]:
+             session: str | None = None, inline_s: float = 0.0) -> dict[str, Any]:
         try:
             entry = catalog.env(env)
         except catalog.CatalogError as e:
             raise SpecError(str(e)) from None
         t0 = time.perf_counter()
         (group,) = self.pool.checkout(entry, [num_envs], "lockstep")
-        s = EnvSession(session or uuid.uuid4().hex, tenant, entry, group, autoreset, idle_s, seed)
+        s = EnvSession(session or uuid.uuid4().hex, tenant, entry, group, autoreset, idle_s, seed, inline_s)
         s.busy_s += time.perf_counter() - t0  # building (or reusing) its envs is the tenant's simulator time
         with self._lock:
             self.sessions[s.id] = s
@@ -176,7 +184,8 @@ class SessionTable:
             raise Unavailable(f"environment session {session[:12]}: the simulator failed ({type(e).__name__}: "
                               f"{e}); the session is closed, open a new one") from None
         finally:
-            s.busy_s += time.perf_counter() - t0
+            s.last_call_s = time.perf_counter() - t0
+            s.busy_s += s.last_call_s
             s.last_used = time.time()
 
     def close(self, session: str, tenant: str, keep_envs: bool = True) -> dict[str, Any]:
@@ -194,7 +203,7 @@ class SessionTable:
 
     def expired(self, now: float) -> list[EnvSession]:
         with self._lock:
-            return [s for s in self.sessions.values() if now - s.last_used > s.idle_s]
+            return [s for s in self.sessions.values() if now - s.last_used > s.idle_s and not s.pending]
 
     @property
     def pending_metering(self) -> bool:

@@ -153,14 +153,25 @@ class NexusWorkerPlugin(WorkerPlugin):
 
     async def _h_env(self, method: str, payload: dict[str, Any]) -> dict[str, Any]:
         """An environment session's reset / step, or an upload of episodes, from the gateway (pickled payload)."""
-        fn = self.sim.sessions.call if method in ("reset", "step") else None
+        loop = asyncio.get_running_loop()
         if method == "store_episodes":
-            fn = store_episodes
-        if fn is None:
+            out = await loop.run_in_executor(self.sim.session_thread, lambda: store_episodes(**payload))
+            return {"result": to_serialize(out)}
+        if method not in ("reset", "step"):
             raise ValueError(f"unknown environment call {method!r}")
-        args = (method,) if method in ("reset", "step") else ()
-        out = await asyncio.get_running_loop().run_in_executor(self.sim.session_thread,
-                                                               lambda: fn(*args, **payload))
+        sessions = self.sim.sessions
+        s = sessions.sessions.get(str(payload.get("session")))
+        inline = s is not None and s.inline  # a short call: no hand-off to the session thread and back
+        if s is not None:
+            s.pending += 1  # counted on the loop: the thread's idle check and the next call see it at once
+        try:
+            if inline:
+                out = sessions.call(method, **payload)
+            else:
+                out = await loop.run_in_executor(self.sim.session_thread, lambda: sessions.call(method, **payload))
+        finally:
+            if s is not None:
+                s.pending -= 1
         return {"result": to_serialize(out)}
 
     async def _h_env_ctl(self, action: str, **msg: Any) -> Any:
