@@ -121,6 +121,14 @@ class RootLock:
             self._f = None
 
 
+def _scheduler_address(path: Path) -> str | None:
+    """The address in a scheduler file, or None while it is missing or still being written."""
+    try:
+        return str(json.loads(path.read_text())["address"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _child_setup() -> None:
     _die_with_parent()
     harden_process()
@@ -209,11 +217,11 @@ class LocalService:
         self._spawn("scheduler", scheduler_command(self.root / "service.json", self.scheduler_file, self.config.host,
                                                    0, self.dashboard_address, self.tls))
         t0 = time.time()
-        while not self.scheduler_file.exists():
+        while (address := _scheduler_address(self.scheduler_file)) is None:  # Dask writes the file non-atomically
             if self.procs[0].poll() is not None or time.time() - t0 > timeout:
                 raise RuntimeError(f"the scheduler did not start; see {self.logs / 'scheduler.log'}")
             time.sleep(0.1)
-        self.address = json.loads(self.scheduler_file.read_text())["address"]
+        self.address = address
         self._lock.record(address=self.address)
         for i in range(self.n_sim):
             self._worker(f"sim-{i}", "SIM=1")

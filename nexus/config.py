@@ -148,6 +148,14 @@ class ServiceLimits(BaseModel):
     max_checkpoints_kept: int = Field(3, ge=1, description="DeepSpeed checkpoints kept per tenant")
     max_storage_bytes: int = Field(8 * 2**30, ge=1, description="bytes of a tenant's output dir")
     max_request_bytes: int = Field(64 * 2**20, ge=1024, description="body of one gateway request")
+    # environment sessions (a tenant's own algorithm stepping the service's simulators, nexus.client.envs)
+    max_env_sessions: int = Field(4, ge=0, description="environment sessions of one tenant open at once")
+    max_envs_per_session: int = Field(16, ge=1, description="envs of one environment session")
+    env_session_idle_s: float = Field(300.0, gt=0, description="an environment session without a call this "
+                                      "long is closed (its envs go back to the simulator worker's pool)")
+    env_session_inline_s: float = Field(0.0, ge=0, le=0.1, description="a session call whose previous call took "
+                                        "less than this runs on the simulator worker's event loop (two thread "
+                                        "hand-offs fewer) instead of its session thread; 0: always the thread")
 
 
 class DataPathSettings(BaseModel):

@@ -88,6 +88,14 @@ class EngineClient:
         """:meth:`predict` for callers on the server's own event loop (the gateway)."""
         return await self._call("predict", tenant, (obs, version, deterministic, job), {"request_id": uuid.uuid4().hex})
 
+    async def apredict_batch(self, tenant: str, observations: list, version: int | None = None,
+                             deterministic: bool = False) -> list[Any]:
+        """Actions for several observations of one tenant as one request, for callers on the server's own
+        event loop (the gateway): one output (action, logprob, value, version) per observation."""
+        reply = await self._call("predict_batch", tenant, (observations, version, deterministic),
+                                 {"request_id": uuid.uuid4().hex})
+        return reply["outputs"]
+
     def call(self, method: str, tenant: str, *args: Any, **kwargs: Any) -> Future:
         """Call ``method(tenant, *args, **kwargs)`` on the tenant's engine."""
         return _on_loop(self.server, self._call(method, tenant, args, kwargs))

@@ -237,6 +237,7 @@ class Heartbeat(_Plain):
     engines: list[dict[str, Any]] = field(default_factory=list)  # EngineReport dicts
     producers: list[dict[str, Any]] = field(default_factory=list)  # ProducerReport dicts
     executing: list[str] = field(default_factory=list)  # task keys running in this process
+    sessions: list[dict[str, Any]] = field(default_factory=list)  # environment sessions hosted here
 
 
 def job_number(job_id: str) -> int:

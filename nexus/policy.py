@@ -287,6 +287,23 @@ class ExportedPolicy:
             outs[i] = out
         return outs
 
+    def predict(self, observation: dict[str, Any], state: Any = None, episode_start: Any = None,
+                deterministic: bool = True) -> tuple[Any, Any]:
+        """Stable-Baselines3's ``predict(obs) -> (action, state)``: ``observation`` as a service env gives it
+        (``nexus.client.envs``: ``state`` and ``image.<camera>``, one observation or a batch); the actions are
+        clipped to the service's action bounds [-1, 1]. The policy keeps no recurrent state (``state`` passes
+        through), so ``evaluate_policy(policy, env)`` works on it."""
+        import numpy as np
+
+        states = np.asarray(observation["state"], np.float32)
+        single = states.ndim == 1
+        rows = states[None] if single else states
+        cams = {k.removeprefix("image."): np.asarray(v) for k, v in observation.items() if k.startswith("image.")}
+        obs = [Observation(state=rows[i], images={c: (v if single else v[i]) for c, v in cams.items()},
+                           instruction=self.schema.instruction) for i in range(len(rows))]
+        actions = np.clip(np.stack([o["action"] for o in self.predict_actions(obs, deterministic)]), -1.0, 1.0)
+        return (actions[0] if single else actions), state
+
 
 def as_observation(d: dict[str, Any]) -> Observation:
     """``{"state": [...], "images": {camera: uint8 HxWx3}, "instruction": str}`` -> :class:`Observation`."""

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from nexus.algorithms.ppo import PPOConfig
 from nexus.errors import SpecError
 
-__all__ = ["PPOConfig", "EvalJob", "JobRequest", "JobSpec", "LoraConfig", "RLJob", "SFTJob", "TenantSpec"]
+__all__ = ["PPOConfig", "EvalJob", "ExternalEnv", "JobRequest", "JobSpec", "LoraConfig", "RLJob", "SFTJob",
+           "TenantSpec"]
 
 TenantName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,39}$")]
 
@@ -72,12 +73,30 @@ class LoraConfig(_Spec):
         return self.alpha / self.rank
 
 
+class ExternalCamera(_Spec):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,39}$")
+    height: int = Field(ge=8, le=1024)
+    width: int = Field(ge=8, le=1024)
+
+
+class ExternalEnv(_Spec):
+    """A tenant's own environment or robot (not one the service hosts): what its observations and actions
+    look like. Its episodes reach RL jobs as uploads (``RLJob(rollouts="external")``)."""
+
+    proprio_dim: int = Field(ge=1, le=4096, description="the observation's state vector")
+    action_dim: int = Field(ge=1, le=256)
+    cameras: tuple[ExternalCamera, ...] = Field((), max_length=8, description="uint8 RGB images per step")
+    instruction: str = Field("", max_length=2000, description="the task in words (the backbone's prompt)")
+
+
 class TenantSpec(_Spec):
     """A tenant: its task (env for RL/eval, dataset for SFT), action module and limits."""
 
     name: TenantName
     env: str | None = Field(None, description="catalog env, e.g. 'maniskill/pushcube-state'")
     dataset: str | None = Field(None, description="catalog dataset, e.g. 'pickcube-scripted'")
+    external: ExternalEnv | None = Field(None, description="instead of a catalog env: the schema of the "
+                                         "tenant's own environment or robot, whose episodes it uploads")
     action_dim: int | None = Field(None, ge=1, description="checked against the env/dataset schema")
     action_head: Literal["oft", "groot", "pi"] = Field(
         "oft", description="action-module family: oft (Gaussian, SFT + RL), groot / pi (flow matching, SFT + eval)")
@@ -103,8 +122,11 @@ class TenantSpec(_Spec):
 
     @model_validator(mode="after")
     def _needs_a_source(self) -> TenantSpec:
-        if self.env is None and self.dataset is None:
-            raise ValueError("a tenant needs an 'env' (RL/eval) or a 'dataset' (SFT)")
+        if self.env is None and self.dataset is None and self.external is None:
+            raise ValueError("a tenant needs an 'env' (RL/eval), an 'external' env (RL on uploaded episodes) or a "
+                             "'dataset' (SFT)")
+        if self.env is not None and self.external is not None:
+            raise ValueError("a tenant has a catalog 'env' or an 'external' one, not both")
         return self
 
     @model_validator(mode="after")
@@ -127,6 +149,9 @@ class RLJob(_Spec):
     episodes_per_batch: int = Field(2, ge=1)
     collectors: int = Field(2, ge=1, description="rollout tasks kept in flight")
     ppo: PPOConfig = PPOConfig()
+    rollouts: Literal["service", "external"] = Field(
+        "service", description="service: rollouts in the service's simulators; external: the tenant uploads "
+        "its own episodes (its env or robot, actions from predict), each upload one update's batch")
 
 
 class EvalJob(_Spec):

@@ -15,8 +15,8 @@ from pydantic import TypeAdapter, ValidationError
 from nexus import catalog
 from nexus.config import ServiceLimits
 from nexus.errors import LimitExceeded, NotFound, SpecError, describe_errors
-from nexus.features import TenantSchema
-from nexus.spec import RL_ACTION_HEADS, JobSpec, TenantSpec
+from nexus.features import CameraSpec, TenantSchema
+from nexus.spec import RL_ACTION_HEADS, ExternalEnv, JobSpec, TenantSpec
 
 _JOB = TypeAdapter(JobSpec)
 
@@ -110,17 +110,27 @@ def validate_tenant(raw: dict[str, Any] | TenantSpec,
         ds = catalog.dataset(spec.dataset) if spec.dataset else None
     except catalog.CatalogError as e:
         raise SpecError(f"invalid tenant spec {spec.name!r}: {e}") from None
-    schema = env.schema if env else ds.schema  # type: ignore[union-attr]
-    if env and ds:
-        if (env.schema.proprio_dim, env.schema.action_dim) != (ds.schema.proprio_dim, ds.schema.action_dim):
+    own = external_schema(spec.external) if spec.external is not None else None
+    schema = env.schema if env else own if own else ds.schema  # type: ignore[union-attr]
+    source = env.schema if env else own
+    if source and ds:
+        if (source.proprio_dim, source.action_dim) != (ds.schema.proprio_dim, ds.schema.action_dim):
+            what = f"env {env.name!r}" if env else "the external env"
             raise SpecError(f"invalid tenant spec {spec.name!r}: dataset {ds.name!r} "
-                            f"(state {ds.schema.proprio_dim}, action {ds.schema.action_dim}) does not fit env "
-                            f"{env.name!r} (state {env.schema.proprio_dim}, action {env.schema.action_dim})")
+                            f"(state {ds.schema.proprio_dim}, action {ds.schema.action_dim}) does not fit {what} "
+                            f"(state {source.proprio_dim}, action {source.action_dim})")
     if spec.action_dim is not None and spec.action_dim != schema.action_dim:
-        src = spec.env or spec.dataset
+        src = spec.env or ("external" if own else spec.dataset)
         raise SpecError(f"invalid tenant spec {spec.name!r}: action_dim={spec.action_dim} but {src!r} "
                         f"has {schema.action_dim}-dim actions")
     return spec, schema
+
+
+def external_schema(ext: ExternalEnv) -> TenantSchema:
+    """The observation schema of a tenant's own environment."""
+    return TenantSchema(proprio_dim=ext.proprio_dim, action_dim=ext.action_dim,
+                        cameras=tuple(CameraSpec(c.name, c.height, c.width) for c in ext.cameras),
+                        instruction=ext.instruction)
 
 
 def validate_job(spec: TenantSpec, raw: dict[str, Any], limits: ServiceLimits | None = None,
@@ -135,8 +145,14 @@ def validate_job(spec: TenantSpec, raw: dict[str, Any], limits: ServiceLimits | 
         raise SpecError(f"invalid job: {describe_errors(e.errors())}") from None
     if limits is not None:
         check_job_limits(job, limits, active_evals)
-    if job.kind in ("rl", "eval") and not spec.env:
-        raise SpecError(f"tenant {spec.name!r} has no env: a {job.kind} job needs one")
+    external = job.kind == "rl" and job.rollouts == "external"
+    if job.kind in ("rl", "eval") and not spec.env and not (external and spec.external is not None):
+        if external:
+            raise SpecError(f"tenant {spec.name!r} has no env: an RL job on uploaded episodes needs a catalog env "
+                            "or an external env")
+        raise SpecError(f"tenant {spec.name!r} has no env: a {job.kind} job needs one"
+                        + (" (its external env's episodes train an RLJob with rollouts='external')"
+                           if spec.external is not None else ""))
     if job.kind == "sft" and not spec.dataset:
         raise SpecError(f"tenant {spec.name!r} has no dataset: an sft job needs one")
     if job.kind == "rl" and spec.action_head not in RL_ACTION_HEADS:

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nexus.client import envs as service_envs
+from nexus.client import rollouts
 from nexus.client.futures import NexusFuture
 from nexus.client.http import HttpTransport
 from nexus.cluster import LocalService
@@ -383,6 +385,13 @@ class Job:
                 return
             time.sleep(poll_s)
 
+    def upload(self, episodes: rollouts.EpisodeBuffer | dict[str, Any]) -> dict[str, Any]:
+        """Whole episodes of the tenant's own env for this RL job (``rollouts="external"``), see
+        :mod:`nexus.client.rollouts`."""
+        if self.tenant is None:
+            self.tenant = self.info()["tenant"]
+        return rollouts.upload(Tenant(self.nexus, self.tenant, {}), self.id, episodes)
+
     def cancel(self) -> dict[str, Any]:
         """Stop the job and free everything it holds; returns its final info (state ``cancelled``)."""
         return self.nexus.call("nexus_cancel", job_id=self.id, owner=self.tenant)
@@ -554,3 +563,25 @@ class Tenant:
             return NexusFuture.run(self.nexus._predicts, self.nexus.transport.predict, self.name, obs, version,
                                    deterministic)
         return NexusFuture.of(self.nexus.predictor().predict(self.name, obs, version, deterministic))
+
+    # -- the tenant's own algorithms: the service's simulators, the tenant's own envs -------------------------
+    def env(self, env: str, seed: int = 0) -> service_envs.ServiceEnv:
+        """A ``gymnasium.Env`` on the service's simulators (one environment session; close it when done)."""
+        return service_envs.ServiceEnv(self, env, seed)
+
+    def vector_env(self, env: str, num_envs: int = 1, seed: int = 0) -> service_envs.ServiceVectorEnv:
+        """``num_envs`` envs with gymnasium's ``VectorEnv`` API (same-step autoreset), one session."""
+        return service_envs.ServiceVectorEnv(self, env, num_envs, seed)
+
+    def predict_batch(self, observations: list[Observation | dict[str, Any]], version: int | None = None,
+                      deterministic: bool = False) -> NexusFuture[list[dict[str, Any]]]:
+        """Actions for several observations in one request, each with ``logprob``, ``value`` and ``version``
+        (what an upload of external episodes needs)."""
+        if self.nexus._predicts is None:
+            self.nexus._predicts = ThreadPoolExecutor(4, thread_name_prefix="nexus-predict")
+        return NexusFuture.run(self.nexus._predicts, rollouts.predict_batch, self, observations, version,
+                               deterministic)
+
+    def upload_episodes(self, job: Job | str, episodes: rollouts.EpisodeBuffer | dict[str, Any]) -> dict[str, Any]:
+        """Whole episodes of this tenant's own env for its RL job with ``rollouts="external"``."""
+        return rollouts.upload(self, job.id if isinstance(job, Job) else job, episodes)

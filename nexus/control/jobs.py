@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from nexus.config import ServiceLimits, policy_settings
 from nexus.control import flows, tasks
 from nexus.control.admission import Admission
+from nexus.control.external_rollouts import ExternalRollouts
 from nexus.control.job_state import JobState, JobStatus
 from nexus.control.tenants import TenantPhase, TenantRegistry, TenantState
 from nexus.errors import Conflict, NotFound
@@ -65,6 +66,7 @@ class JobManager:
         self.monitoring = monitoring
         self.ids = JobTable()
         self.jobs: dict[str, JobState] = {}
+        self.external = ExternalRollouts()  # RL jobs trained on uploaded episodes
         self._event = event
         self._flush_signals = flush_signals
         ctx.log = self.log
@@ -171,6 +173,8 @@ class JobManager:
             self.tracker.start_run(js.job_id, js.tenant, js.spec.kind, params,
                                    parent if js.spec.kind == "eval" else None, js.t_submit)
             runner = {"sft": flows.run_sft, "rl": flows.run_rl, "eval": flows.run_eval}[js.spec.kind]
+            if js.spec.kind == "rl" and js.spec.rollouts == "external":
+                runner = self.external.run
             js.result = await runner(self.ctx, js, t)
             js.move(JobStatus.DONE)
         except asyncio.CancelledError:

@@ -84,6 +84,13 @@ class MonitoringState:
                 ws["count"] += 1
                 ws["seconds"] += float(msg.get("sync_s", 0.0))
                 ws["bytes"] += float(msg["sync_bytes"])
+        elif kind == "env":  # environment sessions: simulator seconds of a tenant's own algorithm
+            seconds, t1, worker = float(msg["busy_s"]), float(msg["t1"]), str(msg["worker"])
+            self.metered[msg["tenant"]]["simulator"] += seconds
+            self.busy["simulator"] += seconds
+            self.busy_slot[("simulator", worker)] += seconds
+            # one span per report (about a second of calls), as long as their busy time
+            self.spans.append(Span("simulator", worker, msg["tenant"], t1 - seconds, t1, "env", seconds, 0.0))
         elif kind == "inference":
             self.busy["inference"] += float(msg["busy_s"])
             for tenant, s in msg["by_tenant"].items():

@@ -17,6 +17,7 @@ from tornado import web
 
 from nexus.config import ServiceConfig
 from nexus.control import dashboard
+from nexus.control.env_sessions import EnvSessions
 from nexus.control.master import Master
 from nexus.control.monitoring import TOPIC, PrometheusCollector
 from nexus.errors import SpecError
@@ -32,10 +33,12 @@ class NexusPlugin(SchedulerPlugin):
         self.config = config
         self.scheduler = None
         self.master: Master | None = None
+        self.env_sessions: EnvSessions | None = None
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
         m = self.master = Master(self.config, scheduler)
+        envs = self.env_sessions = EnvSessions(m.runtime, m.registry, lambda t: m.config.limits_for(t))
         scheduler.handlers.update({
             # stable contract (names and argument shapes)
             "nexus_create_tenant": m.create_tenant,
@@ -60,6 +63,11 @@ class NexusPlugin(SchedulerPlugin):
             "nexus_scheduling": m.scheduling,
             "nexus_set_policy": m.set_policy,
             "nexus_offload": m.offload.now,  # idle tenants' actor slots to disk now (operators, benchmarks)
+            # environment sessions (tenants' own algorithms on the service's simulators)
+            "nexus_env_open": envs.open,
+            "nexus_env_close": envs.close,
+            "nexus_env_sessions": envs.view,
+            "nexus_feed_rollouts": m.jobs.external.feed,  # an upload of a tenant's own episodes, stored
         })
         scheduler.get_task_stream(count=0)  # record task start/stops from the start (dashboard, metering checks)
         for address in scheduler.workers:  # workers that joined before the plugin
@@ -83,6 +91,7 @@ class NexusPlugin(SchedulerPlugin):
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
         if self.master is not None:
             self.master.supervisor.on_worker_removed(worker)
+            self.env_sessions.on_worker_removed(worker)
 
     def restart(self, scheduler) -> None:
         if self.master is not None:
@@ -95,6 +104,7 @@ class NexusPlugin(SchedulerPlugin):
             self.master.monitoring.ingest(msg)
         elif topic == HEALTH_TOPIC:
             self.master.supervisor.on_heartbeat(msg)
+            self.env_sessions.on_heartbeat(msg)
 
     # -- views used in-process (dashboard page, Prometheus, JSON route, tests) ------------------------------
     def status(self, limit: int | None = None, cursor: str | None = None) -> dict[str, Any]:

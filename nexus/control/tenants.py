@@ -53,7 +53,9 @@ class TenantState:
 
     @property
     def kind(self) -> str:
-        return "rl" if self.spec.env and not self.spec.dataset else "sft" if self.spec.dataset else "eval"
+        if self.spec.dataset:
+            return "sft"
+        return "rl" if self.spec.env or self.spec.external else "eval"
 
     def move(self, new: TenantPhase) -> None:
         """Change phase (only as :data:`TRANSITIONS` allows)."""

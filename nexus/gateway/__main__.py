@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     tokens = TokenStore(config.gateway_dir)
     bind = a.host or config.host
     family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named explicitly: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto says TCP,
+    # and the accepted ones inherit it; with proto 0 every answer's body waited ~40 ms for a delayed ACK
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((bind, config.gateway_port if a.port is None else a.port))
     port = sock.getsockname()[1]

@@ -35,6 +35,7 @@ from nexus.features import TenantSchema
 from nexus.gateway.auth import Principal, TokenStore
 from nexus.gateway.backend import Backend
 from nexus.gateway.backend import plain as jsonable
+from nexus.gateway.envs import add_env_routes
 from nexus.inputs import check_batch, check_observation
 from nexus.paging import MAX_LIMIT as MAX_PAGE
 from nexus.paths import confine, dir_bytes
@@ -425,6 +426,8 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         obs = check_observation(body.observation, schema, max_instruction_chars=lim.max_instruction_chars)
         async with gw.queued(tenant):
             return await backend.predict(tenant, obs, body.version, body.deterministic)
+
+    add_env_routes(app, backend)  # environment sessions, predict_batch, uploaded episodes (nexus.gateway.envs)
 
     # -- admin --------------------------------------------------------------------------------
     @app.get("/v1/admin/monitoring", tags=["admin"])

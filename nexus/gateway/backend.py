@@ -149,6 +149,20 @@ class Backend:
         except (RuntimeError, OSError, TimeoutError) as e:
             raise Unavailable(f"the inference engine is unavailable ({type(e).__name__}: {e})") from None
 
+    async def predict_batch(self, tenant: str, observations: list, version: int | None,
+                            deterministic: bool) -> list[dict[str, Any]]:
+        """Actions for several observations of ``tenant`` in one request (its own envs: external rollouts)."""
+        if self._engines is None:
+            self._engines = EngineClient(self.client, route_timeout_s=60.0)
+        try:
+            return await self._engines.apredict_batch(tenant, observations, version, deterministic)
+        except NexusError:
+            raise
+        except KeyError as e:
+            raise NotFound(str(e.args[0]) if e.args else f"unknown tenant {tenant!r}") from None
+        except (RuntimeError, OSError, TimeoutError) as e:
+            raise Unavailable(f"the inference engine is unavailable ({type(e).__name__}: {e})") from None
+
 
 def plain(x: Any) -> Any:
     """JSON-ready values: numpy arrays and scalars to lists and numbers, NaN and inf to None."""

@@ -1,5 +1,6 @@
-"""A simulator worker's state (resource ``SIM``): its idle simulators, kept between rollout tasks, and the
-producers running now (reported in the worker's heartbeat, so the health manager sees their progress).
+"""A simulator worker's state (resource ``SIM``): its idle simulators, kept between rollout tasks, the
+producers running now (reported in the worker's heartbeat, so the health manager sees their progress) and
+the tenants' environment sessions (:mod:`nexus.services.env_sessions`).
 
 Held by the worker's Nexus plugin and passed to the SIM tasks (:mod:`nexus.services.sim_tasks`).
 Simulator packages come in with the first env a task builds.
@@ -11,12 +12,14 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from nexus.catalog import EnvEntry
 from nexus.messages import ProducerReport
+from nexus.services.env_sessions import SessionTable
 from nexus.services.environment import LockstepEnvs, make_env
 
 
@@ -79,6 +82,9 @@ class SimHost:
     def __init__(self) -> None:
         self.pool = EnvPool()
         self.producers: dict[str, ProducerProgress] = {}
+        # environment sessions (tenants' own algorithms): every call of every session runs on one thread
+        self.sessions = SessionTable(self.pool)
+        self.session_thread = ThreadPoolExecutor(1, thread_name_prefix="nexus-env-sessions")
 
     @contextmanager
     def producer(self, key: str, job: str, tenant: str, kind: str) -> Iterator[ProducerProgress]:

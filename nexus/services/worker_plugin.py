@@ -43,7 +43,9 @@ from tornado.ioloop import PeriodicCallback
 from nexus.data.output_dir import TenantOutputDir
 from nexus.errors import Draining, Unavailable
 from nexus.messages import HEALTH_TOPIC, HEARTBEAT_S, Heartbeat, Rendezvous
+from nexus.services.env_sessions import store_episodes
 from nexus.services.sim_host import SimHost
+from nexus.signals import TOPIC as SIGNAL_TOPIC
 
 if TYPE_CHECKING:
     from nexus.config import ServiceConfig
@@ -69,13 +71,15 @@ class NexusWorkerPlugin(WorkerPlugin):
         self.served_log: deque[tuple[str, str]] = deque(maxlen=200_000)  # (engine, request id) answered here
         self._lock = threading.Lock()
         self._beat: PeriodicCallback | None = None
+        self._tick: asyncio.Future | None = None  # the environment sessions' periodic work
 
     # -- Dask hooks --------------------------------------------------------------------------------
     def setup(self, worker) -> None:
         self.worker = worker
         worker.handlers.update({"nexus_engine": self._in_worker(self._h_engine),
                                 "nexus_engine_ctl": self._in_worker(self._h_engine_ctl),
-                                "nexus_tracker": self._h_tracker, "nexus_io": self._h_io})
+                                "nexus_tracker": self._h_tracker, "nexus_io": self._h_io,
+                                "nexus_env": self._h_env, "nexus_env_ctl": self._h_env_ctl})
         self._beat = PeriodicCallback(self.beat, HEARTBEAT_S * 1000)
         self._beat.start()
         self.beat()
@@ -104,8 +108,12 @@ class NexusWorkerPlugin(WorkerPlugin):
         hb = Heartbeat(worker=str(w.name), address=w.address, t=time.time(), training=self.actor is not None,
                        slots=len(self.actor.slots) if self.actor is not None else 0,
                        tracker=self.tracker is not None, engines=[e.report() for e in self.engines.values()],
-                       producers=self.sim.reports(), executing=[str(ts.key) for ts in w.state.executing])
+                       producers=self.sim.reports(), executing=[str(ts.key) for ts in w.state.executing],
+                       sessions=self.sim.sessions.reports())
         w.log_event(HEALTH_TOPIC, hb.to_dict())
+        busy = self._tick is not None and not self._tick.done()
+        if not busy and (self.sim.sessions.sessions or self.sim.sessions.pending_metering):
+            self._tick = asyncio.ensure_future(self._sessions_tick())
 
     # -- roles ---------------------------------------------------------------------------------------
     def host(self, role: str) -> Any:
@@ -142,6 +150,57 @@ class NexusWorkerPlugin(WorkerPlugin):
         if self.tracker is None:
             raise Draining(f"no tracker on worker {self.worker.name}")
         return await self.tracker.run(calls)
+
+    async def _h_env(self, method: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """An environment session's reset / step, or an upload of episodes, from the gateway (pickled payload)."""
+        loop = asyncio.get_running_loop()
+        if method == "store_episodes":
+            out = await loop.run_in_executor(self.sim.session_thread, lambda: store_episodes(**payload))
+            return {"result": to_serialize(out)}
+        if method not in ("reset", "step"):
+            raise ValueError(f"unknown environment call {method!r}")
+        sessions = self.sim.sessions
+        s = sessions.sessions.get(str(payload.get("session")))
+        inline = s is not None and s.inline  # a short call: no hand-off to the session thread and back
+        if s is not None:
+            s.pending += 1  # counted on the loop: the thread's idle check and the next call see it at once
+        try:
+            if inline:
+                out = sessions.call(method, **payload)
+            else:
+                out = await loop.run_in_executor(self.sim.session_thread, lambda: sessions.call(method, **payload))
+        finally:
+            if s is not None:
+                s.pending -= 1
+        return {"result": to_serialize(out)}
+
+    async def _h_env_ctl(self, action: str, **msg: Any) -> Any:
+        """The control plane's session operations: ``open`` (build the envs) and ``close`` (plain values)."""
+        sessions = self.sim.sessions
+        if action not in ("open", "close"):
+            raise ValueError(f"unknown environment session action {action!r}")
+        fn = sessions.open if action == "open" else sessions.close
+        return await asyncio.get_running_loop().run_in_executor(self.sim.session_thread, lambda: fn(**msg))
+
+    async def _sessions_tick(self) -> None:
+        """Close sessions idle past their timeout and report the sessions' simulator seconds to metering."""
+        sessions, loop = self.sim.sessions, asyncio.get_running_loop()
+
+        def tick() -> dict[str, float]:
+            for s in sessions.expired(time.time()):
+                logger.info("environment session %s of %s idle for %.0f s: closed", s.id, s.tenant, s.idle_s)
+                sessions.close(s.id, s.tenant)
+            return sessions.drain_metering()
+
+        try:
+            busy = await loop.run_in_executor(self.sim.session_thread, tick)
+        except Exception as e:  # the next beat tries again
+            logger.warning("environment sessions: %s", e)
+            return
+        t1 = time.time()
+        for tenant, seconds in busy.items():
+            self.worker.log_event(SIGNAL_TOPIC, {"kind": "env", "worker": self.worker.name, "tenant": tenant,
+                                                 "busy_s": seconds, "t1": t1})
 
     async def _h_io(self, action: str, **msg: Any) -> Any:
         if action == "write_job_record":

@@ -84,6 +84,14 @@ def _new_gym_env(entry: EnvEntry) -> Any:
     return _gym_env_class()(entry)
 
 
+def gym_env(entry: EnvEntry) -> Any:
+    """One catalog env in this process as a ``gymnasium.Env`` (Dict observations ``state`` + ``image.<camera>``,
+    the layout of the service's environment sessions), with the catalog's episode length as its time limit."""
+    from gymnasium.wrappers import TimeLimit
+
+    return TimeLimit(_new_gym_env(entry), max_episode_steps=entry.max_episode_steps)
+
+
 class VectorSimEnv(BatchedSimEnv):
     """``num_envs`` sub-environments of one catalog env behind a gymnasium vector env (CPU)."""
 

@@ -1,0 +1,167 @@
+"""The service's simulators as gymnasium environments, for a tenant's own algorithm (issue 22 item 1).
+
+``ServiceEnv(tenant, "maniskill/pushcube-state")`` (or ``tenant.env(...)``) is a ``gymnasium.Env``;
+``ServiceVectorEnv(tenant, env, num_envs=8)`` (or ``tenant.vector_env(...)``) has gymnasium's ``VectorEnv``
+API with same-step autoreset. Each is one environment session on one of the service's simulator workers,
+opened through the tenant gateway: resets and steps are HTTP calls that the gateway forwards to that worker.
+Observations are a ``Dict`` of ``state`` (float32 [P]) and ``image.<camera>`` (uint8 [H, W, 3]), the layout
+of the service's own catalog envs; actions a ``Box`` of the catalog's bounds. Close the env (or use it as a
+context manager) to give the simulators back; an idle session closes itself after the service's
+``env_session_idle_s``. The simulator seconds are metered to the tenant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_space
+
+from nexus.errors import NotSupported
+from nexus.inputs import decode_array
+
+IMAGE_PREFIX = "image."
+
+
+def _arrays(d: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {k: np.array(decode_array(v)) for k, v in d.items()}  # writable copies
+
+
+class EnvSession:
+    """One environment session of a tenant through its gateway (what both env classes drive)."""
+
+    def __init__(self, tenant, env: str, num_envs: int = 1, seed: int = 0, autoreset: bool = False) -> None:
+        transport = tenant.nexus.transport
+        if transport is None:
+            raise NotSupported("environment sessions go through the tenant gateway: connect with "
+                               "Nexus('http://...', token=...) or Nexus.local()")
+        self.transport, self.tenant = transport, tenant.name
+        self.base = f"/v1/tenants/{quote(tenant.name, safe='')}/envs"
+        self.info = transport.request("POST", self.base, tenant=self.tenant,
+                                      json_body={"env": env, "num_envs": num_envs, "seed": seed,
+                                                 "autoreset": autoreset})
+        self.id: str = self.info["session"]
+        self.num_envs: int = int(self.info["num_envs"])
+        self.closed = False
+
+    def spaces(self) -> tuple[spaces.Dict, spaces.Box]:
+        """One env's observation and action spaces."""
+        i = self.info
+        obs: dict[str, spaces.Space] = {"state": spaces.Box(-np.inf, np.inf, (i["proprio_dim"],), np.float32)}
+        for c in i["cameras"]:
+            obs[f"{IMAGE_PREFIX}{c['name']}"] = spaces.Box(0, 255, (c["height"], c["width"], 3), np.uint8)
+        action = spaces.Box(np.asarray(i["action_low"], np.float32), np.asarray(i["action_high"], np.float32),
+                            dtype=np.float32)
+        return spaces.Dict(obs), action
+
+    def _post(self, verb: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.transport.request("POST", f"{self.base}/{self.id}/{verb}", tenant=self.tenant, json_body=body)
+
+    def reset(self, seed: int | list[int | None] | None = None, mask: np.ndarray | None = None) -> dict[str, Any]:
+        out = self._post("reset", {"seed": seed, "mask": None if mask is None else [bool(m) for m in mask]})
+        return _arrays(out["obs"])
+
+    def step(self, actions: np.ndarray) -> dict[str, Any]:
+        out = self._post("step", {"actions": np.asarray(actions, np.float32)})
+        res = {k: np.array(decode_array(v)) for k, v in out.items() if k not in ("obs", "final")}
+        for k in ("terminated", "truncated", "success"):
+            res[k] = res[k].astype(bool)
+        res["obs"] = _arrays(out["obs"])
+        if "final" in out:
+            res["final"] = _arrays(out["final"])
+            res["final"]["mask"] = res["final"]["mask"].astype(bool)
+        return res
+
+    def close(self) -> dict[str, Any] | None:
+        if self.closed:
+            return None
+        self.closed = True
+        return self.transport.request("DELETE", f"{self.base}/{self.id}", tenant=self.tenant)
+
+
+def _row(obs: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
+    return {k: v[i] for k, v in obs.items()}
+
+
+class ServiceEnv(gym.Env):
+    """One env of a catalog env on the service's simulators, as a ``gymnasium.Env``."""
+
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self, tenant, env: str, seed: int = 0) -> None:
+        self.session = EnvSession(tenant, env, 1, seed, autoreset=False)
+        self.observation_space, self.action_space = self.session.spaces()
+        self.max_episode_steps = int(self.session.info["max_episode_steps"])
+        self.instruction = str(self.session.info["instruction"])
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        super().reset(seed=seed)
+        return _row(self.session.reset(seed), 0), {}
+
+    def step(self, action: np.ndarray) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
+        out = self.session.step(np.asarray(action, np.float32).reshape(1, -1))
+        return (_row(out["obs"], 0), float(out["reward"][0]), bool(out["terminated"][0]), bool(out["truncated"][0]),
+                {"success": bool(out["success"][0])})
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self) -> ServiceEnv:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ServiceVectorEnv(VectorEnv):
+    """``num_envs`` envs of a catalog env in one session on one simulator worker, with gymnasium's
+    ``VectorEnv`` API and same-step autoreset: an env whose episode ended answers the first observation of
+    its next episode; ``infos["final_obs"]`` (mask ``"_final_obs"``) holds its last one, ``infos["episode"]``
+    its return ``r`` and length ``l`` (mask ``"_episode"``); ``infos["success"]`` every env's success flag."""
+
+    metadata: dict[str, Any] = {"render_modes": [], "autoreset_mode": AutoresetMode.SAME_STEP}
+
+    def __init__(self, tenant, env: str, num_envs: int = 1, seed: int = 0) -> None:
+        self.session = EnvSession(tenant, env, num_envs, seed, autoreset=True)
+        self.num_envs = self.session.num_envs
+        self.single_observation_space, self.single_action_space = self.session.spaces()
+        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.max_episode_steps = int(self.session.info["max_episode_steps"])
+
+    def reset(self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        mask = (options or {}).get("reset_mask")
+        if seed is not None:
+            self._np_random_seed = seed if isinstance(seed, int) else None
+        return self.session.reset(seed, mask), {}
+
+    def step(self, actions: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray,
+                                                  dict[str, Any]]:
+        out = self.session.step(actions)
+        n = self.num_envs
+        infos: dict[str, Any] = {"success": out["success"], "_success": np.ones(n, bool)}
+        done = out["terminated"] | out["truncated"]
+        if done.any():
+            infos["episode"] = {"r": out["episode_return"], "l": out["episode_length"]}
+            infos["_episode"] = done
+        if "final" in out:
+            final, mask = out["final"], out["final"]["mask"]
+            infos["final_obs"] = np.array([{k: v[i] for k, v in final.items() if k != "mask"} if mask[i] else None
+                                           for i in range(n)], dtype=object)
+            infos["_final_obs"] = mask
+        return out["obs"], out["reward"], out["terminated"], out["truncated"], infos
+
+    def close_extras(self, **kwargs: Any) -> None:
+        self.session.close()
+
+    def __enter__(self) -> ServiceVectorEnv:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,137 @@
+"""The control plane's environment-session records as a plain object (no cluster): quotas counted with the
+sessions being opened, placement on the least-loaded simulator worker, and the records following the workers'
+heartbeats, a lost worker and a deleted tenant."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nexus.config import ServiceLimits
+from nexus.control.env_sessions import EnvSessions
+from nexus.control.runtime import WorkerInfo
+from nexus.control.tenants import TenantPhase, TenantRegistry, TenantState
+from nexus.errors import LimitExceeded, NotFound, SpecError
+from nexus.features import TenantSchema
+from nexus.spec import TenantSpec
+
+PUSH = "maniskill/pushcube-state"
+
+
+class Workers:
+    """The two things the records need from Dask: the SIM workers, and their ``nexus_env_ctl`` handler."""
+
+    def __init__(self, *addresses: str) -> None:
+        self.sim = [WorkerInfo(f"sim-{i}", a, {"SIM": 1}) for i, a in enumerate(addresses)]
+        self.calls: list[tuple[str, dict]] = []
+        self.gate: asyncio.Event | None = None  # holds "open" calls until set
+        self.spawned: list = []
+
+    def workers(self, resource: str | None = None) -> list[WorkerInfo]:
+        return list(self.sim)
+
+    def worker_name(self, address: str) -> str | None:
+        return next((w.name for w in self.sim if w.address == address), None)
+
+    async def call(self, address: str, handler: str, timeout: float | None = 60.0, **msg) -> dict:
+        self.calls.append((address, msg))
+        if msg["action"] == "open" and self.gate is not None:
+            await self.gate.wait()
+        return {"session": msg["session"], "num_envs": msg.get("num_envs"), "closed": msg["action"] == "close"}
+
+    def spawn(self, coro):
+        self.spawned.append(asyncio.get_running_loop().create_task(coro))
+
+
+def registry(*names: str) -> TenantRegistry:
+    reg = TenantRegistry()
+    for n in names:
+        t = reg.add(TenantState(TenantSpec(name=n, env=PUSH), TenantSchema(35, 4), output_dir=f"/tmp/{n}"))
+        t.move(TenantPhase.READY)
+    return reg
+
+
+def sessions(limits: ServiceLimits, *addresses: str, tenants=("a", "b")) -> tuple[EnvSessions, Workers]:
+    w = Workers(*addresses)
+    return EnvSessions(w, registry(*tenants), lambda _t: limits), w  # type: ignore[arg-type]
+
+
+def test_quotas_count_sessions_being_opened_and_bad_requests_open_nothing():
+    async def go():
+        s, w = sessions(ServiceLimits(max_env_sessions=1, max_envs_per_session=4), "tcp://w0")
+        w.gate = asyncio.Event()
+        first = asyncio.create_task(s.open("a", PUSH, 2))
+        await asyncio.sleep(0)
+        with pytest.raises(LimitExceeded, match="max_env_sessions=1"):  # the first is still being built
+            await s.open("a", PUSH, 1)
+        w.gate.set()
+        info = await first
+        assert info["address"] == "tcp://w0" and info["worker"] == "sim-0"
+        with pytest.raises(LimitExceeded, match="max_envs_per_session=4"):
+            await s.open("b", PUSH, 5)
+        with pytest.raises(SpecError, match="unknown env"):
+            await s.open("b", "maniskill/nope", 1)
+        with pytest.raises(SpecError, match="seed"):
+            await s.open("b", PUSH, 2, seed=2**32 - 1)
+        with pytest.raises(NotFound, match="unknown tenant"):
+            await s.open("ghost", PUSH, 1)
+        assert [m["action"] for _, m in w.calls] == ["open"] and len(s.sessions) == 1
+    asyncio.run(go())
+
+
+def test_sessions_go_to_the_least_loaded_simulator_worker_and_only_their_tenant_sees_them():
+    async def go():
+        s, w = sessions(ServiceLimits(), "tcp://w0", "tcp://w1")
+        a1 = await s.open("a", PUSH, 4)
+        a2 = await s.open("a", PUSH, 1)
+        b1 = await s.open("b", PUSH, 2)
+        assert (a1["address"], a2["address"], b1["address"]) == ("tcp://w0", "tcp://w1", "tcp://w1")
+        assert s.load() == {"tcp://w0": 4, "tcp://w1": 3}
+        with pytest.raises(NotFound):
+            s.view("b", a1["session"])
+        with pytest.raises(NotFound):
+            await s.close("b", a1["session"])
+        assert (await s.close("a", a1["session"]))["closed"] and s.load()["tcp://w0"] == 0
+    asyncio.run(go())
+
+
+def test_records_follow_heartbeats_lost_workers_and_deleted_tenants():
+    async def go():
+        s, w = sessions(ServiceLimits(), "tcp://w0", "tcp://w1")
+        a = await s.open("a", PUSH, 1)
+        b = await s.open("b", PUSH, 1)
+        t_open = s.sessions[a["session"]].t_open
+        s.on_heartbeat({"address": "tcp://w0", "t": t_open - 5, "sessions": []})  # made before it opened
+        assert a["session"] in s.sessions
+        s.on_heartbeat({"address": "tcp://w0", "t": t_open + 10, "sessions": [{"session": a["session"]}]})
+        assert a["session"] in s.sessions
+        s.on_heartbeat({"address": "tcp://w0", "t": t_open + 11, "sessions": []})  # closed after idling
+        assert a["session"] not in s.sessions
+        s.registry.remove("b")  # deleted: its session is closed on its worker at the next report
+        s.on_heartbeat({"address": "tcp://w1", "t": t_open + 1, "sessions": [{"session": b["session"]}]})
+        await asyncio.gather(*w.spawned)
+        assert b["session"] not in s.sessions and w.calls[-1][1]["action"] == "close"
+        c = await s.open("a", PUSH, 1)
+        s.on_worker_removed(c["address"])
+        assert s.sessions == {}
+    asyncio.run(go())
+
+
+def test_a_session_call_runs_on_the_workers_loop_only_when_short_and_alone():
+    from types import SimpleNamespace
+
+    from nexus import catalog
+    from nexus.services.env_sessions import EnvSession
+
+    s = EnvSession("s", "a", catalog.env(PUSH), SimpleNamespace(num_envs=2), autoreset=True, idle_s=60, seed=0,
+                   inline_s=0.05)
+    assert not s.inline  # the first call is measured on the session thread
+    s.last_call_s = 0.01
+    assert s.inline
+    s.pending = 1  # a call of this session is under way: the next one waits behind it on the thread
+    assert not s.inline
+    s.pending, s.last_call_s = 0, 0.2
+    assert not s.inline
+    s.inline_s, s.last_call_s = 0.0, 0.001  # the default: always the thread
+    assert not s.inline
