@@ -19,6 +19,7 @@ from nexus.config import ServiceConfig
 from nexus.control import dashboard
 from nexus.control.master import Master
 from nexus.control.monitoring import TOPIC, PrometheusCollector
+from nexus.control.predict_latency import PredictLatency
 from nexus.errors import SpecError
 from nexus.messages import HEALTH_TOPIC
 
@@ -32,6 +33,7 @@ class NexusPlugin(SchedulerPlugin):
         self.config = config
         self.scheduler = None
         self.master: Master | None = None
+        self.latency = PredictLatency()  # predict latency per tenant, from the gateways' reports
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -60,6 +62,7 @@ class NexusPlugin(SchedulerPlugin):
             "nexus_scheduling": m.scheduling,
             "nexus_set_policy": m.set_policy,
             "nexus_offload": m.offload.now,  # idle tenants' actor slots to disk now (operators, benchmarks)
+            "nexus_qos_report": self.latency.report,  # the gateways' predict latency histograms
         })
         scheduler.get_task_stream(count=0)  # record task start/stops from the start (dashboard, metering checks)
         for address in scheduler.workers:  # workers that joined before the plugin

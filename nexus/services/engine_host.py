@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter, deque
 from typing import Any
 
@@ -48,6 +49,26 @@ class EngineHost:
         """A producer's K observations as one request (``InferenceEngine.predict_batch``)."""
         return await self._serve(tenant, observations, request_id,
                                  self.engine.predict_batch(tenant, observations, *args, **kwargs))
+
+    async def predict_many(self, requests: list[list[Any]]) -> dict[str, Any]:
+        """Predicts of several callers (the gateway's gathered HTTP requests), each ``[tenant, obs, version,
+        deterministic, request_id]``: each passes the gate alone and they join the inference queue together
+        (one group when they fit). -> ``replies`` (per request, in order: ``{"output", "wait_s", "compute_s"}``
+        or ``{"error": NexusError}``) and ``engine_s`` (this call's time on the engine)."""
+        t0 = time.perf_counter()
+
+        async def one(tenant: str, obs: Any, version: int | None, deterministic: bool, rid: str | None):
+            try:
+                reply = await self._serve(tenant, [obs], rid, self.engine.predict_batch(tenant, [obs], version,
+                                                                                        deterministic))
+            except KeyError as e:  # the engine's "neither live nor pinned"
+                return {"error": NotFound(str(e.args[0]) if e.args else f"unknown tenant {tenant!r}")}
+            except Exception as e:
+                return {"error": e}
+            return {"output": reply["outputs"][0], "wait_s": reply["wait_s"], "compute_s": reply["compute_s"]}
+
+        replies = await asyncio.gather(*(one(*r) for r in requests))
+        return {"replies": replies, "engine_s": time.perf_counter() - t0}
 
     async def _serve(self, tenant: str, observations: list, request_id: str | None, work) -> dict[str, Any]:
         """The gate of every action request: refused while draining or for an unknown tenant, and each
@@ -92,7 +113,8 @@ class EngineHost:
             return await self.engine.load_weights(tenant, version, weights)
 
     async def call(self, method: str, args: list, kwargs: dict) -> Any:
-        if method in ("predict", "predict_batch", "load_weights"):  # gated here (draining, schema, late pushes)
+        # gated here (draining, schema, late pushes)
+        if method in ("predict", "predict_batch", "predict_many", "load_weights"):
             return await getattr(self, method)(*args, **kwargs)
         if method.startswith("_"):
             raise AttributeError(f"engine method {method!r} is private")
