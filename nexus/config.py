@@ -141,7 +141,7 @@ class ServiceLimits(BaseModel):
     max_seed: int = Field(600, ge=0, description="episode seeds derived from it stay below 2**32 (simulators)")
     max_inflight: int = Field(8, ge=1, description="cap of TenantSpec.max_inflight")
     max_queued_ops: int = Field(8, ge=1, description="low-level calls of one tenant waiting at the gateway")
-    max_inflight_predicts: int = Field(16, ge=1, description="predicts of one tenant queued or running at the "
+    max_inflight_predicts: int = Field(8, ge=1, description="predicts of one tenant queued or running at the "
                                        "gateway at once; past it 429 with Retry-After (qos.max_inflight_predicts "
                                        "bounds all tenants together)")
     max_batch_rows: int = Field(4096, ge=1, description="samples in one forward_backward batch")
@@ -194,7 +194,7 @@ class QosSettings(BaseModel):
     tasks (``nexus.control.sim_slots``)."""
 
     model_config = ConfigDict(extra="forbid")
-    max_inflight_predicts: int = Field(256, ge=1, description="predicts of all tenants queued or running at "
+    max_inflight_predicts: int = Field(64, ge=1, description="predicts of all tenants queued or running at "
                                        "one gateway at once (each tenant: limits.max_inflight_predicts)")
     retry_after_s: float = Field(0.1, gt=0, le=3600, description="the wait a refused predict is told to "
                                  "back off (body retry_after_s; the Retry-After header rounds it up to whole s)")

@@ -52,40 +52,57 @@ class EngineHost:
 
     async def predict_many(self, requests: list[list[Any]]) -> dict[str, Any]:
         """Predicts of several callers (the gateway's gathered HTTP requests), each ``[tenant, obs, version,
-        deterministic, request_id]``: each passes the gate alone and they join the inference queue together
-        (one group when they fit). -> ``replies`` (per request, in order: ``{"output", "wait_s", "compute_s"}``
-        or ``{"error": NexusError}``) and ``engine_s`` (this call's time on the engine)."""
+        deterministic, request_id]``: each passes the gate alone (a refused one fails alone), the others run
+        as one request of the inference queue (``InferenceEngine.predict_rows``: one group, whatever B).
+        -> ``replies`` (per request, in order: ``{"output", "wait_s", "compute_s"}`` or ``{"error":
+        NexusError}``) and ``engine_s`` (this call's time on the engine)."""
         t0 = time.perf_counter()
-
-        async def one(tenant: str, obs: Any, version: int | None, deterministic: bool, rid: str | None):
+        replies: list[dict[str, Any] | None] = [None] * len(requests)
+        accepted: list[int] = []
+        for i, (tenant, obs, version, _det, _rid) in enumerate(requests):
             try:
-                reply = await self._serve(tenant, [obs], rid, self.engine.predict_batch(tenant, [obs], version,
-                                                                                        deterministic))
-            except KeyError as e:  # the engine's "neither live nor pinned"
-                return {"error": NotFound(str(e.args[0]) if e.args else f"unknown tenant {tenant!r}")}
+                self._gate(tenant, [obs])
+                if not self.engine.heads.serves(tenant, version):
+                    raise NotFound(f"version {version} of tenant {tenant!r} is neither live nor pinned")
+                accepted.append(i)
             except Exception as e:
-                return {"error": e}
-            return {"output": reply["outputs"][0], "wait_s": reply["wait_s"], "compute_s": reply["compute_s"]}
-
-        replies = await asyncio.gather(*(one(*r) for r in requests))
+                replies[i] = {"error": e}
+        if accepted:
+            work = self.engine.predict_rows([tuple(requests[i][:4]) for i in accepted])
+            try:
+                out = await self._run(work, [requests[i][4] for i in accepted])
+            except Exception as e:  # the group failed: each of its requests sees why
+                for i in accepted:
+                    replies[i] = {"error": e}
+            else:
+                for j, i in enumerate(accepted):
+                    replies[i] = {"output": out["outputs"][j], "wait_s": out["wait_s"],
+                                  "compute_s": out["compute_s"]}
         return {"replies": replies, "engine_s": time.perf_counter() - t0}
 
     async def _serve(self, tenant: str, observations: list, request_id: str | None, work) -> dict[str, Any]:
         """The gate of every action request: refused while draining or for an unknown tenant, and each
         observation checked against the tenant's schema before it may join a group."""
         try:
-            if self.draining:
-                raise Draining(f"inference engine {self.id} is draining")
-            schema = self.schemas.get(tenant)
-            if schema is None:
-                raise NotFound(f"tenant {tenant!r} is not registered on inference engine {self.id}")
-            if not isinstance(observations, list) or not observations:
-                raise SpecError(f"tenant {tenant!r}: an action request needs at least one observation")
-            for obs in observations:
-                check_request(obs, schema, tenant)  # a bad request fails alone, before it joins a group
+            self._gate(tenant, observations)
         except BaseException:
             work.close()  # never started
             raise
+        return await self._run(work, [request_id])
+
+    def _gate(self, tenant: str, observations: list) -> None:
+        if self.draining:
+            raise Draining(f"inference engine {self.id} is draining")
+        schema = self.schemas.get(tenant)
+        if schema is None:
+            raise NotFound(f"tenant {tenant!r} is not registered on inference engine {self.id}")
+        if not isinstance(observations, list) or not observations:
+            raise SpecError(f"tenant {tenant!r}: an action request needs at least one observation")
+        for obs in observations:
+            check_request(obs, schema, tenant)  # a bad request fails alone, before it joins a group
+
+    async def _run(self, work, request_ids: list[str | None]) -> Any:
+        """Run accepted work (counted in flight: draining waits for it); log its requests as answered."""
         self.inflight += 1
         self._idle.clear()
         try:
@@ -96,9 +113,10 @@ class EngineHost:
             self.inflight -= 1
             if self.inflight == 0:
                 self._idle.set()
-        self.served += 1
-        if request_id is not None:
-            self.served_log.append((self.id, request_id))
+        for rid in request_ids:
+            self.served += 1
+            if rid is not None:
+                self.served_log.append((self.id, rid))
         return out
 
     async def load_weights(self, tenant: str, version: int, weights: bytes) -> int | None:

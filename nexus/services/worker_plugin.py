@@ -40,7 +40,7 @@ from distributed.utils import sync
 from distributed.worker import _worker_cvar  # Dask sets the same variable around tasks and actors
 from tornado.ioloop import PeriodicCallback
 
-from nexus.data.output_dir import TenantOutputDir
+from nexus.data.output_dir import TenantOutputDir, unmark_evaluation
 from nexus.errors import Draining, Unavailable
 from nexus.messages import HEALTH_TOPIC, HEARTBEAT_S, Heartbeat, Rendezvous
 from nexus.services.sim_host import SimHost
@@ -75,7 +75,8 @@ class NexusWorkerPlugin(WorkerPlugin):
         self.worker = worker
         worker.handlers.update({"nexus_engine": self._in_worker(self._h_engine),
                                 "nexus_engine_ctl": self._in_worker(self._h_engine_ctl),
-                                "nexus_tracker": self._h_tracker, "nexus_io": self._h_io})
+                                "nexus_tracker": self._h_tracker, "nexus_io": self._h_io,
+                                "nexus_sim_stop": self._h_sim_stop})
         self._beat = PeriodicCallback(self.beat, HEARTBEAT_S * 1000)
         self._beat.start()
         self.beat()
@@ -143,10 +144,15 @@ class NexusWorkerPlugin(WorkerPlugin):
             raise Draining(f"no tracker on worker {self.worker.name}")
         return await self.tracker.run(calls)
 
+    async def _h_sim_stop(self, job: str) -> int:
+        return self.sim.stop(job)
+
     async def _h_io(self, action: str, **msg: Any) -> Any:
         if action == "write_job_record":
             await asyncio.to_thread(TenantOutputDir(msg["output_dir"]).write_job, msg["record"])
             return True
+        if action == "unmark_evaluation":
+            return await asyncio.to_thread(unmark_evaluation, msg["output_dir"], msg["job"])
         raise ValueError(f"unknown io action {action!r}")
 
 
