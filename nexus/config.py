@@ -198,7 +198,7 @@ class QosSettings(BaseModel):
                                        "one gateway at once (each tenant: limits.max_inflight_predicts)")
     retry_after_s: float = Field(0.1, gt=0, le=3600, description="the wait a refused predict is told to "
                                  "back off (body retry_after_s; the Retry-After header rounds it up to whole s)")
-    gather_max_requests: int = Field(32, ge=1, description="predicts of several HTTP clients in one call to an "
+    gather_max_requests: int = Field(64, ge=1, description="predicts of several HTTP clients in one call to an "
                                      "engine (each then joins the engine's groups)")
     engine_calls_in_flight: int = Field(2, ge=1, description="calls the gateway keeps running on one engine; "
                                         "requests arriving meanwhile gather into the next call")
