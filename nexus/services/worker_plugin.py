@@ -250,3 +250,10 @@ async def dask_setup(worker) -> None:
         root.addHandler(handler)
         root.setLevel(logging.INFO)
     await worker.plugin_add(NexusWorkerPlugin(), name=PLUGIN_NAME)
+
+
+def producer_jobs(dask_worker) -> list[str]:
+    """The jobs of the rollout producers running on a SIM worker now (``client.run(producer_jobs, ...)``: tests,
+    audits)."""
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    return [p.job for p in plugin.sim.producers.values()] if plugin is not None else []
