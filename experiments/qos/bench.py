@@ -236,16 +236,18 @@ async def open_loop(host: str, port: int, tokens: dict[str, str], rates: dict[st
 
 
 async def noisy(host: str, port: int, tokens: dict[str, str], tenants: list[str], rate: float,
-                seconds: float) -> dict:
+                seconds: float, engine=lambda start: None) -> dict:
     quiet, loud = tenants[:15], tenants[15]
     out = {"quiet_tenants": len(quiet), "quiet_rate_per_s": rate, "noisy_rate_per_s": 10 * rate}
     for case, rates in (("alone", dict.fromkeys(quiet, rate)), ("with_noisy", {**dict.fromkeys(quiet, rate),
                                                                               loud: 10 * rate})):
+        await asyncio.to_thread(engine, True)
         load = await open_loop(host, port, tokens, rates, seconds)
         q = load.all_lat(quiet)
         out[case] = {"quiet_answered": len(q), **{f"quiet_{k}": v for k, v in summary(q).items()},
                      "status": {str(k): v for k, v in sorted(load.status.items())},
-                     "transport_errors": load.errors}
+                     "transport_errors": load.errors, "engine": await asyncio.to_thread(engine, False),
+                     "breakdown": load.breakdown(load.all_lat()) if load.all_lat() else {}}
         if case == "with_noisy":
             n = load.all_lat([loud])
             out[case].update(noisy_answered=len(n), noisy_p50_ms=ms(pct(n, 0.5)), noisy_p99_ms=ms(pct(n, 0.99)))
@@ -327,6 +329,18 @@ def sim_fairness(http, tokens: dict[str, str], wait_s: float) -> dict:
     return out
 
 
+def engine_phase(eng, start: bool) -> dict | None:
+    """The engine's counters of a phase: reset at its start; at its end its groups, rows, busy time."""
+    if start:
+        eng.reset_stats().result(60)
+        return None
+    s = eng.engine_stats().result(60)
+    rows, groups = int(s["requests"]), max(1, int(s["groups"]))
+    return {"groups": s["groups"], "rows": rows, "busy_s": round(s["busy_s"], 2),
+            "rows_per_group": round(rows / groups, 1),
+            "busy_ms_per_row": round(1e3 * s["busy_s"] / rows, 2) if rows else None}
+
+
 # -- the service --------------------------------------------------------------------------------------
 def run(args) -> dict:
     import httpx
@@ -348,16 +362,20 @@ def run(args) -> dict:
                 r.raise_for_status()
                 tokens[n] = r.json()["token"]
             asyncio.run(closed_loop(host, int(port), tokens, names, 16, 2.0))  # warm every tenant's path
+            eng = nx.engine(0)
             if "predict" in args.phases:
                 result["predict"] = []
                 for c in args.clients:
                     tenants = names[:1] if c == 1 else names
+                    engine_phase(eng, True)
                     res = asyncio.run(closed_loop(host, int(port), tokens, tenants, c, args.seconds))
+                    res["engine"] = engine_phase(eng, False)
                     result["predict"].append(res)
                     print(f"  predict {c:>3} clients: {res['predict_per_s']:>7}/s p50 {res['p50_ms']} "
                           f"p99 {res['p99_ms']} status {res['status']}", flush=True)
             if "noisy" in args.phases:
-                result["noisy"] = asyncio.run(noisy(host, int(port), tokens, names, args.quiet_rate, args.seconds))
+                result["noisy"] = asyncio.run(noisy(host, int(port), tokens, names, args.quiet_rate, args.seconds,
+                                                    lambda start: engine_phase(eng, start)))
                 print(f"  noisy: {json.dumps(result['noisy'])}", flush=True)
             if "ops" in args.phases:
                 result["ops"] = asyncio.run(ops(host, int(port), tokens, names, args.seconds))

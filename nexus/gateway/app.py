@@ -45,6 +45,7 @@ from nexus.features import TenantSchema
 from nexus.gateway.auth import Principal, TokenStore
 from nexus.gateway.backend import Backend
 from nexus.gateway.backend import plain as jsonable
+from nexus.gateway.body_limit import BodyLimit
 from nexus.gateway.serving import PredictServer
 from nexus.gateway.timing import PredictTiming, spans_of
 from nexus.inputs import check_batch, check_observation
@@ -245,22 +246,8 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         return NexusJSON({"error": {"class": "InternalError", "code": "internal",
                                     "message": f"{type(e).__name__}: {e}"}}, status_code=500)
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        limit = config.limits.max_request_bytes
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            e = LimitExceeded(f"request body: {length} bytes is over the limit max_request_bytes={limit}")
-            return NexusJSON(error_body(e), status_code=413)
-        if length is None and request.method in ("POST", "PUT", "PATCH"):
-            body = b""
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    e = LimitExceeded(f"request body: over the limit max_request_bytes={limit}")
-                    return NexusJSON(error_body(e), status_code=413)
-            request._body = body  # read once; the route reads it from here
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limit=config.limits.max_request_bytes,
+                       refuse=lambda e: NexusJSON(error_body(e), status_code=413))
 
     # -- service ----------------------------------------------------------------------------
     @app.get("/health", tags=["service"])
