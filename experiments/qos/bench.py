@@ -15,8 +15,9 @@ Phases (each bounded in time and in requests):
 The load generator is an asyncio loop with a minimal HTTP/1.1 keep-alive client (one connection per client;
 its cost per request is a fraction of httpx's, so the generator takes less of the 2 shared cores).
 
-``--code DIR`` runs the whole thing against another checkout of the project (its ``nexus`` package, also in
-the service's processes): the baseline, measured in the same run as the new code by ``--baseline DIR``:
+``--baseline DIR`` measures another checkout of the project (its ``nexus`` package, also in its service's
+processes) side by side: both services run at once (each in a child process), and every phase runs on the
+baseline, then at once on this checkout, so both see the same load from the rest of the machine:
 
     git archive a5dc488 | tar -x -C /tmp/qos-base          # the code before this work
     python experiments/qos/bench.py --baseline /tmp/qos-base --out experiments/qos/results_cpu.json
@@ -341,8 +342,10 @@ def engine_phase(eng, start: bool) -> dict | None:
             "busy_ms_per_row": round(1e3 * s["busy_s"] / rows, 2) if rows else None}
 
 
-# -- the service --------------------------------------------------------------------------------------
-def run(args) -> dict:
+# -- the service (a child process per checkout: its own nexus package, also in its service's processes) --
+def serve(args) -> None:
+    """Start the service, create the tenants, then run the phases the parent asks for (one JSON line each on
+    stdin, one ``RESULT`` line each on stdout) until ``quit``."""
     import httpx
 
     from nexus.client.api import Nexus
@@ -350,40 +353,66 @@ def run(args) -> dict:
 
     root = Path(tempfile.mkdtemp(prefix="nexus-qos-")) / "service"
     names = [f"t{i:02d}" for i in range(16)]
-    result: dict = {"code": args.code or str(REPO)}
     with Nexus.local(root, n_sim=2, dashboard_address="127.0.0.1:0") as nx:
         url = nx.service.gateway_url
         host, port = url.removeprefix("http://").rsplit(":", 1)
         tokens = {}
         with httpx.Client(base_url=url, timeout=600) as http:
-            wanted = names + (["sima", "simb"] if "sim" in args.phases else [])
-            for i, n in enumerate(wanted):
+            for i, n in enumerate(names + ["sima", "simb"]):
                 r = http.post("/v1/tenants", json=TenantSpec(name=n, env=ENV, seed=i + 1).model_dump())
                 r.raise_for_status()
                 tokens[n] = r.json()["token"]
             asyncio.run(closed_loop(host, int(port), tokens, names, 16, 2.0))  # warm every tenant's path
             eng = nx.engine(0)
-            if "predict" in args.phases:
-                result["predict"] = []
-                for c in args.clients:
-                    tenants = names[:1] if c == 1 else names
+            print("READY", flush=True)
+            for line in sys.stdin:
+                ask = json.loads(line)
+                if ask["phase"] == "quit":
+                    break
+                if ask["phase"] == "predict":
+                    c = ask["clients"]
                     engine_phase(eng, True)
-                    res = asyncio.run(closed_loop(host, int(port), tokens, tenants, c, args.seconds))
+                    res = asyncio.run(closed_loop(host, int(port), tokens, names[:1] if c == 1 else names, c,
+                                                  args.seconds))
                     res["engine"] = engine_phase(eng, False)
-                    result["predict"].append(res)
-                    print(f"  predict {c:>3} clients: {res['predict_per_s']:>7}/s p50 {res['p50_ms']} "
-                          f"p99 {res['p99_ms']} status {res['status']}", flush=True)
-            if "noisy" in args.phases:
-                result["noisy"] = asyncio.run(noisy(host, int(port), tokens, names, args.quiet_rate, args.seconds,
-                                                    lambda start: engine_phase(eng, start)))
-                print(f"  noisy: {json.dumps(result['noisy'])}", flush=True)
-            if "ops" in args.phases:
-                result["ops"] = asyncio.run(ops(host, int(port), tokens, names, args.seconds))
-                print(f"  ops: {json.dumps(result['ops'])}", flush=True)
-            if "sim" in args.phases:
-                result["sim"] = sim_fairness(http, tokens, args.sim_wait_s)
-                print(f"  sim: {json.dumps(result['sim'])}", flush=True)
-    return result
+                elif ask["phase"] == "noisy":
+                    res = asyncio.run(noisy(host, int(port), tokens, names, args.quiet_rate, args.seconds,
+                                            lambda start: engine_phase(eng, start)))
+                elif ask["phase"] == "ops":
+                    res = asyncio.run(ops(host, int(port), tokens, names, args.seconds))
+                else:
+                    res = sim_fairness(http, tokens, args.sim_wait_s)
+                print("RESULT " + json.dumps(res), flush=True)
+
+
+class Child:
+    """One checkout's service, driven phase by phase."""
+
+    def __init__(self, label: str, code: str, argv: list[str]) -> None:
+        self.label = label
+        env = {**os.environ, "PYTHONPATH": code}
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--code", code],
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read("READY")
+
+    def _read(self, tag: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return line[len(tag):].strip()
+        raise RuntimeError(f"{self.label}: the child ended (exit {self.proc.wait()})")
+
+    def ask(self, phase: dict) -> dict:
+        self.proc.stdin.write(json.dumps(phase) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read("RESULT "))
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"phase": "quit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=300)
+        except Exception:
+            self.proc.kill()
 
 
 def main() -> None:
@@ -394,37 +423,42 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10.0, help="per load phase")
     p.add_argument("--quiet-rate", type=float, default=8.0, help="predicts/s of each quiet tenant (noisy: 10x)")
     p.add_argument("--sim-wait-s", type=float, default=120.0, help="longest wait for B's RL job")
-    p.add_argument("--code", default=None, help="run against this checkout's nexus package (internal)")
-    p.add_argument("--baseline", default=None, help="a checkout of the code before: measured first, same run")
+    p.add_argument("--code", default=None, help="(internal) serve this checkout's service to the parent")
+    p.add_argument("--baseline", default=None, help="a checkout of the code before: each phase runs on it, then "
+                                                    "on this checkout, one after the other (both services up)")
     p.add_argument("--out", default=None, help="JSON results")
     args = p.parse_args()
     import torch
 
     torch.set_num_threads(1)
-    if args.code is not None:  # a child run: print its JSON last
-        print("RESULT " + json.dumps(run(args)), flush=True)
+    if args.code is not None:
+        serve(args)
         return
-    runs = {}
-    for label, code in (("baseline", args.baseline), ("new", str(REPO))):
-        if code is None:
-            continue
-        print(f"== {label}: {code}", flush=True)
-        argv = [a for a in sys.argv[1:]]
-        if "--baseline" in argv:
-            i = argv.index("--baseline")
-            del argv[i:i + 2]
-        if "--out" in argv:
-            i = argv.index("--out")
-            del argv[i:i + 2]
-        env = {**os.environ, "PYTHONPATH": code}
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--code", code], env=env,
-                              stdout=subprocess.PIPE, text=True, timeout=3600)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")), flush=True)
-        runs[label] = json.loads(lines[-1][len("RESULT "):]) if lines else {"error": f"exit {proc.returncode}"}
+    argv = ["--seconds", str(args.seconds), "--quiet-rate", str(args.quiet_rate), "--sim-wait-s", str(args.sim_wait_s)]
+    children = [Child(label, code, argv) for label, code in (("baseline", args.baseline), ("new", str(REPO)))
+                if code is not None]
+    asks = [{"phase": "predict", "clients": c} for c in args.clients] if "predict" in args.phases else []
+    asks += [{"phase": ph} for ph in ("noisy", "ops", "sim") if ph in args.phases]
+    runs: dict[str, dict] = {c.label: {"code": args.baseline if c.label == "baseline" else str(REPO)}
+                             for c in children}
+    try:
+        for ask in asks:
+            for c in children:  # side by side: the same phase on each checkout, back to back
+                res = c.ask(ask)
+                key = ask["phase"]
+                if key == "predict":
+                    runs[c.label].setdefault("predict", []).append(res)
+                    print(f"  {c.label:>8} predict {res['clients']:>3} clients: {res['predict_per_s']:>7}/s "
+                          f"p50 {res['p50_ms']} p99 {res['p99_ms']} status {res['status']}", flush=True)
+                else:
+                    runs[c.label][key] = res
+                    print(f"  {c.label:>8} {key}: {json.dumps(res)[:400]}", flush=True)
+    finally:
+        for c in children:
+            c.close()
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                        "load_avg_at_end": os.getloadavg(), "note": "2 shared cores; other work ran meanwhile"},
-           "args": {k: v for k, v in vars(args).items() if k not in ("code",)}, "runs": runs,
+           "args": {k: v for k, v in vars(args).items() if k != "code"}, "runs": runs,
            "t": time.strftime("%Y-%m-%d %H:%M:%S")}
     print_tables(out)
     if args.out:
