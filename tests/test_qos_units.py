@@ -244,3 +244,18 @@ def test_backoff_doubles_from_the_hint_is_capped_and_jittered():
     for i, d in enumerate(delays):
         assert 0.5 * min(1.0, 0.1 * 2 ** i) <= d <= min(1.0, 0.1 * 2 ** i)
     assert max(delays) <= 1.0
+
+
+def test_nexus_page_latency_table_rows():
+    from nexus.control.dashboard import LATENCY_COLUMNS, latency_columns
+
+    lat = PredictLatency()
+    h = LatencyHistogram()
+    for s in (0.003, 0.004, 0.2):
+        h.observe(s)
+    asyncio.run(lat.report({"tenants": {"b": h.to_dict(), "a": LatencyHistogram(rejected=2).to_dict()}}))
+    cols = latency_columns(lat)
+    assert set(cols) == {k for k, _ in LATENCY_COLUMNS}
+    assert cols["tenant"] == ["a", "b"] and cols["count"] == [0, 3] and cols["rejected"] == [2, 0]
+    assert cols["p50_ms"][0] == "-" and 2 <= cols["p50_ms"][1] <= 5 and cols["p99_ms"][1] > 100
+    assert latency_columns(None) == {k: [] for k, _ in LATENCY_COLUMNS}
