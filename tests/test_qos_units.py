@@ -13,7 +13,7 @@ from nexus.client.http import Backoff
 from nexus.config import QosSettings
 from nexus.control.predict_latency import PredictLatency
 from nexus.control.sim_slots import SimSlots
-from nexus.errors import Draining, Overloaded, SpecError
+from nexus.errors import Draining, NotFound, Overloaded, SpecError
 from nexus.gateway.__main__ import listen_socket
 from nexus.gateway.serving import Budgets, EngineLane, Pending, PredictServer
 from nexus.messages import EngineEndpoint
@@ -259,3 +259,50 @@ def test_nexus_page_latency_table_rows():
     assert cols["tenant"] == ["a", "b"] and cols["count"] == [0, 3] and cols["rejected"] == [2, 0]
     assert cols["p50_ms"][0] == "-" and 2 <= cols["p50_ms"][1] <= 5 and cols["p99_ms"][1] > 100
     assert latency_columns(None) == {k: [] for k, _ in LATENCY_COLUMNS}
+
+
+# -- the engine's gathered call ------------------------------------------------------------------------------
+def test_engine_predict_many_gates_each_request_alone_and_runs_the_rest_as_one_group(tmp_path):
+    import io
+    from collections import deque
+
+    import numpy as np
+    import torch
+
+    from nexus.config import ServiceConfig
+    from nexus.features import Observation
+    from nexus.model.policy import TenantPolicy
+    from nexus.services.engine_host import EngineHost
+    from nexus.spec import TenantSpec
+    from nexus.validation import validate_tenant
+
+    torch.set_num_threads(1)
+    host = EngineHost("engine-0.1", ServiceConfig(root=str(tmp_path), infer_max_batch=2), deque(maxlen=100))
+    hidden = host.engine.heads.framework.backbone.hidden_size
+    obs = Observation(state=np.linspace(-1, 1, 35).astype(np.float32))
+
+    async def main() -> dict:
+        for i, name in enumerate(("a", "b")):
+            spec, schema = validate_tenant(TenantSpec(name=name, env="maniskill/pushcube-state", seed=i + 1))
+            buf = io.BytesIO()
+            torch.save(TenantPolicy.from_spec(spec, schema, hidden).state_dict(), buf)
+            await host.engine.register_tenant(spec, schema, 0, buf.getvalue())
+            host.schemas[name] = schema
+        alone = await host.predict("a", obs, None, True)
+        host.engine.reset_stats()
+        bad = Observation(state=np.zeros(3, np.float32))
+        out = await host.predict_many([["a", obs, None, True, "r1"], ["nope", obs, None, True, "r2"],
+                                       ["a", obs, 999, True, "r3"], ["b", bad, None, True, "r4"],
+                                       ["b", obs, None, True, "r5"], ["a", obs, None, True, "r6"]])
+        return {"alone": alone, "out": out, "stats": host.engine.engine_stats()}
+
+    res = asyncio.run(main())
+    host.engine.close()
+    replies = res["out"]["replies"]
+    assert [("output" in r) for r in replies] == [True, False, False, False, True, True]
+    assert isinstance(replies[1]["error"], NotFound) and isinstance(replies[2]["error"], NotFound)
+    assert isinstance(replies[3]["error"], SpecError)  # a malformed observation fails alone
+    np.testing.assert_allclose(replies[0]["output"]["action"], res["alone"]["action"], rtol=1e-5, atol=1e-6)
+    assert res["stats"]["groups"] == 1 and res["stats"]["requests"] == 3  # 3 rows in one group, B=2 or not
+    assert {rid for _, rid in host.served_log} >= {"r1", "r5", "r6"}
+    assert not {"r2", "r3", "r4"} & {rid for _, rid in host.served_log}
