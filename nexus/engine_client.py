@@ -83,11 +83,6 @@ class EngineClient:
                 job: str | None = None) -> Future:
         return self.call("predict", tenant, obs, version, deterministic, job, request_id=uuid.uuid4().hex)
 
-    async def apredict(self, tenant: str, obs: Any, version: int | None = None, deterministic: bool = False,
-                       job: str | None = None) -> Any:
-        """:meth:`predict` for callers on the server's own event loop (the gateway)."""
-        return await self._call("predict", tenant, (obs, version, deterministic, job), {"request_id": uuid.uuid4().hex})
-
     def call(self, method: str, tenant: str, *args: Any, **kwargs: Any) -> Future:
         """Call ``method(tenant, *args, **kwargs)`` on the tenant's engine."""
         return _on_loop(self.server, self._call(method, tenant, args, kwargs))

@@ -13,7 +13,7 @@ from nexus.client.http import Backoff
 from nexus.config import QosSettings
 from nexus.control.predict_latency import PredictLatency
 from nexus.control.sim_slots import SimSlots
-from nexus.errors import Draining, NotFound, Overloaded, SpecError
+from nexus.errors import Draining, NotFound, Overloaded, SpecError, Unavailable
 from nexus.gateway.__main__ import listen_socket
 from nexus.gateway.serving import Budgets, EngineLane, Pending, PredictServer
 from nexus.messages import EngineEndpoint
@@ -151,6 +151,7 @@ class Engines:
 
     def __init__(self, delay_s: float = 0.01) -> None:
         self.delay_s, self.calls, self.draining, self.reports = delay_s, [], {"e0"}, []
+        self.fail: Exception | None = None
 
     async def endpoint(self, tenant: str) -> EngineEndpoint:
         return EngineEndpoint("e0", "tcp://e0")
@@ -161,6 +162,8 @@ class Engines:
     async def predict_many(self, ep: EngineEndpoint, requests: list[list]) -> dict:
         self.calls.append((ep.engine, [r[0] for r in requests]))
         await asyncio.sleep(self.delay_s)
+        if self.fail is not None:
+            raise self.fail
         if ep.engine in self.draining:
             return {"replies": [{"error": Draining("draining")} for _ in requests], "engine_s": 0.0}
         return {"replies": [{"output": {"tenant": r[0]}, "wait_s": 0.001, "compute_s": 0.002} for r in requests],
@@ -190,6 +193,11 @@ def test_predict_server_reroutes_refused_requests_refuses_past_budget_and_report
         sent = routes.reports[-1]["tenants"]["b"]
         assert LatencyHistogram.from_dict(sent).count == 1 and sent["rejected"] == 3
         assert server.stats.tenants == {}  # sent: the next report has only what comes after
+        routes.draining = set()
+        routes.fail = RuntimeError("model thread died")
+        with pytest.raises(Unavailable, match="model thread died"):  # a 503, never a 500
+            await server.predict("a", None, None, True, {})
+        assert server.budgets.held_total == 0
 
     asyncio.run(main())
 

@@ -163,18 +163,6 @@ class Backend:
     async def qos_report(self, report: dict[str, Any]) -> Any:
         return await self._call("nexus_qos_report", report=report)
 
-    async def predict(self, tenant: str, obs: Any, version: int | None, deterministic: bool) -> dict[str, Any]:
-        """An action from the engine serving ``tenant``, one call per request (re-routed by the control plane
-        when it drains or dies); the gateway's route uses the gathered path (``serving.PredictServer``)."""
-        try:
-            return plain(await self.engines.apredict(tenant, obs, version, deterministic))
-        except NexusError:
-            raise
-        except KeyError as e:  # the engine's "not registered" / "neither live nor pinned"
-            raise NotFound(str(e.args[0]) if e.args else f"unknown tenant {tenant!r}") from None
-        except (RuntimeError, OSError, TimeoutError) as e:
-            raise Unavailable(f"the inference engine is unavailable ({type(e).__name__}: {e})") from None
-
 
 def plain(x: Any) -> Any:
     """JSON-ready values: numpy arrays and scalars to lists and numbers, NaN and inf to None."""

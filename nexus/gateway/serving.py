@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from nexus.config import QosSettings
 from nexus.engine_client import retryable
-from nexus.errors import NotSupported, Overloaded, Unavailable
+from nexus.errors import NexusError, NotSupported, Overloaded, Unavailable
 from nexus.messages import EngineEndpoint
 from nexus.qos import HOPS, LatencyHistogram
 
@@ -212,10 +212,12 @@ class PredictServer:
                     lane.discard(p)
                     raise
                 except Exception as e:
-                    if not retryable(e) or time.monotonic() > deadline:
+                    if retryable(e) and time.monotonic() <= deadline:
+                        ep = await self.routes.reroute(tenant, ep, e)
+                        continue
+                    if isinstance(e, NexusError):
                         raise
-                    ep = await self.routes.reroute(tenant, ep, e)
-                    continue
+                    raise Unavailable(f"the inference engine is unavailable ({type(e).__name__}: {e})") from None
                 spans["gateway_queue"] = p.t_sent - p.t_queued
                 spans["to_engine"] = max(0.0, reply["rtt_s"] - reply["wait_s"] - reply["compute_s"])
                 spans["engine_queue"], spans["forward"] = reply["wait_s"], reply["compute_s"]
