@@ -130,6 +130,8 @@ def test_short_rl_job_completes_beside_long_evaluations_and_cancel_stops_them(sv
     wait_for(lambda: all(e.info()["state"] == "running" for e in evals), 300, what="both evaluations running")
     wait_for(lambda: any(j.startswith("sa-") for js in _producers(nx).values() for j in js), 300,
              what="the evaluations on the simulators")
+    sims = nx.status()["simulators"]
+    assert sims["capacity"] == 2 and sims["fair"] and sims["held"].get("sa", 0) >= 1
     job = t["sb"].rl(updates=2, episodes_per_batch=2, collectors=2)
     assert job.result(timeout=900)["updates"] == 2
     # before the fair share, this job waited for the evaluations' tasks to end (1000 episodes)
