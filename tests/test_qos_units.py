@@ -314,3 +314,21 @@ def test_engine_predict_many_gates_each_request_alone_and_runs_the_rest_as_one_g
     assert res["stats"]["groups"] == 1 and res["stats"]["requests"] == 3  # 3 rows in one group, B=2 or not
     assert {rid for _, rid in host.served_log} >= {"r1", "r5", "r6"}
     assert not {"r2", "r3", "r4"} & {rid for _, rid in host.served_log}
+
+
+def test_engine_groups_take_tenants_in_turn():
+    from nexus.services.batching import GroupBatcher
+
+    b = GroupBatcher(max_wait_s=1.0, max_batch=4)
+    for k in range(4):
+        b.open_producer(f"n{k}", "noisy", now=0.0)
+    b.open_producer("q0", "quiet", now=0.0)
+    for k in range(4):
+        b.add(f"noisy-{k}", rows=2, producer=f"n{k}", now=0.1 * k)
+    b.add("quiet-0", rows=2, producer="q0", now=0.5)
+    assert b.take() == ["noisy-0", "quiet-0"]  # arrival order would have been noisy-0, noisy-1
+    assert b.take() == ["noisy-1", "noisy-2"] and b.take() == ["noisy-3"]
+    alone = GroupBatcher(max_wait_s=1.0, max_batch=4)
+    for name in "abc":
+        alone.add(name, rows=2, now=0.0)
+    assert alone.take() == ["a", "b"]  # no producers' tenants: oldest first, as before
