@@ -440,7 +440,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
             return await backend.op(tenant, "save_weights", session=session)
 
     @app.post("/v1/tenants/{tenant}/predict", tags=["low level"], responses={429: OVERLOADED_RESPONSE})
-    async def predict(tenant: str, body: PredictBody, who: Who, request: Request) -> Any:
+    async def predict(tenant: str, body: PredictBody, who: Who, request: Request) -> dict[str, Any]:
         """An action from the inference engine, grouped with other tenants' requests. A tenant has at most
         ``limits.max_inflight_predicts`` predicts queued or running at once, the gateway
         ``qos.max_inflight_predicts``: past them the answer is 429 with ``Retry-After`` (nothing was done;
@@ -457,7 +457,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         spans["check"] = time.perf_counter() - t_route
         out = await gw.serving.predict(tenant, obs, body.version, body.deterministic, spans)
         spans["_tenant"], spans["_t_done"] = tenant, time.perf_counter()
-        return NexusJSON(out)  # rendered once, by NexusJSON (numpy to lists, NaN to null)
+        return NexusJSON(out)  # type: ignore[return-value]  # rendered once here (numpy to lists, NaN to null)
 
     # -- admin --------------------------------------------------------------------------------
     @app.get("/v1/admin/monitoring", tags=["admin"])
