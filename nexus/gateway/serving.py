@@ -91,6 +91,10 @@ class EngineLane:
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
+    @property
+    def idle(self) -> bool:
+        return not self._turns and not self._running
+
     def put(self, p: Pending) -> None:
         q = self._queues.get(p.tenant)
         if q is None:
@@ -186,6 +190,8 @@ class PredictServer:
         key = (ep.engine, ep.address)
         lane = self.lanes.get(key)
         if lane is None:
+            for k in [k for k, v in self.lanes.items() if v.idle]:  # engines replaced or gone: forget their lanes
+                del self.lanes[k]
             lane = self.lanes[key] = EngineLane(lambda batch: self._call(ep, batch), self.settings.gather_max_requests,
                                                 self.settings.engine_calls_in_flight)
         return lane
