@@ -84,6 +84,17 @@ class Conn:
 
     async def request(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
                       timeout: float = 60.0) -> tuple[int, dict[str, str], bytes]:
+        reused = self.writer is not None
+        try:
+            return await self._request(method, path, body, headers, timeout)
+        except (ConnectionError, asyncio.IncompleteReadError, IndexError):
+            if not reused:
+                raise
+        # the server closed the idle connection (uvicorn's keep-alive ends after 5 s): once on a new one
+        return await self._request(method, path, body, headers, timeout)
+
+    async def _request(self, method: str, path: str, body: bytes, headers: dict[str, str] | None,
+                       timeout: float) -> tuple[int, dict[str, str], bytes]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
             self.writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -426,6 +437,8 @@ def main() -> None:
     p.add_argument("--code", default=None, help="(internal) serve this checkout's service to the parent")
     p.add_argument("--baseline", default=None, help="a checkout of the code before: each phase runs on it, then "
                                                     "on this checkout, one after the other (both services up)")
+    p.add_argument("--new-first", action="store_true", help="each phase on this checkout first, then the baseline "
+                   "(what one service leaves running after a phase, e.g. tracking writes, lands on the other)")
     p.add_argument("--out", default=None, help="JSON results")
     args = p.parse_args()
     import torch
@@ -435,7 +448,8 @@ def main() -> None:
         serve(args)
         return
     argv = ["--seconds", str(args.seconds), "--quiet-rate", str(args.quiet_rate), "--sim-wait-s", str(args.sim_wait_s)]
-    children = [Child(label, code, argv) for label, code in (("baseline", args.baseline), ("new", str(REPO)))
+    order = (("baseline", args.baseline), ("new", str(REPO)))
+    children = [Child(label, code, argv) for label, code in (order[::-1] if args.new_first else order)
                 if code is not None]
     asks = [{"phase": "predict", "clients": c} for c in args.clients] if "predict" in args.phases else []
     asks += [{"phase": ph} for ph in ("noisy", "ops", "sim") if ph in args.phases]
