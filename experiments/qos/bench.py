@@ -19,7 +19,7 @@ its cost per request is a fraction of httpx's, so the generator takes less of th
 processes) side by side: both services run at once (each in a child process), and every phase runs on the
 baseline, then at once on this checkout, so both see the same load from the rest of the machine:
 
-    git archive a5dc488 | tar -x -C /tmp/qos-base          # the code before this work
+    mkdir -p /tmp/qos-base && git archive a5dc488 | tar -x -C /tmp/qos-base   # the code before this work
     python experiments/qos/bench.py --baseline /tmp/qos-base --out experiments/qos/results_cpu.json
     python experiments/qos/bench.py --phases predict --clients 1 64 --seconds 5   # a quick look
 
