@@ -141,6 +141,9 @@ class ServiceLimits(BaseModel):
     max_seed: int = Field(600, ge=0, description="episode seeds derived from it stay below 2**32 (simulators)")
     max_inflight: int = Field(8, ge=1, description="cap of TenantSpec.max_inflight")
     max_queued_ops: int = Field(8, ge=1, description="low-level calls of one tenant waiting at the gateway")
+    max_inflight_predicts: int = Field(8, ge=1, description="predicts of one tenant queued or running at the "
+                                       "gateway at once; past it 429 with Retry-After (qos.max_inflight_predicts "
+                                       "bounds all tenants together)")
     max_batch_rows: int = Field(4096, ge=1, description="samples in one forward_backward batch")
     max_instruction_chars: int = Field(2000, ge=1)
     max_versions_kept: int = Field(50, ge=0, description="newest policy versions whose weights stay on disk "
@@ -188,6 +191,31 @@ class DataPathSettings(BaseModel):
         "lazy", description="lazy: a new head goes to inference only when something will use it (an RL "
         "job's rollouts, every sync_every versions, the job's end); eager: every version")
     sync_every: int = Field(0, ge=0, description="lazy sync: also push every N versions (0: never)")
+
+
+class QosSettings(BaseModel):
+    """Serving at QoS: the gateway's predict budgets and fast path, and the simulators' fair share.
+
+    Predicts past a budget are refused at once with 429 (``nexus.errors.Overloaded``) instead of waiting
+    without bound; admitted ones wait in per-tenant queues that the gateway serves round-robin, gathered
+    into one call per engine. Simulator slots are shared fairly between tenants' rollout and evaluation
+    tasks (``nexus.control.sim_slots``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_inflight_predicts: int = Field(64, ge=1, description="predicts of all tenants queued or running at "
+                                       "one gateway at once (each tenant: limits.max_inflight_predicts)")
+    retry_after_s: float = Field(0.1, gt=0, le=3600, description="the wait a refused predict is told to "
+                                 "back off (body retry_after_s; the Retry-After header rounds it up to whole s)")
+    gather_max_requests: int = Field(64, ge=1, description="predicts of several HTTP clients in one call to an "
+                                     "engine (each then joins the engine's groups)")
+    engine_calls_in_flight: int = Field(2, ge=1, description="calls the gateway keeps running on one engine; "
+                                        "requests arriving meanwhile gather into the next call")
+    report_every_s: float = Field(2.0, gt=0, description="the gateway sends its per-tenant latency histograms "
+                                  "to the control plane this often (/metrics, /nexus)")
+    sim_fair_share: bool = Field(True, description="simulator slots go to the tenant holding the fewest when "
+                                 "several wait (False: Dask's order, first come first served)")
+    sim_task_episodes: int = Field(8, ge=1, description="an evaluation's rollout tasks run at most this many "
+                                   "episodes each, so simulator slots can change hands between them")
 
 
 # Dask settings of the embedded deployment's processes (scheduler, nannies, workers, gateway), under
@@ -286,6 +314,7 @@ class ServiceConfig(BaseModel):
     health: HealthSettings = HealthSettings()
     dispatch: DispatchSettings = DispatchSettings()
     datapath: DataPathSettings = DataPathSettings()
+    qos: QosSettings = QosSettings()
     cluster: ClusterSettings = ClusterSettings()
 
     @model_validator(mode="before")

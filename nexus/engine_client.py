@@ -40,7 +40,7 @@ def _on_loop(server, coro) -> Future:
     return asyncio.run_coroutine_threadsafe(coro, _loop(server))
 
 
-def _retryable(e: BaseException) -> bool:
+def retryable(e: BaseException) -> bool:
     """Comm failures and ``Unavailable`` refusals (draining, restarting) mean: try another engine."""
     return isinstance(e, OSError | TimeoutError | Unavailable)
 
@@ -83,11 +83,6 @@ class EngineClient:
                 job: str | None = None) -> Future:
         return self.call("predict", tenant, obs, version, deterministic, job, request_id=uuid.uuid4().hex)
 
-    async def apredict(self, tenant: str, obs: Any, version: int | None = None, deterministic: bool = False,
-                       job: str | None = None) -> Any:
-        """:meth:`predict` for callers on the server's own event loop (the gateway)."""
-        return await self._call("predict", tenant, (obs, version, deterministic, job), {"request_id": uuid.uuid4().hex})
-
     async def apredict_batch(self, tenant: str, observations: list, version: int | None = None,
                              deterministic: bool = False) -> list[Any]:
         """Actions for several observations of one tenant as one request, for callers on the server's own
@@ -113,13 +108,22 @@ class EngineClient:
             raise AttributeError(method)
         return lambda tenant, *args, **kwargs: self.call(method, tenant, *args, **kwargs)
 
-    async def _call(self, method: str, tenant: str, args: tuple, kwargs: dict, pass_tenant: bool = True) -> Any:
-        deadline = time.monotonic() + self.route_timeout_s
+    async def endpoint(self, tenant: str) -> EngineEndpoint:
+        """The engine serving ``tenant`` (asked again after ``route_ttl_s``)."""
         cached = self._routes.get(tenant)
         if cached is None or time.monotonic() - cached[1] > self.route_ttl_s:
-            ep = await self._route(tenant, None, None)
-        else:
-            ep = cached[0]
+            return await self._route(tenant, None, None)
+        return cached[0]
+
+    async def reroute(self, tenant: str, stale: EngineEndpoint, error: BaseException) -> EngineEndpoint:
+        """``stale`` refused or lost a request of ``tenant``: the tenant's route, asked again."""
+        self.resent += 1
+        logger.info("engine %s refused or lost a request of %s (%s); re-routing", stale.engine, tenant, error)
+        return await self._route(tenant, stale.engine, f"{type(error).__name__}: {error}")
+
+    async def _call(self, method: str, tenant: str, args: tuple, kwargs: dict, pass_tenant: bool = True) -> Any:
+        deadline = time.monotonic() + self.route_timeout_s
+        ep = await self.endpoint(tenant)
         while True:
             try:
                 lead = (tenant,) if pass_tenant else ()
@@ -129,11 +133,9 @@ class EngineClient:
                     self.on_answer()
                 return out
             except Exception as e:
-                if not _retryable(e) or time.monotonic() > deadline:
+                if not retryable(e) or time.monotonic() > deadline:
                     raise
-                self.resent += 1
-                logger.info("engine %s refused or lost a request of %s (%s); re-routing", ep.engine, tenant, e)
-                ep = await self._route(tenant, ep.engine, f"{type(e).__name__}: {e}")
+                ep = await self.reroute(tenant, ep, e)
 
     async def _route(self, tenant: str, stale: str | None, error: str | None) -> EngineEndpoint:
         info = await self.server.scheduler.nexus_route(tenant=tenant, stale=stale, error=error,

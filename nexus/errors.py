@@ -84,6 +84,23 @@ class Draining(Unavailable):
     """An inference engine being removed refuses new requests; the caller asks for the tenant's route again."""
 
     code = "draining"
+
+
+class Overloaded(NexusError):
+    """A budget of concurrent requests is spent (the tenant's own or the whole service's): nothing was done;
+    retry after ``retry_after_s`` (the gateway answers 429 with a ``Retry-After`` header)."""
+
+    http_status = 429
+    code = "overloaded"
+
+    def __init__(self, message: str = "", retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = float(retry_after_s)
+
+    def __reduce__(self):  # the hint survives pickling (exceptions travel between processes)
+        return (type(self), (str(self), self.retry_after_s))
+
+
 class NotSupported(NexusError):
     """A call this service does not offer (a handler another version of the service has)."""
 

@@ -12,13 +12,15 @@ tenant X carries X's token when it holds one. Errors come back as the gateway's
 from __future__ import annotations
 
 import json
+import random
+import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
 import numpy as np
 
-from nexus.errors import NexusError, NotSupported, Unavailable, error_class
+from nexus.errors import NexusError, NotSupported, Overloaded, Unavailable, error_class
 from nexus.features import Observation
 from nexus.inputs import encode_array
 from nexus.spec import SESSION_HEADER
@@ -49,14 +51,43 @@ def _q(s: str) -> str:
     return quote(str(s), safe="")
 
 
+class Backoff:
+    """When to send again a request the gateway refused with 429 (``Overloaded``: nothing was done): the
+    gateway's hint (the body's ``retry_after_s``, else ``Retry-After``), doubled at each refusal in a row, at
+    most ``max_s``, jittered (a random 50-100 %) so refused clients do not come back together; ``retries``
+    refusals in a row, then the error is raised."""
+
+    def __init__(self, retries: int = 6, max_s: float = 5.0, rng: random.Random | None = None) -> None:
+        self.retries, self.max_s = retries, max_s
+        self.rng = rng or random.Random()
+
+    def delay(self, refusals: int, hint_s: float) -> float:
+        return min(self.max_s, max(hint_s, 0.01) * 2 ** refusals) * self.rng.uniform(0.5, 1.0)
+
+    @staticmethod
+    def hint(r) -> float:
+        """The refusal's retry hint in seconds (the body's finer one first)."""
+        try:
+            return float(r.json()["retry_after_s"])
+        except (ValueError, KeyError, TypeError):
+            pass
+        try:
+            return float(r.headers.get("retry-after", 1))
+        except ValueError:
+            return 1.0
+
+
 class HttpTransport:
-    def __init__(self, url: str, token: str | None = None, timeout: float = 120, ca: str | None = None) -> None:
+    def __init__(self, url: str, token: str | None = None, timeout: float = 120, ca: str | None = None,
+                 backoff: Backoff | None = None) -> None:
         """``ca``: a CA certificate file (PEM) to verify an HTTPS gateway with (a service's ``root/tls/ca.pem``);
-        without one the system's trust store is used."""
+        without one the system's trust store is used. ``backoff``: how 429 refusals are retried."""
         import ssl
 
         import httpx
 
+        self.backoff = backoff or Backoff()
+        self.refused = 0  # 429 refusals seen (and retried, or raised once retries ran out)
         self.url = url.rstrip("/")
         self.token = token
         self.tokens: dict[str, str] = {}
@@ -106,13 +137,20 @@ class HttpTransport:
         if json_body is not None:
             content = json.dumps(_wire(json_body)).encode()
             headers["Content-Type"] = "application/json"
-        try:
-            r = self.http.request(method, path, headers=headers, params=params, content=content)
-        except httpx.TransportError as e:
-            raise Unavailable(f"the gateway at {self.url} is unreachable ({type(e).__name__}: {e})") from None
-        if r.status_code >= 400:
-            raise self._error(r)
-        return r.content if raw else r.json()
+        refusals = 0
+        while True:
+            try:
+                r = self.http.request(method, path, headers=headers, params=params, content=content)
+            except httpx.TransportError as e:
+                raise Unavailable(f"the gateway at {self.url} is unreachable ({type(e).__name__}: {e})") from None
+            if r.status_code == 429 and refusals < self.backoff.retries:  # nothing was done: send it again later
+                self.refused += 1
+                time.sleep(self.backoff.delay(refusals, self.backoff.hint(r)))
+                refusals += 1
+                continue
+            if r.status_code >= 400:
+                raise self._error(r)
+            return r.content if raw else r.json()
 
     @staticmethod
     def _error(r) -> NexusError:
@@ -123,6 +161,8 @@ class HttpTransport:
             cls, message = NexusError, f"HTTP {r.status_code}: {r.text[:500]}"
         if r.status_code >= 500 and cls is NexusError:
             message = f"gateway error {r.status_code}: {message}"
+        if cls is Overloaded:
+            return Overloaded(message, Backoff.hint(r))
         return cls(message)
 
     # -- the API's operations ----------------------------------------------------------------

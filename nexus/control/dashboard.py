@@ -34,6 +34,9 @@ JOB_COLUMNS = [("job", "job"), ("tenant", "tenant"), ("kind", "kind"), ("state",
 ROLE_COLUMNS = [("role", "role"), ("kind", "kind"), ("state", "state"), ("worker", "worker"), ("restarts", "restarts"),
                 ("restart_budget_left", "budget left"), ("since_heartbeat_s", "since heartbeat s"),
                 ("reason", "reason")]
+# predict latency per tenant at the gateways (nexus.control.predict_latency)
+LATENCY_COLUMNS = [("tenant", "tenant"), ("count", "predicts"), ("rejected", "refused (429)"),
+                   ("mean_ms", "mean ms"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms")]
 # the jobs table's metric column: an evaluation shows its success rate only
 HEADLINE = {**JOB_HEADLINE, "eval": JOB_HEADLINE["eval"][:1]}
 ROLE_OF_RESOURCE = {"SIM": "simulator", "ACTOR": "actor", "INFER": "inference"}
@@ -64,6 +67,16 @@ def tenants_columns(view: dict[str, Any]) -> dict[str, list]:
                 data[key].append(round(r["metered_s"].get(key[:-2], 0.0), 2))
             else:
                 data[key].append(r[key])
+    return data
+
+
+def latency_columns(latency: Any) -> dict[str, list]:
+    """The predict-latency table (``PredictLatency.rows``), ms rounded to 0.1."""
+    data: dict[str, list] = {key: [] for key, _ in LATENCY_COLUMNS}
+    for r in latency.rows() if latency is not None else []:
+        for key, _ in LATENCY_COLUMNS:
+            v = r[key]
+            data[key].append(round(v, 1) if isinstance(v, float) else ("-" if v is None else v))
     return data
 
 
@@ -226,6 +239,7 @@ def nexus_doc(scheduler, extra, doc) -> None:
     tenants = ColumnDataSource({key: [] for key, _ in TENANT_COLUMNS})
     jobs = ColumnDataSource({key: [] for key, _ in JOB_COLUMNS} | {"pct": []})
     roles = ColumnDataSource({key: [] for key, _ in ROLE_COLUMNS})
+    latency = ColumnDataSource({key: [] for key, _ in LATENCY_COLUMNS})
     queues = ColumnDataSource({"t": [], "training": [], "inference": []})
     spans = ColumnDataSource({k: [] for k in ("left", "right", "bottom", "top", "color", "tenant", "lane", "legend")})
     sizes = ColumnDataSource({"left": [], "right": [], "count": []})
@@ -247,6 +261,8 @@ def nexus_doc(scheduler, extra, doc) -> None:
                                    else TableColumn(field=k, title=t) for k, t in JOB_COLUMNS])
     tenant_table = DataTable(source=tenants, columns=[TableColumn(field=k, title=t) for k, t in TENANT_COLUMNS],
                              height=HEADER_PX + ROW_PX, row_height=ROW_PX, index_position=None, **width)
+    latency_table = DataTable(source=latency, columns=[TableColumn(field=k, title=t) for k, t in LATENCY_COLUMNS],
+                              height=HEADER_PX + ROW_PX, row_height=ROW_PX, index_position=None, **width)
     role_table = DataTable(source=roles, columns=[TableColumn(field=k, title=t) for k, t in ROLE_COLUMNS],
                            height=HEADER_PX + ROW_PX, row_height=ROW_PX, index_position=None, **width)
 
@@ -298,7 +314,9 @@ def nexus_doc(scheduler, extra, doc) -> None:
         tenants.data = tenants_columns(view)
         jobs.data = jobs_columns(view)
         roles.data = roles_columns(st)
-        for table, source in ((job_table, jobs), (tenant_table, tenants), (role_table, roles)):
+        latency.data = latency_columns(getattr(plugin, "latency", None))
+        for table, source in ((job_table, jobs), (tenant_table, tenants), (role_table, roles),
+                              (latency_table, latency)):
             n = len(next(iter(source.data.values())))  # rows shown: the table's own height, no blank space
             table.height = HEADER_PX + ROW_PX * min(max(1, n), MAX_ROWS)
         t0 = view["t_start"]
@@ -324,6 +342,9 @@ def nexus_doc(scheduler, extra, doc) -> None:
         Div(text=_section("Jobs", "newest first; progress in steps (SFT), updates (RL) or episodes (eval)"),
             **width), job_table,
         Div(text=_section("Tenants", "device-seconds metered to each tenant per service"), **width), tenant_table,
+        Div(text=_section("Predict latency", "per tenant, at the gateway: request in to answer out (p50/p99 "
+                                             "from histogram buckets); refused: 429, a concurrency budget spent"),
+            **width), latency_table,
         Div(text=_section("Learning curves", "loss: lower is better · return: higher is better · success: 0-1, "
                                              "the fraction of evaluation episodes solved"), **width),
         row(fl, fr, fe, **width),

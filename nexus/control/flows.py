@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nexus.config import DataPathSettings
+from nexus.config import DataPathSettings, QosSettings
 from nexus.control import tasks
 from nexus.control.queues import TrainingItem
+from nexus.control.sim_slots import SimSlots
 from nexus.errors import JobFailed
 from nexus.messages import OpWork, RLWork, RolloutRequest, RolloutResult, SFTWork, SyncRule
 
@@ -43,7 +44,18 @@ class FlowContext:
     rollout_attempts: int
     log: Callable[[JobState, dict[str, Any], int, str], None]  # (job, metrics, step, history kind)
     datapath: DataPathSettings = field(default_factory=DataPathSettings)
-    eval_fanout: int = 2  # rollout tasks per evaluation job (the scheduling policy's eval_fanout)
+    eval_fanout: int = 2  # rollout tasks per evaluation job at once (the scheduling policy's eval_fanout)
+    qos: QosSettings | None = None  # the simulators' fair share and evaluation task size (None: Dask's order)
+    sim_slots: SimSlots | None = None  # built from ``qos`` unless given
+
+    def __post_init__(self) -> None:
+        if self.sim_slots is None and self.qos is not None:
+            self.sim_slots = SimSlots.of_cluster(self.runtime, self.qos.sim_fair_share)
+
+    @property
+    def sim_task_episodes(self) -> int:
+        """An evaluation's rollout tasks run at most this many episodes each."""
+        return self.qos.sim_task_episodes if self.qos is not None else 1_000_000
 
     def sync_rule(self, live_consumers: bool) -> SyncRule:
         """Lazy weight sync (decided on the actor, ``SyncRule.should_push``): a tenant's RL job reads its live
@@ -59,6 +71,14 @@ def producer_role(job_id: str) -> str:
 
 
 async def _rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **req: Any) -> RolloutResult:
+    """One rollout task on a SIM slot (taken from the fair share first, when there is one)."""
+    if ctx.sim_slots is None:
+        return await _run_rollout(ctx, t, js, key, **req)
+    async with ctx.sim_slots.slot(t.name):
+        return await _run_rollout(ctx, t, js, key, **req)
+
+
+async def _run_rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **req: Any) -> RolloutResult:
     r = RolloutRequest(tenant=t.setup(), env=t.spec.env or "", job=js.job_id, route=ctx.pool.route(t.name),
                        datapath=ctx.datapath, **req)
     return await ctx.runtime.run(tasks.RUN_ROLLOUT, r, key=key, resources={"SIM": 1})
@@ -213,9 +233,9 @@ async def run_eval(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, 
         return await _evaluate(ctx, js, t, version)
     except BaseException as e:  # failed or cancelled: no report, so the version need not outlive retention
         if js.cancel_requested or not isinstance(e, asyncio.CancelledError):  # closing: the next boot unmarks
-            try:
-                await ctx.runtime.run(tasks.UNMARK_EVALUATION, t.output_dir, js.job_id,
-                                      key=f"nexus-evalunmark-{js.job_id}", resources={"SIM": 1})
+            try:  # a worker handler, not a SIM task: it never waits behind rollouts for a simulator
+                await asyncio.wait_for(ctx.runtime.io("unmark_evaluation", output_dir=t.output_dir,
+                                                      job=js.job_id), 30)
             except Exception as err:
                 logger.warning("evaluation %s: its marker stays (%s)", js.job_id, err)
         raise
@@ -229,12 +249,12 @@ async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int
     n_tasks = min(spec.episodes, max(1, ctx.eval_fanout))
     shares = [spec.episodes // n_tasks + (i < spec.episodes % n_tasks) for i in range(n_tasks)]
 
-    async def part(i: int, n: int) -> RolloutResult:
+    async def chunk(i: int, offset: int, n: int) -> RolloutResult:
         for attempt in range(ctx.rollout_attempts):
-            key = f"nexus-eval-{js.job_id}-{i}" + (f"-r{attempt}" if attempt else "")
+            key = f"nexus-eval-{js.job_id}-{i}-{offset}" + (f"-r{attempt}" if attempt else "")
             try:
                 out = await _rollout(ctx, t, js, key, episodes=n, seed=7_000_003 * (1 + t.spec.seed),
-                                     offset=sum(shares[:i]), deterministic=spec.deterministic, version=version)
+                                     offset=offset, deterministic=spec.deterministic, version=version)
                 ctx.health.progress(role)
                 return out
             except Exception as e:
@@ -244,10 +264,19 @@ async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int
                 ctx.health.error(role, f"eval rollout {i}: {type(e).__name__}: {e}", restarting=True)
         raise AssertionError("unreachable")
 
+    async def part(i: int, n: int) -> list[RolloutResult]:
+        """Part ``i``'s episodes in tasks of at most ``sim_task_episodes``, one after another: between two
+        of them its SIM slot may go to another tenant (the fair share's preemption point)."""
+        start, outs = sum(shares[:i]), []
+        for offset in range(start, start + n, ctx.sim_task_episodes):
+            outs.append(await chunk(i, offset, min(ctx.sim_task_episodes, start + n - offset)))
+            js.progress["episodes"] = js.progress.get("episodes", 0) + outs[-1].stats["episodes"]
+        return outs
+
     await ctx.pool.pin(t.name, version, t.output_dir)
     parts = [_spawn(part(i, n)) for i, n in enumerate(shares)]
     try:
-        outs = await asyncio.gather(*parts)
+        outs = [o for part_outs in await asyncio.gather(*parts) for o in part_outs]
     finally:
         await _cancel_all([p for p in parts if not p.done()])
         await ctx.pool.unpin(t.name, version)

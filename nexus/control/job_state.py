@@ -49,7 +49,8 @@ class JobState:
     t_start: float | None = None  # admitted (isolated mode: later than t_submit)
     t_end: float | None = None
     cancel_requested: bool = False
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)  # ended and recorded (checkpoint, MLflow)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # in its final state (recording may follow)
     task: asyncio.Task | None = None
 
     def move(self, new: JobStatus, error: str | None = None) -> None:

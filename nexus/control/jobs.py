@@ -108,15 +108,18 @@ class JobManager:
             pass
         return self.view(js)
 
-    async def cancel(self, job_id: str, timeout: float = 120.0) -> dict[str, Any]:
-        """Stop a job and free everything it holds (admission slots, queued items, pins, its tenant's
-        training-job lock); an update already running on the actor finishes, unread."""
+    async def cancel(self, job_id: str, timeout: float = 120.0, recorded: bool = False) -> dict[str, Any]:
+        """Stop a job and free everything it holds (admission slots, queued items, SIM slots, pins, its
+        tenant's training-job lock); an update already running on the actor finishes, unread; its rollouts
+        stop before their next step. Returns once the job is ``cancelled`` (its record, checkpoint and MLflow
+        run are written after, in the background: ``wait`` sees them done; ``recorded``: wait for them too)."""
         js = self.get(job_id)
         if not js.terminal and js.task is not None:
             js.cancel_requested = True
             js.task.cancel()
+            self.runtime.spawn(self.runtime.broadcast("SIM", "nexus_sim_stop", job=job_id))
             try:
-                await asyncio.wait_for(js.finished.wait(), timeout)
+                await asyncio.wait_for((js.finished if recorded else js.ended).wait(), timeout)
             except TimeoutError:
                 pass
         return self.view(js)
@@ -151,6 +154,7 @@ class JobManager:
                 JobStatus.FAILED, "cancelled: the service is closing")))
             if t.training_job == js.job_id:
                 t.training_job = None
+            js.ended.set()
             js.finished.set()
             self._event("job", {"job": js.job_id, "state": str(js.state), "error": js.error})
             if not js.cancel_requested:
@@ -192,6 +196,7 @@ class JobManager:
             js.t_end = time.time()
             if t.training_job == js.job_id:
                 t.training_job = None
+            js.ended.set()
             try:
                 await self._finish(js, t)
             finally:

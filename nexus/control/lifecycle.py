@@ -102,7 +102,7 @@ class TenantLifecycle:
         cancelled = []
         for js in self.jobs.of_tenant(name):
             if js.state not in ("done", "failed", "cancelled"):
-                await self.jobs.cancel(js.job_id)
+                await self.jobs.cancel(js.job_id, recorded=True)
                 cancelled.append(js.job_id)
         self.dispatcher.drop_tenant(name, NotFound(f"tenant {name!r} was deleted"))
         await self.pool.remove_tenant(name)

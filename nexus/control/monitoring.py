@@ -295,3 +295,6 @@ class PrometheusCollector:
         yield from c.values()
 
         yield from prometheus_families(st.get("roles", []))
+        latency = getattr(p, "latency", None)
+        if latency is not None:
+            yield from latency.prometheus()

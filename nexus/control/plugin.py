@@ -20,6 +20,7 @@ from nexus.control import dashboard
 from nexus.control.env_sessions import EnvSessions
 from nexus.control.master import Master
 from nexus.control.monitoring import TOPIC, PrometheusCollector
+from nexus.control.predict_latency import PredictLatency
 from nexus.errors import SpecError
 from nexus.messages import HEALTH_TOPIC
 
@@ -34,6 +35,7 @@ class NexusPlugin(SchedulerPlugin):
         self.scheduler = None
         self.master: Master | None = None
         self.env_sessions: EnvSessions | None = None
+        self.latency = PredictLatency()  # predict latency per tenant, from the gateways' reports
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -68,6 +70,7 @@ class NexusPlugin(SchedulerPlugin):
             "nexus_env_close": envs.close,
             "nexus_env_sessions": envs.view,
             "nexus_feed_rollouts": m.jobs.external.feed,  # an upload of a tenant's own episodes, stored
+            "nexus_qos_report": self.latency.report,  # the gateways' predict latency histograms
         })
         scheduler.get_task_stream(count=0)  # record task start/stops from the start (dashboard, metering checks)
         for address in scheduler.workers:  # workers that joined before the plugin

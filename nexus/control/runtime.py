@@ -130,6 +130,16 @@ class DaskRuntime:
                     logger.info("nexus_io %s on %s: %s", action, w.name, e)
         raise Unavailable(f"no worker could run {action!r}")
 
+    async def broadcast(self, resource: str, handler: str, **msg: Any) -> int:
+        """Call ``handler`` on every worker with ``resource`` at once (best effort) -> how many answered."""
+        workers = self.workers(resource)
+        out = await asyncio.gather(*(self.call(w.address, handler, timeout=10.0, **msg) for w in workers),
+                                   return_exceptions=True)
+        for w, r in zip(workers, out, strict=True):
+            if isinstance(r, BaseException):
+                logger.info("%s on %s: %s", handler, w.name, r)
+        return sum(not isinstance(r, BaseException) for r in out)
+
     async def restart_worker(self, address: str) -> None:
         """Ask the worker's nanny to restart its process (a role that stopped answering)."""
         try:

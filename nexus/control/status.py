@@ -126,6 +126,8 @@ def build(p: StatusParts, page: Page | None = None) -> dict[str, Any]:
                               {"tenants_total": len(p.registry), "jobs_total": len(p.jobs.jobs)}),
             "training_queue": {"depth": len(p.queue), "by_tenant": p.queue.depth(), "lag": p.queue.lags(versions)},
             "inference_queue": {"pending": p.monitoring.inference_pending},
+            # the SIM slots' fair share: capacity, slots held and requests waiting per tenant
+            "simulators": p.jobs.ctx.sim_slots.view() if p.jobs.ctx.sim_slots is not None else None,
             "roles": p.health.views(now), "service": service_view(p), "inference": p.pool.view(names),
             "actor": {"ranks": p.actors.world_size, "ready": p.actors.ready, "workers": list(p.actors.workers),
                       "epoch": p.actors.epoch, "running": [i.item_id for i in p.dispatcher.running],

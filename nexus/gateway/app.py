@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import stat
 import time
@@ -30,12 +31,24 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nexus.config import ServiceConfig, ServiceLimits
-from nexus.errors import Conflict, Forbidden, LimitExceeded, NexusError, NotFound, SpecError, describe_errors
+from nexus.errors import (
+    Conflict,
+    Forbidden,
+    LimitExceeded,
+    NexusError,
+    NotFound,
+    Overloaded,
+    SpecError,
+    describe_errors,
+)
 from nexus.features import TenantSchema
 from nexus.gateway.auth import Principal, TokenStore
 from nexus.gateway.backend import Backend
 from nexus.gateway.backend import plain as jsonable
+from nexus.gateway.body_limit import BodyLimit
 from nexus.gateway.envs import add_env_routes
+from nexus.gateway.serving import PredictServer
+from nexus.gateway.timing import PredictTiming, spans_of
 from nexus.inputs import check_batch, check_observation
 from nexus.paging import MAX_LIMIT as MAX_PAGE
 from nexus.paths import confine, dir_bytes
@@ -48,6 +61,19 @@ MAX_WAIT_S = 60.0  # one result / stream poll holds a request at most this long
 PageLimit = Annotated[int | None, Query(ge=1, le=MAX_PAGE, description="tenants (and jobs) per page")]
 PageCursor = Annotated[str | None, Query(max_length=512, description="page.next_cursor of the previous page")]
 FILE_CHUNK = 1 << 20  # bytes per chunk when a file is streamed to a client
+
+
+OVERLOADED_RESPONSE: dict[str, Any] = {
+    "description": "Overloaded: a concurrent-predict budget (the tenant's or the gateway's) is spent; nothing "
+                   "was done. Send again after Retry-After seconds (the body's retry_after_s is finer).",
+    "headers": {"Retry-After": {"description": "seconds to wait before sending again",
+                                "schema": {"type": "integer", "minimum": 1}}},
+    "content": {"application/json": {"schema": {
+        "type": "object", "required": ["error", "retry_after_s"],
+        "properties": {"error": {"type": "object", "properties": {
+            "class": {"type": "string", "enum": ["Overloaded"]}, "code": {"type": "string", "enum": ["overloaded"]},
+            "message": {"type": "string"}}}, "retry_after_s": {"type": "number"}}}}},
+}
 
 
 class NexusJSON(JSONResponse):
@@ -100,7 +126,11 @@ Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 
 
 async def principal(request: Request, cred: Credentials) -> Principal:
-    return request.app.state.gateway.tokens.identify(cred.credentials if cred else None)
+    t0 = time.perf_counter()
+    who = request.app.state.gateway.tokens.identify(cred.credentials if cred else None)
+    if (spans := spans_of(request.scope)) is not None:
+        spans["auth"] = time.perf_counter() - t0
+    return who
 
 
 async def optional_principal(request: Request, cred: Credentials) -> Principal | None:
@@ -128,6 +158,7 @@ class Gateway:
         self.pending: dict[str, int] = defaultdict(int)  # low-level calls in flight per tenant
         self.create_lock = asyncio.Lock()
         self._schemas: dict[str, tuple[TenantSpec, TenantSchema]] = {}
+        self.serving = PredictServer(backend, config.qos, lambda t: self.limits(t).max_inflight_predicts)
 
     def limits(self, tenant: str) -> ServiceLimits:
         return self.config.limits_for(tenant)
@@ -179,18 +210,24 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await backend.connect()
+        reporter = asyncio.get_running_loop().create_task(gw.serving.report_forever())
         if on_ready is not None:
             on_ready()
         yield
+        reporter.cancel()
         await backend.close()
 
     app = FastAPI(title="JoyNexus tenant gateway", version="1", lifespan=lifespan, default_response_class=NexusJSON,
                   description=__doc__)
     app.state.gateway = gw
+    app.add_middleware(PredictTiming, observe=lambda: gw.serving.observe)
 
     # -- errors: every refusal a NexusError with its status ----------------------------------
     @app.exception_handler(NexusError)
     async def _nexus_error(request: Request, e: NexusError) -> Response:
+        if isinstance(e, Overloaded):  # HTTP's Retry-After counts whole seconds; the body has the finer hint
+            return NexusJSON({**error_body(e), "retry_after_s": e.retry_after_s}, status_code=e.http_status,
+                             headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
         return NexusJSON(error_body(e), status_code=e.http_status)
 
     @app.exception_handler(RequestValidationError)
@@ -210,22 +247,8 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         return NexusJSON({"error": {"class": "InternalError", "code": "internal",
                                     "message": f"{type(e).__name__}: {e}"}}, status_code=500)
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        limit = config.limits.max_request_bytes
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            e = LimitExceeded(f"request body: {length} bytes is over the limit max_request_bytes={limit}")
-            return NexusJSON(error_body(e), status_code=413)
-        if length is None and request.method in ("POST", "PUT", "PATCH"):
-            body = b""
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    e = LimitExceeded(f"request body: over the limit max_request_bytes={limit}")
-                    return NexusJSON(error_body(e), status_code=413)
-            request._body = body  # read once; the route reads it from here
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limit=config.limits.max_request_bytes,
+                       refuse=lambda e: NexusJSON(error_body(e), status_code=413))
 
     # -- service ----------------------------------------------------------------------------
     @app.get("/health", tags=["service"])
@@ -417,15 +440,25 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         async with gw.queued(tenant):
             return await backend.op(tenant, "save_weights", session=session)
 
-    @app.post("/v1/tenants/{tenant}/predict", tags=["low level"])
-    async def predict(tenant: str, body: PredictBody, who: Who) -> dict[str, Any]:
-        """An action from the inference engine, grouped with other tenants' requests."""
+    @app.post("/v1/tenants/{tenant}/predict", tags=["low level"], responses={429: OVERLOADED_RESPONSE})
+    async def predict(tenant: str, body: PredictBody, who: Who, request: Request) -> dict[str, Any]:
+        """An action from the inference engine, grouped with other tenants' requests. A tenant has at most
+        ``limits.max_inflight_predicts`` predicts queued or running at once, the gateway
+        ``qos.max_inflight_predicts``: past them the answer is 429 with ``Retry-After`` (nothing was done;
+        send again later). Tenants' queued predicts are served round-robin. The answer's ``Server-Timing``
+        header times each hop (http, auth, check, gateway_queue, to_engine, engine_queue, forward, reply)."""
+        spans = spans_of(request.scope) or {}
+        t_route = time.perf_counter()
+        if "_t0" in spans:
+            spans["http"] = t_route - spans["_t0"] - spans.get("auth", 0.0)
         who.may_act_on(tenant)
         _, schema = await gw.spec_schema(tenant)
         lim = gw.limits(tenant)
         obs = check_observation(body.observation, schema, max_instruction_chars=lim.max_instruction_chars)
-        async with gw.queued(tenant):
-            return await backend.predict(tenant, obs, body.version, body.deterministic)
+        spans["check"] = time.perf_counter() - t_route
+        out = await gw.serving.predict(tenant, obs, body.version, body.deterministic, spans)
+        spans["_tenant"], spans["_t_done"] = tenant, time.perf_counter()
+        return NexusJSON(out)  # type: ignore[return-value]  # rendered once here (numpy to lists, NaN to null)
 
     add_env_routes(app, backend)  # environment sessions, predict_batch, uploaded episodes (nexus.gateway.envs)
 
@@ -452,6 +485,12 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         """Wait until the actor group and an inference engine serve."""
         who.require_operator("waiting for the service")
         return await backend.wait_ready(timeout)
+
+    @app.get("/v1/admin/qos", tags=["admin"])
+    async def qos(who: Who) -> dict[str, Any]:
+        """The predict path now: budgets held per tenant, requests queued per engine, mean time per hop."""
+        who.require_operator("the QoS view")
+        return gw.serving.view()
 
     @app.get("/v1/admin/tenants", tags=["admin"])
     async def all_tenants(who: Who, limit: PageLimit = None, cursor: PageCursor = None) -> dict[str, Any]:

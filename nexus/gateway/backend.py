@@ -16,12 +16,13 @@ import logging
 import uuid
 from typing import Any
 
-from nexus.engine_client import EngineClient
+from nexus.engine_client import EngineClient, call_engine
 from nexus.errors import NexusError, NotFound, NotSupported, Unavailable
+from nexus.messages import EngineEndpoint
 
 logger = logging.getLogger("nexus.gateway")
 
-OPTIONAL = ("nexus_cancel", "nexus_delete_tenant", "nexus_scale_inference", "nexus_export")
+OPTIONAL = ("nexus_cancel", "nexus_delete_tenant", "nexus_scale_inference", "nexus_export", "nexus_qos_report")
 
 
 class Backend:
@@ -135,19 +136,32 @@ class Backend:
             except Exception:  # already unpublished by the plugin
                 pass
 
-    async def predict(self, tenant: str, obs: Any, version: int | None, deterministic: bool) -> dict[str, Any]:
-        """An action from the engine serving ``tenant`` (re-routed by the control plane when it drains or dies)."""
+    # -- the predict path (nexus.gateway.serving.PredictServer calls these) ------------------------
+    @property
+    def engines(self) -> EngineClient:
         if self._engines is None:
-
             self._engines = EngineClient(self.client, route_timeout_s=60.0)
+        return self._engines
+
+    async def endpoint(self, tenant: str) -> EngineEndpoint:
+        """The engine serving ``tenant`` (the route is cached for 2 s, then asked again)."""
         try:
-            return plain(await self._engines.apredict(tenant, obs, version, deterministic))
-        except NexusError:
-            raise
-        except KeyError as e:  # the engine's "not registered" / "neither live nor pinned"
-            raise NotFound(str(e.args[0]) if e.args else f"unknown tenant {tenant!r}") from None
-        except (RuntimeError, OSError, TimeoutError) as e:
-            raise Unavailable(f"the inference engine is unavailable ({type(e).__name__}: {e})") from None
+            return await self.engines.endpoint(tenant)
+        except (OSError, TimeoutError) as e:
+            raise Unavailable(f"the service's scheduler is unreachable ({type(e).__name__}: {e})") from None
+
+    async def reroute(self, tenant: str, stale: EngineEndpoint, error: BaseException) -> EngineEndpoint:
+        try:
+            return await self.engines.reroute(tenant, stale, error)
+        except (OSError, TimeoutError) as e:
+            raise Unavailable(f"the service's scheduler is unreachable ({type(e).__name__}: {e})") from None
+
+    async def predict_many(self, ep: EngineEndpoint, requests: list[list[Any]]) -> dict[str, Any]:
+        """Gathered predicts on one engine, straight to its worker (``EngineHost.predict_many``)."""
+        return await call_engine(self.client, ep, "predict_many", requests, timeout=self.engines.request_timeout_s)
+
+    async def qos_report(self, report: dict[str, Any]) -> Any:
+        return await self._call("nexus_qos_report", report=report)
 
     async def predict_batch(self, tenant: str, observations: list, version: int | None,
                             deterministic: bool) -> list[dict[str, Any]]:

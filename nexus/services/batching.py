@@ -1,7 +1,8 @@
 """The inference queue's firing rule, applied next to the model (in the inference engine).
 
-Requests are collected FIFO; a request may carry several rows (a producer asks for the actions of
-all its envs at once). A group fires when
+Requests are collected in arrival order; a request may carry several rows (a producer asks for the
+actions of all its envs at once); a group takes tenants in turn (:meth:`GroupBatcher.take`: fair queueing
+between the producers' tenants). A group fires when
 
 * ``full``: the pending rows reached the target batch ``max_batch`` (B),
 * ``all_waiting``: every live producer already has a request pending or being answered, so nobody
@@ -176,15 +177,30 @@ class GroupBatcher:
             return 0.0
         return max(0.0, self._pending[0].t_arrival + self.max_wait_s - now)
 
+    def _tenant(self, p: _Pending) -> str | None:
+        prod = self._producers.get(p.producer) if p.producer is not None else None
+        return prod.tenant if prod is not None else None
+
     def take(self) -> list[Any]:
-        """The next group, oldest first: whole requests up to B rows (always at least one request)."""
-        taken, rows = 0, 0
+        """The next group: whole requests up to B rows (always at least one request), tenants in turn —
+        each tenant's oldest request first, the tenants by their oldest request, then each one's second, … —
+        so a tenant with many producers waiting cannot fill every group while another's request waits
+        (requests without a producer's tenant count as one tenant; one tenant alone: oldest first)."""
+        seen: dict[str | None, int] = {}
+        ranks = []
         for p in self._pending:
-            if taken and rows + p.rows > self.max_batch:
+            key = self._tenant(p)
+            ranks.append(seen.get(key, 0))
+            seen[key] = ranks[-1] + 1
+        chosen, rows = set(), 0
+        for i in sorted(range(len(self._pending)), key=lambda i: (ranks[i], i)):
+            p = self._pending[i]
+            if chosen and rows + p.rows > self.max_batch:
                 break
-            taken += 1
+            chosen.add(i)
             rows += p.rows
-        group, self._pending = self._pending[:taken], self._pending[taken:]
+        group = [p for i, p in enumerate(self._pending) if i in chosen]
+        self._pending = [p for i, p in enumerate(self._pending) if i not in chosen]
         for p in group:
             prod = self._producers.get(p.producer) if p.producer is not None else None
             if prod is not None:

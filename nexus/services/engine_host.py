@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter, deque
 from typing import Any
 
@@ -49,22 +50,59 @@ class EngineHost:
         return await self._serve(tenant, observations, request_id,
                                  self.engine.predict_batch(tenant, observations, *args, **kwargs))
 
+    async def predict_many(self, requests: list[list[Any]]) -> dict[str, Any]:
+        """Predicts of several callers (the gateway's gathered HTTP requests), each ``[tenant, obs, version,
+        deterministic, request_id]``: each passes the gate alone (a refused one fails alone), the others run
+        as one request of the inference queue (``InferenceEngine.predict_rows``: one group, whatever B).
+        -> ``replies`` (per request, in order: ``{"output", "wait_s", "compute_s"}`` or ``{"error":
+        NexusError}``) and ``engine_s`` (this call's time on the engine)."""
+        t0 = time.perf_counter()
+        replies: list[dict[str, Any] | None] = [None] * len(requests)
+        accepted: list[int] = []
+        for i, (tenant, obs, version, _det, _rid) in enumerate(requests):
+            try:
+                self._gate(tenant, [obs])
+                if not self.engine.heads.serves(tenant, version):
+                    raise NotFound(f"version {version} of tenant {tenant!r} is neither live nor pinned")
+                accepted.append(i)
+            except Exception as e:
+                replies[i] = {"error": e}
+        if accepted:
+            work = self.engine.predict_rows([tuple(requests[i][:4]) for i in accepted])
+            try:
+                out = await self._run(work, [requests[i][4] for i in accepted])
+            except Exception as e:  # the group failed: each of its requests sees why
+                for i in accepted:
+                    replies[i] = {"error": e}
+            else:
+                for j, i in enumerate(accepted):
+                    replies[i] = {"output": out["outputs"][j], "wait_s": out["wait_s"],
+                                  "compute_s": out["compute_s"]}
+        return {"replies": replies, "engine_s": time.perf_counter() - t0}
+
     async def _serve(self, tenant: str, observations: list, request_id: str | None, work) -> dict[str, Any]:
         """The gate of every action request: refused while draining or for an unknown tenant, and each
         observation checked against the tenant's schema before it may join a group."""
         try:
-            if self.draining:
-                raise Draining(f"inference engine {self.id} is draining")
-            schema = self.schemas.get(tenant)
-            if schema is None:
-                raise NotFound(f"tenant {tenant!r} is not registered on inference engine {self.id}")
-            if not isinstance(observations, list) or not observations:
-                raise SpecError(f"tenant {tenant!r}: an action request needs at least one observation")
-            for obs in observations:
-                check_request(obs, schema, tenant)  # a bad request fails alone, before it joins a group
+            self._gate(tenant, observations)
         except BaseException:
             work.close()  # never started
             raise
+        return await self._run(work, [request_id])
+
+    def _gate(self, tenant: str, observations: list) -> None:
+        if self.draining:
+            raise Draining(f"inference engine {self.id} is draining")
+        schema = self.schemas.get(tenant)
+        if schema is None:
+            raise NotFound(f"tenant {tenant!r} is not registered on inference engine {self.id}")
+        if not isinstance(observations, list) or not observations:
+            raise SpecError(f"tenant {tenant!r}: an action request needs at least one observation")
+        for obs in observations:
+            check_request(obs, schema, tenant)  # a bad request fails alone, before it joins a group
+
+    async def _run(self, work, request_ids: list[str | None]) -> Any:
+        """Run accepted work (counted in flight: draining waits for it); log its requests as answered."""
         self.inflight += 1
         self._idle.clear()
         try:
@@ -75,9 +113,10 @@ class EngineHost:
             self.inflight -= 1
             if self.inflight == 0:
                 self._idle.set()
-        self.served += 1
-        if request_id is not None:
-            self.served_log.append((self.id, request_id))
+        for rid in request_ids:
+            self.served += 1
+            if rid is not None:
+                self.served_log.append((self.id, rid))
         return out
 
     async def load_weights(self, tenant: str, version: int, weights: bytes) -> int | None:
@@ -92,7 +131,8 @@ class EngineHost:
             return await self.engine.load_weights(tenant, version, weights)
 
     async def call(self, method: str, args: list, kwargs: dict) -> Any:
-        if method in ("predict", "predict_batch", "load_weights"):  # gated here (draining, schema, late pushes)
+        # gated here (draining, schema, late pushes)
+        if method in ("predict", "predict_batch", "predict_many", "load_weights"):
             return await getattr(self, method)(*args, **kwargs)
         if method.startswith("_"):
             raise AttributeError(f"engine method {method!r} is private")

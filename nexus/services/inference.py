@@ -169,6 +169,19 @@ class InferenceEngine:
                 "feature_key": self.heads.feature_keys.get(tenant) if want else None,
                 "wait_s": wait, "compute_s": compute, "group_rows": group_rows}
 
+    async def predict_rows(self, requests: list[tuple[str, Any, int | None, bool]]) -> dict[str, Any]:
+        """Several callers' predicts, one observation each, possibly of different tenants (the gateway's
+        gathered HTTP requests; each already checked): one request of the inference queue, so they share
+        one group whatever B (the queue takes whole requests). -> ``outputs`` in order, ``wait_s``,
+        ``compute_s`` (the group's), ``group_rows``."""
+        for tenant, _, version, _ in requests:
+            if not self.heads.serves(tenant, version):
+                raise KeyError(f"version {version} of tenant {tenant!r} is neither live nor pinned")
+        now = time.monotonic()
+        rows = [_Request(tenant, obs, version, det, None, False, now) for tenant, obs, version, det in requests]
+        outs, wait, compute, group_rows = await self.queue.submit(rows, None)
+        return {"outputs": outs, "wait_s": wait, "compute_s": compute, "group_rows": group_rows}
+
     # -- the model ----------------------------------------------------------------------------------------
     async def _forward_group(self, group: list[_Request]) -> list[dict[str, Any]]:
         return await self._in_model_thread(self._forward, group)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 
 from nexus import catalog
 from nexus.catalog import EnvEntry
@@ -48,9 +49,11 @@ class ProducerLink:
     ``nexus.engine_client.EngineClient``): one ``predict_batch`` request per wave and step."""
 
     def __init__(self, engine, tenant: str, version: int | None, deterministic: bool, job: str | None,
-                 producer: str, features: bool, features_max_dim: int) -> None:
+                 producer: str, features: bool, features_max_dim: int,
+                 stopped: Callable[[], bool] = lambda: False) -> None:
         self.engine, self.tenant, self.version, self.deterministic = engine, tenant, version, deterministic
         self.job, self.producer, self.features, self.features_max_dim = job, producer, features, features_max_dim
+        self.stopped = stopped
 
     def open(self) -> None:
         """Until it closes (or its lease ends), the engine's groups wait for this producer."""
@@ -60,9 +63,15 @@ class ProducerLink:
         self.engine.call_for(self.tenant, "close_producer", self.producer).result()
 
     def submit(self, observations: list):
+        if self.stopped():  # checked at every step: a cancelled job's producer ends within one step
+            raise ProducerStopped(f"producer {self.producer}: job {self.job} was cancelled")
         return _EngineReply(self.engine.predict_batch(self.tenant, observations, self.version, self.deterministic,
                                                       self.job, self.producer, self.features,
                                                       self.features_max_dim))
+
+
+class ProducerStopped(RuntimeError):
+    """The producer's job was cancelled (``SimHost.stop``): it stopped between two steps."""
 
 
 class _EngineReply:
@@ -93,14 +102,15 @@ def prewarm(pool: EnvPool, env_name: str, envs: int, waves: int = 1, vector_mode
 def collect(pool: EnvPool, tenant: str, env_name: str, output_dir: str, schema: TenantSchema, episodes: int,
             seed: int, episode_offset: int, deterministic: bool, version: int | None, engine,
             job: str | None = None, producer: DataPathSettings | None = None,
-            t_start: float | None = None) -> RolloutResult:
+            t_start: float | None = None, stopped: Callable[[], bool] = lambda: False) -> RolloutResult:
     """Run ``episodes`` episodes (ids from ``episode_offset``) with envs from ``pool``; RL batches are
     stored, eval episodes (pinned ``version``) are not.
 
     ``producer``: the data-path settings (defaults if omitted): K envs (at most ``episodes``) in
     ``producer_waves`` waves, each wave asking the engine for all its actions in one request; RL batches
     keep the rollout's backbone features when ``cache_features``. ``t_start``: when the task began (its
-    simulator slot is the tenant's from then on; default now)."""
+    simulator slot is the tenant's from then on; default now). ``stopped``: asked before every step; True
+    (its job was cancelled) ends the rollout with :class:`ProducerStopped`."""
     t_start = time.time() if t_start is None else t_start
     dp = producer or DataPathSettings()
     entry = catalog.env(env_name)
@@ -109,7 +119,7 @@ def collect(pool: EnvPool, tenant: str, env_name: str, output_dir: str, schema: 
     rl = version is None
     pid = f"{tenant}/{job}/{uuid.uuid4().hex[:8]}"
     link = ProducerLink(engine, tenant, version, deterministic, job, pid,
-                        features=rl and dp.cache_features, features_max_dim=dp.feature_cache_max_dim)
+                        features=rl and dp.cache_features, features_max_dim=dp.feature_cache_max_dim, stopped=stopped)
     groups = pool.checkout(entry, wave_sizes(k, dp.producer_waves), mode)
     try:
         link.open()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -72,6 +73,7 @@ class ProducerProgress:
     kind: str
     requests: int = 0
     t_progress: float = 0.0
+    stopped: bool = False  # its job was cancelled: the producer stops before its next step
 
     def tick(self) -> None:
         self.requests += 1
@@ -85,16 +87,28 @@ class SimHost:
         # environment sessions (tenants' own algorithms): every call of every session runs on one thread
         self.sessions = SessionTable(self.pool)
         self.session_thread = ThreadPoolExecutor(1, thread_name_prefix="nexus-env-sessions")
+        self.stopped_jobs: deque[str] = deque(maxlen=1024)  # cancelled jobs: their producers do not start
 
     @contextmanager
     def producer(self, key: str, job: str, tenant: str, kind: str) -> Iterator[ProducerProgress]:
         """A running producer, listed in the heartbeat until it ends."""
-        p = self.producers[key] = ProducerProgress(job, tenant, kind, t_progress=time.time())
+        p = self.producers[key] = ProducerProgress(job, tenant, kind, t_progress=time.time(),
+                                                   stopped=bool(job) and job in self.stopped_jobs)
         try:
             yield p
         finally:
             if self.producers.get(key) is p:
                 del self.producers[key]
+
+    def stop(self, job: str) -> int:
+        """The job was cancelled: its running producers stop before their next step, later ones at once
+        (a cancelled Dask task already running is not interrupted by Dask). -> producers stopped now."""
+        if job not in self.stopped_jobs:
+            self.stopped_jobs.append(job)
+        mine = [p for p in list(self.producers.values()) if p.job == job]
+        for p in mine:
+            p.stopped = True
+        return len(mine)
 
     def reports(self) -> list[dict[str, Any]]:
         return [ProducerReport(p.job, p.tenant, p.kind, p.requests, p.t_progress).to_dict()

@@ -40,7 +40,7 @@ from distributed.utils import sync
 from distributed.worker import _worker_cvar  # Dask sets the same variable around tasks and actors
 from tornado.ioloop import PeriodicCallback
 
-from nexus.data.output_dir import TenantOutputDir
+from nexus.data.output_dir import TenantOutputDir, unmark_evaluation
 from nexus.errors import Draining, Unavailable
 from nexus.messages import HEALTH_TOPIC, HEARTBEAT_S, Heartbeat, Rendezvous
 from nexus.services.env_sessions import store_episodes
@@ -79,7 +79,8 @@ class NexusWorkerPlugin(WorkerPlugin):
         worker.handlers.update({"nexus_engine": self._in_worker(self._h_engine),
                                 "nexus_engine_ctl": self._in_worker(self._h_engine_ctl),
                                 "nexus_tracker": self._h_tracker, "nexus_io": self._h_io,
-                                "nexus_env": self._h_env, "nexus_env_ctl": self._h_env_ctl})
+                                "nexus_env": self._h_env, "nexus_env_ctl": self._h_env_ctl,
+                                "nexus_sim_stop": self._h_sim_stop})
         self._beat = PeriodicCallback(self.beat, HEARTBEAT_S * 1000)
         self._beat.start()
         self.beat()
@@ -202,10 +203,15 @@ class NexusWorkerPlugin(WorkerPlugin):
             self.worker.log_event(SIGNAL_TOPIC, {"kind": "env", "worker": self.worker.name, "tenant": tenant,
                                                  "busy_s": seconds, "t1": t1})
 
+    async def _h_sim_stop(self, job: str) -> int:
+        return self.sim.stop(job)
+
     async def _h_io(self, action: str, **msg: Any) -> Any:
         if action == "write_job_record":
             await asyncio.to_thread(TenantOutputDir(msg["output_dir"]).write_job, msg["record"])
             return True
+        if action == "unmark_evaluation":
+            return await asyncio.to_thread(unmark_evaluation, msg["output_dir"], msg["job"])
         raise ValueError(f"unknown io action {action!r}")
 
 
@@ -303,3 +309,10 @@ async def dask_setup(worker) -> None:
         root.addHandler(handler)
         root.setLevel(logging.INFO)
     await worker.plugin_add(NexusWorkerPlugin(), name=PLUGIN_NAME)
+
+
+def producer_jobs(dask_worker) -> list[str]:
+    """The jobs of the rollout producers running on a SIM worker now (``client.run(producer_jobs, ...)``: tests,
+    audits)."""
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    return [p.job for p in plugin.sim.producers.values()] if plugin is not None else []

@@ -1,0 +1,117 @@
+"""Fair share of the simulators between tenants: who runs the next rollout or evaluation task on a ``SIM`` slot.
+
+Dask runs the tasks it is given in its own order, first come first served: one tenant's two 500-episode
+evaluations, submitted first, held every SIM worker until they ended while another tenant's short RL job
+waited. So the flows take a slot here before they hand a rollout task to Dask, and hand it back when the task
+ends (or is cancelled): Dask never holds more rollout tasks than there are SIM slots, and the order is ours.
+
+When a slot frees and several tenants wait, it goes to the tenant holding the fewest slots now (ties: the
+longest waiting request first), so with N slots and k tenants each gets about N/k — max-min fair share.
+Evaluations run in tasks of at most ``qos.sim_task_episodes`` episodes (:mod:`nexus.control.flows`), so the
+slots change hands between episodes: that is the preemption, at episode boundaries, without killing anything.
+
+Capacity is read from the cluster at each decision (the sum of the SIM workers' ``SIM`` resource), and
+waiters look again every second, so a joining or leaving SIM worker needs no hook. ``fair=False`` keeps
+Dask's order (the baseline): every request is granted at once.
+
+A plain asyncio object on the scheduler's loop (no I/O).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nexus.control.runtime import DaskRuntime
+
+
+@dataclass(order=True)
+class _Waiter:
+    seq: int
+    tenant: str = field(compare=False)
+    future: asyncio.Future = field(compare=False)
+
+
+class SimSlots:
+    def __init__(self, capacity: Callable[[], int], fair: bool = True, recheck_s: float = 1.0) -> None:
+        self.capacity, self.fair, self.recheck_s = capacity, fair, recheck_s
+        self.held: Counter[str] = Counter()
+        self._waiting: list[_Waiter] = []
+        self._seq = itertools.count()
+        self.granted = 0
+        self.waited_s = 0.0  # summed wait of granted requests
+
+    @property
+    def busy(self) -> int:
+        return sum(self.held.values())
+
+    @asynccontextmanager
+    async def slot(self, tenant: str) -> AsyncIterator[None]:
+        """Hold one SIM slot for ``tenant`` while the block runs (a rollout task)."""
+        await self.acquire(tenant)
+        try:
+            yield
+        finally:
+            self.release(tenant)
+
+    async def acquire(self, tenant: str) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        if not self.fair:
+            self._take(tenant)
+            return
+        w = _Waiter(next(self._seq), tenant, loop.create_future())
+        self._waiting.append(w)
+        try:
+            while True:
+                self._grant()
+                if w.future.done():
+                    break
+                try:
+                    await asyncio.wait_for(asyncio.shield(w.future), self.recheck_s)
+                except TimeoutError:
+                    continue
+                break
+        except BaseException:
+            if w in self._waiting:
+                self._waiting.remove(w)
+            elif w.future.done() and not w.future.cancelled():  # granted while being cancelled: hand it back
+                self.release(tenant)
+            raise
+        self.waited_s += loop.time() - t0
+
+    def release(self, tenant: str) -> None:
+        self.held[tenant] -= 1
+        if self.held[tenant] <= 0:
+            del self.held[tenant]
+        self._grant()
+
+    def _take(self, tenant: str) -> None:
+        self.held[tenant] += 1
+        self.granted += 1
+
+    def _grant(self) -> None:
+        """Free slots to waiters: the tenant holding the fewest first, then the longest waiting."""
+        free = self.capacity() - self.busy
+        while free > 0 and self._waiting:
+            w = min(self._waiting, key=lambda x: (self.held[x.tenant], x.seq))
+            self._waiting.remove(w)
+            self._take(w.tenant)
+            w.future.set_result(None)
+            free -= 1
+
+    @classmethod
+    def of_cluster(cls, runtime: DaskRuntime, fair: bool) -> SimSlots:
+        """Slots of the cluster's SIM workers (their ``SIM`` resource, summed at each decision)."""
+        return cls(lambda: int(sum(w.resources.get("SIM", 0) for w in runtime.workers("SIM"))), fair)
+
+    def view(self) -> dict[str, Any]:
+        waiting = Counter(w.tenant for w in self._waiting)
+        return {"capacity": self.capacity(), "held": dict(self.held), "waiting": dict(waiting),
+                "granted": self.granted, "fair": self.fair}

@@ -1,0 +1,334 @@
+"""QoS pieces without a cluster: the gateway's socket, admission budgets, fair queueing, latency histograms."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import random
+import socket
+
+import pytest
+
+from nexus.client.http import Backoff
+from nexus.config import QosSettings
+from nexus.control.predict_latency import PredictLatency
+from nexus.control.sim_slots import SimSlots
+from nexus.errors import Draining, NotFound, Overloaded, SpecError, Unavailable
+from nexus.gateway.__main__ import listen_socket
+from nexus.gateway.serving import Budgets, EngineLane, Pending, PredictServer
+from nexus.messages import EngineEndpoint
+from nexus.qos import BUCKETS_S, LatencyHistogram, parse_server_timing, server_timing
+from nexus.services.sim_host import SimHost
+
+
+def test_gateway_connections_have_no_nagle_delay():
+    """asyncio sets TCP_NODELAY on each accepted connection only for a socket whose proto is TCP: the
+    gateway's replies (headers and body: two writes) must not wait for the client's delayed ACK."""
+    sock = listen_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    seen: list[int] = []
+
+    async def main() -> None:
+        def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            s = writer.get_extra_info("socket")
+            seen.append(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(accepted, sock=sock)
+        async with server:
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(100):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            w.close()
+
+    asyncio.run(main())
+    assert seen and seen[0] != 0
+
+
+# -- latency histograms and Server-Timing -------------------------------------------------------------
+def test_histogram_quantiles_buckets_and_round_trip():
+    h = LatencyHistogram()
+    for ms in [1] * 50 + [12] * 49 + [400]:
+        h.observe(ms / 1e3)
+    assert h.count == 100
+    assert h.quantile(0.5) <= 0.002 < h.quantile(0.6) <= 0.015  # half at 1 ms, the rest in (10, 15] ms
+    assert 0.3 < h.quantile(0.999) <= 0.5
+    cum = h.cumulative()
+    assert cum[-1] == ("+Inf", 100) and all(a[1] <= b[1] for a, b in zip(cum, cum[1:], strict=False))
+    again = LatencyHistogram.from_dict(h.to_dict())
+    again.add(h)
+    assert again.count == 200 and again.sum_s == pytest.approx(2 * h.sum_s)
+    assert LatencyHistogram().quantile(0.5) is None
+    for bad in ({"counts": [1, 2]}, {"counts": [-1] * (len(BUCKETS_S) + 1)}):
+        with pytest.raises(ValueError):
+            LatencyHistogram.from_dict(bad)
+
+
+def test_server_timing_header_round_trip():
+    spans = {"http": 0.0012, "forward": 0.0053}
+    assert parse_server_timing(server_timing(spans)) == pytest.approx(spans)
+    assert parse_server_timing("garbage, x;desc=1, y;dur=abc") == {}
+
+
+def test_control_plane_adds_reports_and_refuses_malformed_ones():
+    lat = PredictLatency()
+    h = LatencyHistogram()
+    h.observe(0.004)
+    h.rejected = 3
+    asyncio.run(lat.report({"tenants": {"a": h.to_dict(), "b": h.to_dict()}}))
+    asyncio.run(lat.report({"tenants": {"a": h.to_dict()}}))
+    rows = {r["tenant"]: r for r in lat.rows()}
+    assert rows["a"]["count"] == 2 and rows["a"]["rejected"] == 6 and rows["b"]["count"] == 1
+    for bad in ({"tenants": {"a": {"counts": "x"}}}, {"tenants": [1]}, "nope", {"tenants": {"a": {"counts": [1]}}}):
+        with pytest.raises(SpecError):
+            asyncio.run(lat.report(bad))
+    assert {r["tenant"]: r["count"] for r in lat.rows()} == {"a": 2, "b": 1}  # nothing changed
+    families = {f.name: f for f in lat.prometheus()}
+    samples = {(s.name, s.labels.get("tenant"), s.labels.get("le")): s.value
+               for s in families["nexus_predict_latency_seconds"].samples}
+    assert samples[("nexus_predict_latency_seconds_count", "a", None)] == 2
+    assert samples[("nexus_predict_latency_seconds_bucket", "a", "0.005")] == 2
+
+
+# -- budgets, fair lanes, the predict server ------------------------------------------------------------
+def test_budgets_refuse_past_the_tenant_or_the_gateway_limit_and_free_on_release():
+    b = Budgets(total=3, per_tenant=lambda t: 2, retry_after_s=0.25)
+    b.acquire("a")
+    b.acquire("a")
+    with pytest.raises(Overloaded, match="max_inflight_predicts=2") as e:
+        b.acquire("a")
+    assert e.value.retry_after_s == 0.25 and e.value.http_status == 429
+    b.acquire("b")
+    with pytest.raises(Overloaded, match="qos.max_inflight_predicts"):
+        b.acquire("c")
+    b.release("a")
+    b.acquire("c")
+    assert b.held_total == 3 and dict(b.held) == {"a": 1, "b": 1, "c": 1}
+    again = pickle.loads(pickle.dumps(Overloaded("x", 0.5)))
+    assert again.retry_after_s == 0.5 and str(again) == "x"
+
+
+def _pending(tenant: str) -> Pending:
+    return Pending(tenant, None, None, True, asyncio.get_running_loop().create_future())
+
+
+def test_lane_serves_tenants_round_robin_and_gathers_while_calls_run():
+    calls: list[list[str]] = []
+    release = asyncio.Event()
+
+    async def send(batch: list[Pending]) -> None:
+        calls.append([p.tenant for p in batch])
+        await release.wait()
+        for p in batch:
+            p.future.set_result(None)
+
+    async def main() -> None:
+        lane = EngineLane(send, max_requests=4, in_flight=1)
+        first = _pending("noisy")
+        lane.put(first)  # sent at once: gathering never waits
+        await asyncio.sleep(0)
+        assert calls == [["noisy"]]
+        for _ in range(9):
+            lane.put(_pending("noisy"))
+        lane.put(_pending("q1"))
+        lane.put(_pending("q2"))
+        assert len(lane) == 11  # waiting for the one call in flight
+        release.set()
+        await first.future
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert calls[1][:3] == ["noisy", "q1", "q2"]  # one each per turn: the quiet ones ride the next call
+        assert all(len(c) <= 4 for c in calls) and sum(map(len, calls)) == 12
+
+    asyncio.run(main())
+
+
+class Engines:
+    """A stand-in for the engine RPC: answers each gathered call after ``delay_s`` (it records the calls);
+    ``draining`` engines refuse every request as a draining engine does."""
+
+    def __init__(self, delay_s: float = 0.01) -> None:
+        self.delay_s, self.calls, self.draining, self.reports = delay_s, [], {"e0"}, []
+        self.fail: Exception | None = None
+
+    async def endpoint(self, tenant: str) -> EngineEndpoint:
+        return EngineEndpoint("e0", "tcp://e0")
+
+    async def reroute(self, tenant, stale, error) -> EngineEndpoint:
+        return EngineEndpoint("e1", "tcp://e1")
+
+    async def predict_many(self, ep: EngineEndpoint, requests: list[list]) -> dict:
+        self.calls.append((ep.engine, [r[0] for r in requests]))
+        await asyncio.sleep(self.delay_s)
+        if self.fail is not None:
+            raise self.fail
+        if ep.engine in self.draining:
+            return {"replies": [{"error": Draining("draining")} for _ in requests], "engine_s": 0.0}
+        return {"replies": [{"output": {"tenant": r[0]}, "wait_s": 0.001, "compute_s": 0.002} for r in requests],
+                "engine_s": 0.003}
+
+    async def qos_report(self, report: dict) -> bool:
+        self.reports.append(report)
+        return True
+
+
+def test_predict_server_reroutes_refused_requests_refuses_past_budget_and_reports():
+    routes = Engines()
+    server = PredictServer(routes, QosSettings(max_inflight_predicts=8), lambda t: 3)
+
+    async def main() -> None:
+        spans: dict[str, float] = {}
+        out = await server.predict("a", None, None, True, spans)
+        assert out == {"tenant": "a"} and routes.calls[0][0] == "e0" and routes.calls[-1][0] == "e1"
+        assert {"gateway_queue", "to_engine", "engine_queue", "forward"} <= set(spans)
+        results = await asyncio.gather(*(server.predict("b", None, None, True, {}) for _ in range(5)),
+                                       return_exceptions=True)
+        assert sum(isinstance(r, Overloaded) for r in results) == 2  # 3 at once for tenant b
+        assert server.budgets.held_total == 0
+        server.observe("b", 0.004, {"forward": 0.002})
+        server.stats.rejected("b")
+        assert await server.report_once()
+        sent = routes.reports[-1]["tenants"]["b"]
+        assert LatencyHistogram.from_dict(sent).count == 1 and sent["rejected"] == 3
+        assert server.stats.tenants == {}  # sent: the next report has only what comes after
+        routes.draining = set()
+        routes.fail = RuntimeError("model thread died")
+        with pytest.raises(Unavailable, match="model thread died"):  # a 503, never a 500
+            await server.predict("a", None, None, True, {})
+        assert server.budgets.held_total == 0
+
+    asyncio.run(main())
+
+
+# -- simulators' fair share -------------------------------------------------------------------------
+def test_sim_slots_go_to_the_tenant_holding_fewest_and_cancelled_waiters_leave():
+    cap = [2]
+    slots = SimSlots(lambda: cap[0], fair=True, recheck_s=0.05)
+
+    async def main() -> None:
+        await slots.acquire("a")
+        await slots.acquire("a")
+        a3 = asyncio.ensure_future(slots.acquire("a"))
+        a4 = asyncio.ensure_future(slots.acquire("a"))
+        await asyncio.sleep(0.01)
+        b1 = asyncio.ensure_future(slots.acquire("b"))
+        await asyncio.sleep(0.01)
+        assert not (a3.done() or b1.done())
+        slots.release("a")
+        assert slots.held["b"] == 1 and slots.held["a"] == 1  # b holds none: its later request goes first
+        await asyncio.wait_for(b1, 1)
+        assert not a3.done()
+        a4.cancel()
+        await asyncio.sleep(0.01)
+        slots.release("b")
+        await asyncio.wait_for(a3, 1)
+        assert dict(slots.held) == {"a": 2} and slots.view()["waiting"] == {}
+        cap[0] = 3  # a SIM worker joined: waiters see it on their next look
+        await asyncio.wait_for(slots.acquire("c"), 1)
+        assert slots.busy == 3
+
+    asyncio.run(main())
+    unfair = SimSlots(lambda: 1, fair=False)
+    asyncio.run(unfair.acquire("a"))
+    asyncio.run(unfair.acquire("a"))  # Dask's order: granted at once, Dask queues the task
+    assert unfair.busy == 2
+
+
+def test_sim_host_stops_a_cancelled_jobs_producers_and_refuses_its_late_ones():
+    sim = SimHost()
+    with sim.producer("j1:0", "j1", "a", "eval") as p, sim.producer("j2:0", "j2", "b", "rl") as q:
+        assert sim.stop("j1") == 1
+        assert p.stopped and not q.stopped
+    with sim.producer("j1:8", "j1", "a", "eval") as late:
+        assert late.stopped  # a task of the cancelled job that Dask started afterwards
+
+
+# -- the client's backoff -----------------------------------------------------------------------------
+def test_backoff_doubles_from_the_hint_is_capped_and_jittered():
+    b = Backoff(retries=4, max_s=1.0, rng=random.Random(1))
+    delays = [b.delay(i, 0.1) for i in range(6)]
+    for i, d in enumerate(delays):
+        assert 0.5 * min(1.0, 0.1 * 2 ** i) <= d <= min(1.0, 0.1 * 2 ** i)
+    assert max(delays) <= 1.0
+
+
+def test_nexus_page_latency_table_rows():
+    from nexus.control.dashboard import LATENCY_COLUMNS, latency_columns
+
+    lat = PredictLatency()
+    h = LatencyHistogram()
+    for s in (0.003, 0.004, 0.2):
+        h.observe(s)
+    asyncio.run(lat.report({"tenants": {"b": h.to_dict(), "a": LatencyHistogram(rejected=2).to_dict()}}))
+    cols = latency_columns(lat)
+    assert set(cols) == {k for k, _ in LATENCY_COLUMNS}
+    assert cols["tenant"] == ["a", "b"] and cols["count"] == [0, 3] and cols["rejected"] == [2, 0]
+    assert cols["p50_ms"][0] == "-" and 2 <= cols["p50_ms"][1] <= 5 and cols["p99_ms"][1] > 100
+    assert latency_columns(None) == {k: [] for k, _ in LATENCY_COLUMNS}
+
+
+# -- the engine's gathered call ------------------------------------------------------------------------------
+def test_engine_predict_many_gates_each_request_alone_and_runs_the_rest_as_one_group(tmp_path):
+    import io
+    from collections import deque
+
+    import numpy as np
+    import torch
+
+    from nexus.config import ServiceConfig
+    from nexus.features import Observation
+    from nexus.model.policy import TenantPolicy
+    from nexus.services.engine_host import EngineHost
+    from nexus.spec import TenantSpec
+    from nexus.validation import validate_tenant
+
+    torch.set_num_threads(1)
+    host = EngineHost("engine-0.1", ServiceConfig(root=str(tmp_path), infer_max_batch=2), deque(maxlen=100))
+    hidden = host.engine.heads.framework.backbone.hidden_size
+    obs = Observation(state=np.linspace(-1, 1, 35).astype(np.float32))
+
+    async def main() -> dict:
+        for i, name in enumerate(("a", "b")):
+            spec, schema = validate_tenant(TenantSpec(name=name, env="maniskill/pushcube-state", seed=i + 1))
+            buf = io.BytesIO()
+            torch.save(TenantPolicy.from_spec(spec, schema, hidden).state_dict(), buf)
+            await host.engine.register_tenant(spec, schema, 0, buf.getvalue())
+            host.schemas[name] = schema
+        alone = await host.predict("a", obs, None, True)
+        host.engine.reset_stats()
+        bad = Observation(state=np.zeros(3, np.float32))
+        out = await host.predict_many([["a", obs, None, True, "r1"], ["nope", obs, None, True, "r2"],
+                                       ["a", obs, 999, True, "r3"], ["b", bad, None, True, "r4"],
+                                       ["b", obs, None, True, "r5"], ["a", obs, None, True, "r6"]])
+        return {"alone": alone, "out": out, "stats": host.engine.engine_stats()}
+
+    res = asyncio.run(main())
+    host.engine.close()
+    replies = res["out"]["replies"]
+    assert [("output" in r) for r in replies] == [True, False, False, False, True, True]
+    assert isinstance(replies[1]["error"], NotFound) and isinstance(replies[2]["error"], NotFound)
+    assert isinstance(replies[3]["error"], SpecError)  # a malformed observation fails alone
+    np.testing.assert_allclose(replies[0]["output"]["action"], res["alone"]["action"], rtol=1e-5, atol=1e-6)
+    assert res["stats"]["groups"] == 1 and res["stats"]["requests"] == 3  # 3 rows in one group, B=2 or not
+    assert {rid for _, rid in host.served_log} >= {"r1", "r5", "r6"}
+    assert not {"r2", "r3", "r4"} & {rid for _, rid in host.served_log}
+
+
+def test_engine_groups_take_tenants_in_turn():
+    from nexus.services.batching import GroupBatcher
+
+    b = GroupBatcher(max_wait_s=1.0, max_batch=4)
+    for k in range(4):
+        b.open_producer(f"n{k}", "noisy", now=0.0)
+    b.open_producer("q0", "quiet", now=0.0)
+    for k in range(4):
+        b.add(f"noisy-{k}", rows=2, producer=f"n{k}", now=0.1 * k)
+    b.add("quiet-0", rows=2, producer="q0", now=0.5)
+    assert b.take() == ["noisy-0", "quiet-0"]  # arrival order would have been noisy-0, noisy-1
+    assert b.take() == ["noisy-1", "noisy-2"] and b.take() == ["noisy-3"]
+    alone = GroupBatcher(max_wait_s=1.0, max_batch=4)
+    for name in "abc":
+        alone.add(name, rows=2, now=0.0)
+    assert alone.take() == ["a", "b"]  # no producers' tenants: oldest first, as before
