@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from nexus.config import DataPathSettings
 from nexus.control import tasks
 from nexus.control.queues import TrainingItem
+from nexus.emulation import EmulationSettings
 from nexus.errors import JobFailed
 from nexus.messages import OpWork, RLWork, RolloutRequest, RolloutResult, SFTWork, SyncRule
 
@@ -44,6 +45,7 @@ class FlowContext:
     log: Callable[[JobState, dict[str, Any], int, str], None]  # (job, metrics, step, history kind)
     datapath: DataPathSettings = field(default_factory=DataPathSettings)
     eval_fanout: int = 2  # rollout tasks per evaluation job (the scheduling policy's eval_fanout)
+    emulation: EmulationSettings | None = None  # an emulated service's calibration, sent with every rollout
 
     def sync_rule(self, live_consumers: bool) -> SyncRule:
         """Lazy weight sync (decided on the actor, ``SyncRule.should_push``): a tenant's RL job reads its live
@@ -60,7 +62,7 @@ def producer_role(job_id: str) -> str:
 
 async def _rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **req: Any) -> RolloutResult:
     r = RolloutRequest(tenant=t.setup(), env=t.spec.env or "", job=js.job_id, route=ctx.pool.route(t.name),
-                       datapath=ctx.datapath, **req)
+                       datapath=ctx.datapath, emulation=ctx.emulation, **req)
     return await ctx.runtime.run(tasks.RUN_ROLLOUT, r, key=key, resources={"SIM": 1})
 
 
