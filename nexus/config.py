@@ -108,7 +108,7 @@ class DispatchSettings(BaseModel):
     item_attempts: int = Field(2, ge=1, description="runs of an update that raises before its job fails")
     rollout_attempts: int = Field(3, ge=1, description="runs of a failing rollout (same episodes) before its job fails")
     # set by the scheduling policy (schedulers/*.toml) unless given here
-    queue_order: Literal["fifo", "priority"] = Field("priority", description="training queue order")
+    queue_order: Literal["fifo", "priority", "critical"] = Field("priority", description="training queue order")
     isolated: bool = Field(False, description="isolated baseline: tenants' jobs one after another")
     eval_fanout: int = Field(2, ge=1, description="rollout tasks per evaluation job")
     default_max_inflight: int = Field(2, ge=1, description="TenantSpec.max_inflight when a tenant leaves it unset")
