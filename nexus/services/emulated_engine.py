@@ -75,10 +75,16 @@ class EmulatedEngine(InferenceEngine):
         """The calibrated forward time, slept on the engine's event loop (one group at a time per engine, as
         the real queue fires them): no hop to a model thread, whose wake-up on a loaded host would add
         milliseconds a device would not spend."""
-        families = Counter(self.heads.specs[r.tenant][0].action_head for r in group)
+        families = Counter(self._family(r.tenant) for r in group)
         self._busy = self.times.forward_s(dict(families), len({r.tenant for r in group}))
         await asyncio.sleep(self._busy)
         return self._outputs(group)
+
+    def _family(self, tenant: str) -> str:
+        """The forward cost a tenant's rows take: its env's when the calibration has one (a camera env), else
+        its action head family's."""
+        spec = self.heads.specs[tenant][0]
+        return spec.env if spec.env in self.times.cal.forward else spec.action_head
 
     def _record(self, g: Group) -> None:
         """Charge the device the calibrated forward time (the host's timer lateness is not device work)."""
