@@ -51,9 +51,16 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def main() -> None:
     doc = json.loads(SOURCE.read_text())
+    shared = next(m for m in doc["meta"]["policies"] if m != "isolated")
+    write(doc, "isolated", OUT, "the isolated runs'")
+    write(doc, shared, OUT.with_name(OUT.stem + "_shared.toml"), f"the shared ({shared}) runs'")
+
+
+def write(doc: dict, mode: str, out: Path, which: str) -> None:
+    """One calibration from the runs of ``mode``."""
     meta = doc["meta"]
     specs, jobs = meta["tenant_specs"], meta["jobs"]
-    iso = [rd["isolated"]["service_times"] for rd in doc["rounds"]]
+    iso = [rd[mode]["service_times"] for rd in doc["rounds"]]
     k = meta["envs"]
     ratio = call_row_ratio("oft")
 
@@ -68,9 +75,9 @@ def main() -> None:
             continue
         e = spec["env"]
         req = med(name, lambda s: s["result"]["requests"])
+        waves = med(name, lambda s: s["result"]["episodes"]) / k  # K envs in lockstep: one request per step
         env[e] = {"step_s": med(name, lambda s: s["simulator_split_s"]["sim_s"] / max(s["result"]["requests"], 1)),
-                  "env_s": 0.0, "chunk": 1,
-                  "episode_steps": round(med(name, lambda s: s["result"]["env_steps"] / s["result"]["episodes"]))}
+                  "env_s": 0.0, "chunk": 1, "episode_steps": round(req / waves)}
         g = med(name, lambda s: s["metering_s"]["inference"] / max(s["result"]["requests"], 1))
         row = g / (ratio + k)
         forward[e] = {"call_s": ratio * row, "row_s": row}
@@ -78,14 +85,14 @@ def main() -> None:
         rows = med(name, lambda s: s["result"]["env_steps"]) / updates * jobs[name]["ppo"]["update_epochs"]
         rl_x.append(rows)
         rl_y.append(med(name, lambda s: s["metering_s"]["actor"] / s["result"]["updates"]))
-        print(f"{name}: {req:.0f} requests, step {env[e]['step_s'] * 1000:.1f} ms, forward of {k} rows "
+        print(f"{mode} {name}: {req:.0f} requests, step {env[e]['step_s'] * 1000:.1f} ms, forward of {k} rows "
               f"{g * 1000:.1f} ms, update {rl_y[-1]:.2f} s over {rows:.0f} row-epochs")
     a, b = fit_line(rl_x, rl_y)
     bs = [32]
     lines = [
         "# Service times of this 2-core CPU box, from the real small-scale run (written by",
         "# experiments/paper_scale/calibrate.py; experiments/paper_scale/validate.py checks what it predicts).",
-        f'source = """{SOURCE.relative_to(ROOT)} ({meta["command"]}): the isolated runs\' metered actor,',
+        f'source = """{SOURCE.relative_to(ROOT)} ({meta["command"]}): {which} metered actor,',
         "inference and simulator seconds and simulator stepping time per tenant, with their job results (medians of",
         f"{len(iso)} rounds); the forward's fixed : per-row split from {GROUPING.relative_to(ROOT)} (OFT, grouped",
         f'forwards, least squares: call / row = {ratio:.1f})."""',
@@ -104,8 +111,8 @@ def main() -> None:
     for e, c in env.items():
         lines += ["", f'[env."{e}"]', *(f"{key} = {v!r}" if isinstance(v, int) else f"{key} = {v:.6f}"
                                        for key, v in c.items())]
-    OUT.write_text("\n".join(lines) + "\n")
-    print(f"wrote {OUT}", file=sys.stderr)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":
