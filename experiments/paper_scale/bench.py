@@ -251,6 +251,10 @@ def main() -> None:
     out = Path(args.out)
     doc = json.loads(out.read_text()) if out.exists() else {}
     section = paper(args) if args.what == "paper" else large(args)
+    if args.what == "paper" and not section["k_sweep"] and "paper" in doc:  # --ks "": keep the last sweep
+        for key in ("k_sweep", "k_spread"):
+            section[key] = doc["paper"].get(key)
+        section["k_sweep_from"] = doc["paper"].get("meta", {}).get("command")
     section["meta"] = {"command": "python experiments/paper_scale/bench.py " + " ".join(sys.argv[1:]),
                        "cpu_count": os.cpu_count(), "load_avg_end": os.getloadavg(), "bench_s": time.time() - t0,
                        "calibration": CAL}
