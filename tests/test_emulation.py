@@ -208,3 +208,17 @@ def test_the_isolated_policy_really_isolates_on_emulated_devices(nx):
     for x, y in itertools.combinations(by_tenant, 2):
         for p, q in itertools.product(by_tenant[x], by_tenant[y]):
             assert p["t1"] <= q["t0"] + 1e-3 or q["t1"] <= p["t0"] + 1e-3, (p, q)
+
+
+def test_nexus_up_emulation_flags_refuse_bad_input_in_one_line_and_create_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    root = tmp_path / "svc"
+    for args, needle in ((["--time-scale", "5"], "need --emulate"),
+                         (["--emulate", "no-such-calibration"], "calibrations/ has: "),
+                         (["--emulate", "paper_gpu", "--devices", "2-2"], "actor-inference-simulator")):
+        r = subprocess.run([sys.executable, "-m", "nexus.client.cli", "up", "--root", str(root), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not root.exists()
