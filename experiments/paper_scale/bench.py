@@ -56,8 +56,9 @@ def rl_job(updates: int, episodes: int = 16, collectors: int = 2) -> dict[str, A
             "ppo": {"update_epochs": 4, "minibatch_size": 256}}
 
 
-def paper_workload(sft_steps: int = 20) -> Workload:
-    jobs = [Job(n, {**s, "hidden_dim": 64, "priority": 1}, rl_job(RL_UPDATES[n])) for n, s in RL_SPECS.items()]
+def paper_workload(sft_steps: int = 20, collectors: int = 2) -> Workload:
+    jobs = [Job(n, {**s, "hidden_dim": 64, "priority": 1}, rl_job(RL_UPDATES[n], collectors=collectors))
+            for n, s in RL_SPECS.items()]
     jobs.append(Job("sft", {**SFT_SPEC, "hidden_dim": 64, "priority": 0},
                     {"kind": "sft", "steps": sft_steps, "batch_size": 256}))
     return Workload("paper", jobs, datapath={"envs_per_producer": 8})
@@ -103,7 +104,7 @@ def compare(iso: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
 
 
 def paper(args) -> dict[str, Any]:
-    wl = paper_workload(args.sft_steps)
+    wl = paper_workload(args.sft_steps, args.collectors)
     print(f"paper scale, k={args.k:g}: isolated 1-1-2, then {args.policies} on 2-2-4", flush=True)
     iso = run_layout(wl, "1-1-2", args.k, [policy("isolated")], rounds=args.rounds)[0]
     shared = run_layout(wl, "2-2-4", args.k, [policy(p) for p in args.policies.split(",")], rounds=args.rounds)
@@ -123,7 +124,8 @@ def paper(args) -> dict[str, Any]:
             xs = [v[p][m] for v in sweep.values() if p in v]
             if xs:
                 spread[f"{p}.{m}"] = (max(xs) - min(xs)) / (sum(xs) / len(xs))
-    draw_timelines([iso, next(r for r in shared if r["policy"] == best)], HERE / "timeline_paper.png")
+    png = "timeline_paper.png" if args.section in (None, "paper") else f"timeline_{args.section}.png"
+    draw_timelines([iso, next(r for r in shared if r["policy"] == best)], HERE / png)
     for r in [iso, *shared]:
         r.pop("spans", None)
     return {"k": args.k, "isolated": iso, "shared": shared, "table": table, "best": best, "k_sweep": sweep,
@@ -245,20 +247,25 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1, help="runs per policy at the main k (median device time)")
+    ap.add_argument("--collectors", type=int, default=2, help="producers per RL job (paper: 2, one per simulator "
+                    "device of the isolated server)")
+    ap.add_argument("--section", default=None, help="the results.json section (default: paper | large); the "
+                    "headline figures come from 'paper' only")
     ap.add_argument("--out", default=str(HERE / "results.json"))
     args = ap.parse_args()
     t0 = time.time()
     out = Path(args.out)
     doc = json.loads(out.read_text()) if out.exists() else {}
     section = paper(args) if args.what == "paper" else large(args)
-    if args.what == "paper" and not section["k_sweep"] and "paper" in doc:  # --ks "": keep the last sweep
+    name = args.section or args.what
+    if args.what == "paper" and not section["k_sweep"] and name in doc:  # --ks "": keep the last sweep
         for key in ("k_sweep", "k_spread"):
-            section[key] = doc["paper"].get(key)
-        section["k_sweep_from"] = doc["paper"].get("meta", {}).get("command")
+            section[key] = doc[name].get(key)
+        section["k_sweep_from"] = doc[name].get("meta", {}).get("command")
     section["meta"] = {"command": "python experiments/paper_scale/bench.py " + " ".join(sys.argv[1:]),
                        "cpu_count": os.cpu_count(), "load_avg_end": os.getloadavg(), "bench_s": time.time() - t0,
                        "calibration": CAL}
-    doc[args.what] = section
+    doc[name] = section
     if "paper" in doc:  # the headline figures: paper scale, best policy, fractions
         best = doc["paper"]["table"][doc["paper"]["best"]]
         doc.update({"efficiency": best["efficiency"], "actor_util": best["actor_util"],
