@@ -140,6 +140,11 @@ class LocalService:
         self.config = config
         self.n_sim = n_sim or config.cluster.sim_workers
         self.n_infer = max(config.inference_engines, 1) if n_infer is None else n_infer
+        self.devices = {"sim": 1, "actor": 1, "infer": 1}  # devices each worker of a role holds
+        if config.emulation is not None:  # one worker per service holds all its emulated devices
+            d = config.emulation.devices
+            self.n_sim, self.n_infer = 1, 1
+            self.devices = {"sim": d.simulator, "actor": d.actor, "infer": d.inference}
         self.dashboard_address = dashboard_address or config.cluster.dashboard_address or f"{config.host}:0"
         self.memory_limit = memory_limit or config.cluster.memory_limit
         self.root = Path(config.root).resolve()
@@ -179,7 +184,7 @@ class LocalService:
     def _worker(self, name: str, resources: str) -> None:
         role = role_of(resources)
         self._spawn(name, worker_command(self.scheduler_file, name, role, self.config.host, self.memory_limit,
-                                         self.tls), role_env(role) or None)
+                                         self.tls, devices=self.devices[role]), role_env(role) or None)
 
     def _gateway(self) -> None:
         (self.config.gateway_dir / "gateway.json").unlink(missing_ok=True)

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from nexus import scheduling
+from nexus.emulation import EmulationSettings
 from nexus.errors import SpecError, describe_errors
 from nexus.paths import private_write_bytes
 from nexus.scheduling import SchedulerPolicy
@@ -107,7 +108,7 @@ class DispatchSettings(BaseModel):
     item_attempts: int = Field(2, ge=1, description="runs of an update that raises before its job fails")
     rollout_attempts: int = Field(3, ge=1, description="runs of a failing rollout (same episodes) before its job fails")
     # set by the scheduling policy (schedulers/*.toml) unless given here
-    queue_order: Literal["fifo", "priority"] = Field("priority", description="training queue order")
+    queue_order: Literal["fifo", "priority", "critical"] = Field("priority", description="training queue order")
     isolated: bool = Field(False, description="isolated baseline: tenants' jobs one after another")
     eval_fanout: int = Field(2, ge=1, description="rollout tasks per evaluation job")
     default_max_inflight: int = Field(2, ge=1, description="TenantSpec.max_inflight when a tenant leaves it unset")
@@ -316,6 +317,25 @@ class ServiceConfig(BaseModel):
     datapath: DataPathSettings = DataPathSettings()
     qos: QosSettings = QosSettings()
     cluster: ClusterSettings = ClusterSettings()
+    emulation: EmulationSettings | None = Field(None, description="emulated devices: updates, forwards and "
+                                                "simulator steps take calibrated time (nexus.emulation); "
+                                                "everything else is the real service")
+
+    @model_validator(mode="after")
+    def _emulated_devices(self) -> ServiceConfig:
+        """An emulated service has one worker per service holding its devices: one actor rank, one engine per
+        inference device."""
+        emu = self.emulation
+        if emu is None:
+            return self
+        if self.actor_ranks != 1:
+            raise ValueError(f"emulation: actor_ranks must be 1 (its worker holds devices.actor = "
+                             f"{emu.devices.actor} devices), got {self.actor_ranks}")
+        if "inference_engines" in self.model_fields_set and self.inference_engines != emu.devices.inference:
+            raise ValueError(f"emulation: inference_engines {self.inference_engines} differs from "
+                             f"devices.inference {emu.devices.inference}")
+        self.inference_engines = emu.devices.inference
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -22,6 +22,7 @@ from nexus.spec import TenantSpec
 if TYPE_CHECKING:
     from nexus.algorithms.ppo import PPOConfig
     from nexus.config import DataPathSettings
+    from nexus.emulation import EmulationSettings
 
 HEARTBEAT_S = 1.0  # every worker's plugin reports its roles this often (topic HEALTH_TOPIC)
 HEALTH_TOPIC = "nexus-health"
@@ -193,6 +194,7 @@ class RolloutRequest:
     version: int | None = None
     job: str | None = None
     route: EngineEndpoint | None = None
+    emulation: EmulationSettings | None = None  # an emulated service: calibrated simulator time
 
 
 @dataclass(frozen=True)

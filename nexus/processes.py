@@ -63,13 +63,15 @@ def scheduler_command(config_path: Path, scheduler_file: Path, host: str, port: 
 
 
 def worker_command(scheduler_file: Path, name: str, role: str, host: str, memory_limit: str,
-                   tls: TLSFiles | None, scratch: Path | None = None, death_timeout_s: int = 60) -> list[str]:
+                   tls: TLSFiles | None, scratch: Path | None = None, death_timeout_s: int = 60,
+                   devices: int = 1) -> list[str]:
     """A nannied ``dask worker`` of ``role``. ``--host``: the nanny and the worker's comm port;
     ``--dashboard-address``: the worker's HTTP server (/health, /metrics), which would otherwise listen on
-    every interface. ``scratch``: Dask's local directory (spill, locks) on this host's own disk."""
+    every interface. ``scratch``: Dask's local directory (spill, locks) on this host's own disk.
+    ``devices``: an emulated worker holds that many devices of its role (resource count and threads)."""
     local = ["--local-directory", str(scratch)] if scratch is not None else []
     return ["distributed.cli.dask_worker", "--scheduler-file", str(scheduler_file), "--name", name,
-            "--nthreads", "1", "--resources", f"{ROLE_RESOURCES[role]}=1", "--no-dashboard",
+            "--nthreads", str(devices), "--resources", f"{ROLE_RESOURCES[role]}={devices}", "--no-dashboard",
             "--host", host, "--dashboard-address", f"{host}:0", *(tls.cli_args() if tls else []),
             "--memory-limit", memory_limit, "--death-timeout", str(death_timeout_s), *local,
             "--preload", "nexus.services.worker_plugin"]

@@ -30,9 +30,13 @@ class SchedulerPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     name: str = Field(DEFAULT, description="the catalog name (the file's stem); set by the loader")
     description: str = ""
-    queue_order: Literal["fifo", "priority"] = Field(
+    queue_order: Literal["fifo", "priority", "critical"] = Field(
         "priority", description="training queue: 'priority' (highest TenantSpec.priority first, FIFO within "
-        "one) or 'fifo' (submission order, priorities ignored)")
+        "one), 'fifo' (submission order, priorities ignored) or 'critical' (items that unblock a producer — "
+        "RL — before filler, then the job with the most remaining work: its measured item time x items left)")
+    routing: Literal["static", "load"] = Field(
+        "static", description="tenants to inference engines: 'static' (spread by count, moved only when the "
+        "pool changes) or 'load' (re-balanced every few seconds by each tenant's measured inference load)")
     isolated: bool = Field(False, description="the isolated baseline: a job waits 'queued' until no other "
                            "tenant's job runs (tenants one after another, FIFO by submission)")
     max_concurrent_updates: int = Field(1, ge=1, description="training items running at once on the actor group")

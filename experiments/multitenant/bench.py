@@ -45,6 +45,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HERE = Path(__file__).resolve().parent
 PAPER = {"efficiency": 1.39, "utilization": {"actor": (0.208, 0.413), "inference": (0.281, 0.375)}}
+SERVICES, SPLIT = ("actor", "inference", "simulator"), ("sim_s", "action_wait_s")
 WORKER_NAMES: dict[str, str] = {}  # worker address -> name (timeline labels)
 WORKLOAD = {  # name -> (spec fields, job): the paper's 3 RL + 1 SFT mix
     "ms-state": ({"env": "maniskill/pushcube-state", "action_dim": 4, "priority": 1}, "rl"),
@@ -159,6 +160,12 @@ def run_mode(nx, mode: str, policy: dict, args, warm: bool = False) -> dict:
         # CPU: on a machine of few cores the shared run is CPU-bound; cores_busy = CPU-s / wall
         "cpu_s": cpu, "cpu_total_s": sum(cpu.values()), "cores_busy": sum(cpu.values()) / (t1 - t0),
         "sft_actor_s": sft_actor, "sft_sync_s": sft_sync,
+        # per tenant, the services' own accounting of this run: what experiments/paper_scale calibrates from
+        "service_times": {n: {"metering_s": {s: delta("metering", n, s) for s in SERVICES},
+                              "simulator_split_s": {k: delta("simulator_split", n, k) for k in SPLIT},
+                              "result": {k: v for k, v in results[n].items() if isinstance(v, int | float)}}
+                          for n in TENANTS},
+        "engine_busy_s": stats["busy_s"],
         "sft_sync_share": sft_sync / sft_actor if sft_actor > 0 else 0.0,
         "spans": spans,
     }

@@ -33,6 +33,7 @@ from nexus.client.demo import run_demo
 from nexus.client.report import format_log, manifest_log, merge_logs, write_report
 from nexus.cluster import lock_holder
 from nexus.config import ServiceConfig, load_service_config, load_submission
+from nexus.emulation import DeviceCounts
 from nexus.errors import NexusError, NotFound, Unavailable
 from nexus.gateway.auth import read_gateway_url, read_operator_token
 from nexus.validation import validate_job, validate_tenant
@@ -105,7 +106,14 @@ def _fmt(x: Any, nd: int = 4) -> str:
 def _up(a: argparse.Namespace) -> int:
 
     cluster = {k: v for k, v in (("sim_workers", a.sim_workers), ("dashboard_address", a.dashboard)) if v}
-    cfg = _with_backbone(load_service_config(a.config, a.set, root=a.root, cluster=cluster or None), a)
+    emulation = None
+    if a.emulate:  # emulated devices (nexus.emulation): calibrated service times, the real control plane
+        emulation = {"calibration": a.emulate, "time_scale": a.time_scale,
+                     "devices": DeviceCounts.parse(a.devices).model_dump()}
+    elif a.time_scale != 1.0 or a.devices != "1-1-2":
+        raise NexusError("--time-scale and --devices need --emulate CALIBRATION")
+    cfg = _with_backbone(load_service_config(a.config, a.set, root=a.root, cluster=cluster or None,
+                                             emulation=emulation), a)
     if cfg.cluster.dashboard_address is None:
         cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(
             update={"dashboard_address": f"{cfg.host}:8787"})})
@@ -400,6 +408,13 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--root", default=None, help=f"service root (default: the config's, else {DEFAULT_ROOT})")
     u.add_argument("--sim-workers", type=int, default=None)
     u.add_argument("--dashboard", default=None, help="dashboard host:port (default 127.0.0.1:8787)")
+    u.add_argument("--emulate", default=None, metavar="CALIBRATION",
+                   help="emulated devices: updates, forwards and simulator steps take the calibrated times of "
+                        "CALIBRATION (a calibrations/ name or a .toml path); the control plane is the real one")
+    u.add_argument("--time-scale", type=float, default=1.0, metavar="K",
+                   help="with --emulate: every service time divided by K")
+    u.add_argument("--devices", default="1-1-2", metavar="A-I-S",
+                   help="with --emulate: actor, inference and simulator devices (the paper's server: 2-2-4)")
     _add_backbone_options(u)
     u.set_defaults(fn=_up)
 

@@ -12,18 +12,36 @@ if TYPE_CHECKING:
 
 
 class ServiceAccounting:
-    def __init__(self, scheduler, actors: ActorGroup, pool: EnginePool, monitoring: MonitoringState) -> None:
+    def __init__(self, scheduler, actors: ActorGroup, pool: EnginePool, monitoring: MonitoringState,
+                 lanes: bool = False) -> None:
         self.scheduler = scheduler
         self.actors = actors
         self.pool = pool
         self.monitoring = monitoring
+        self.lanes = lanes  # an emulated service: a worker holding n devices of its service is n slots
+
+    def _count(self, name: str, resource: str) -> int:
+        if not self.lanes:
+            return 1
+        ws = next((w for w in self.scheduler.workers.values() if str(w.name) == name), None)
+        return int(ws.resources.get(resource, 1)) if ws is not None else 1
+
+    def _expand(self, name: str, resource: str) -> list[str]:
+        """A worker's slots: itself, or ``<name>#<lane>`` for each device it holds (``nexus.services.lanes``)."""
+        n = self._count(name, resource)
+        return [name] if n <= 1 else [f"{name}#{i}" for i in range(n)]
 
     def slots(self) -> dict[str, list[str]]:
-        """Workers allocated to each service now (actor ranks, serving engines' workers, SIM workers)."""
+        """Slots allocated to each service now (actor ranks, serving engines, SIM workers; devices when emulated)."""
         names = {addr: str(ws.name) for addr, ws in self.scheduler.workers.items()}
-        return {"actor": [str(w) for w in self.actors.workers],
-                "inference": sorted({names.get(m.worker, str(m.worker)) for m in self.pool.serving()}),
-                "simulator": sorted(str(ws.name) for ws in self.scheduler.workers.values() if "SIM" in ws.resources)}
+        engines = set()
+        for m in self.pool.serving():
+            name = names.get(m.worker, str(m.worker))
+            engines.add(name if self._count(name, "INFER") <= 1 else f"{name}#{m.slot}")
+        return {"actor": [s for w in self.actors.workers for s in self._expand(str(w), "ACTOR")],
+                "inference": sorted(engines),
+                "simulator": sorted(s for ws in self.scheduler.workers.values() if "SIM" in ws.resources
+                                    for s in self._expand(str(ws.name), "SIM"))}
 
     def worker_aliases(self) -> dict[str, str]:
         """Worker address -> name: signals name their worker by address, slots by name."""

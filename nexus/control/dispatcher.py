@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ class Dispatcher:
         self._freed: dict[str, asyncio.Event] = {}
         self.retried_lost = 0  # items re-run because their actor rank was lost
         self.retried_errors = 0
+        self.item_s: dict[str, float] = {}  # tenant -> running mean of its items' run time (a control signal)
 
     # -- producers ------------------------------------------------------------------------------
     async def reserve(self, tenant: str) -> None:
@@ -108,8 +110,11 @@ class Dispatcher:
 
     async def _run(self, item: TrainingItem) -> None:
         requeued = False
+        t0 = time.monotonic()
         try:
             res = await self._execute(item)
+            took, mean = time.monotonic() - t0, self.item_s.get(item.tenant)
+            self.item_s[item.tenant] = took if mean is None else 0.7 * mean + 0.3 * took
         except RoleLost as e:  # the actor rank died under it: run it again after the rebuild
             logger.warning("item %s: %s; re-queued", item.item_id, e)
             self.retried_lost += 1

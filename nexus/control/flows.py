@@ -19,6 +19,7 @@ from nexus.config import DataPathSettings, QosSettings
 from nexus.control import tasks
 from nexus.control.queues import TrainingItem
 from nexus.control.sim_slots import SimSlots
+from nexus.emulation import EmulationSettings
 from nexus.errors import JobFailed
 from nexus.messages import OpWork, RLWork, RolloutRequest, RolloutResult, SFTWork, SyncRule
 
@@ -45,6 +46,7 @@ class FlowContext:
     log: Callable[[JobState, dict[str, Any], int, str], None]  # (job, metrics, step, history kind)
     datapath: DataPathSettings = field(default_factory=DataPathSettings)
     eval_fanout: int = 2  # rollout tasks per evaluation job at once (the scheduling policy's eval_fanout)
+    emulation: EmulationSettings | None = None  # an emulated service's calibration, sent with every rollout
     qos: QosSettings | None = None  # the simulators' fair share and evaluation task size (None: Dask's order)
     sim_slots: SimSlots | None = None  # built from ``qos`` unless given
 
@@ -80,7 +82,7 @@ async def _rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **r
 
 async def _run_rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **req: Any) -> RolloutResult:
     r = RolloutRequest(tenant=t.setup(), env=t.spec.env or "", job=js.job_id, route=ctx.pool.route(t.name),
-                       datapath=ctx.datapath, **req)
+                       datapath=ctx.datapath, emulation=ctx.emulation, **req)
     return await ctx.runtime.run(tasks.RUN_ROLLOUT, r, key=key, resources={"SIM": 1})
 
 

@@ -32,6 +32,7 @@ from nexus.config import ServiceConfig
 from nexus.control import flows, status
 from nexus.control.accounting import ServiceAccounting
 from nexus.control.actors import ActorGroup
+from nexus.control.adaptive import LoadRouting
 from nexus.control.dispatcher import Dispatcher
 from nexus.control.engine_ops import DaskEngineOps
 from nexus.control.engines import EnginePool
@@ -71,12 +72,12 @@ class Master:
                                batching=(config.infer_max_wait_s, config.infer_max_batch))
         self.dispatcher = Dispatcher(self.queue, self._execute, self.registry.version_view, config.dispatch,
                                      lambda: self.actors.ready and not self.offload.busy)
-        self.tracker = TrackerLink(self._send_tracker)
-        self.tracker.on_error = lambda e: self.health.error("tracker", e)
+        self.tracker = TrackerLink(self._send_tracker, on_error=lambda e: self.health.error("tracker", e))
         self.op_runs = OpRuns(self.tracker, config.ops_idle_s)
         ctx = flows.FlowContext(self.dispatcher, self.queue, self.pool, self.health, self.runtime,
                                 config.dispatch.rollout_attempts, log=lambda *a: None, datapath=config.datapath,
-                                eval_fanout=config.dispatch.eval_fanout, qos=config.qos)
+                                eval_fanout=config.dispatch.eval_fanout, qos=config.qos,
+                                emulation=config.emulation)
         self.jobs = JobManager(self.registry, ctx, self.actors, self.runtime, self.tracker, self.monitoring,
                                self._event, self._flush_engine_signals, config.limits_for,
                                isolated=config.dispatch.isolated)
@@ -87,17 +88,17 @@ class Master:
         self.supervisor = Supervisor(config, self.runtime, self.health, self.actors, self.pool, self.registry,
                                      self.tracker, self.dispatcher, self.lifecycle, self.jobs, self.offload)
         self.ops = LowLevelOps(self.registry, self.runtime, ctx, self.op_runs)
-        self.accounts = ServiceAccounting(scheduler, self.actors, self.pool, self.monitoring)
-        self.policy = PolicyControl(config, [self.queue, self.dispatcher, self.jobs, self.lifecycle, self.engine_ops,
-                                             self.supervisor], self.pool, self.jobs, self.queue, self.dispatcher)
+        self.accounts = ServiceAccounting(scheduler, self.actors, self.pool, self.monitoring, bool(config.emulation))
+        self.routing = LoadRouting(self.pool, self.monitoring, self.jobs, self.dispatcher)  # control-signal policies
+        parts = [self.queue, self.dispatcher, self.jobs, self.lifecycle, self.engine_ops, self.supervisor, self.routing]
+        self.policy = PolicyControl(config, parts, self.pool, self.jobs, self.queue, self.dispatcher)
         self.parts = status.StatusParts(scheduler, self.registry, self.jobs, self.queue, self.dispatcher, self.actors,
                                         self.pool, self.health, self.supervisor, self.monitoring, self.accounts,
                                         self.policy, self.offload)
         self._sampler: asyncio.Task | None = None
 
     @property
-    def config(self) -> ServiceConfig:
-        """The effective service config (a scheduling policy switch replaces it)."""
+    def config(self) -> ServiceConfig:  # the effective one (a scheduling policy switch replaces it)
         return self.policy.config
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -150,6 +151,7 @@ class Master:
         while True:
             self.monitoring.sample(status.control_signals(self.parts))
             self.op_runs.close_idle()
+            self.routing.tick()
             if not self.offload.busy:
                 self.runtime.spawn(self.offload.tick())
             await asyncio.sleep(period_s)

@@ -64,6 +64,9 @@ class MonitoringState:
         """One worker signal; unknown kinds are counted and otherwise ignored."""
         kind = msg.get("kind", "")
         self.counts[kind] += 1
+        # the slot charged: the sending worker (Dask stamps its address), or the device lane an emulated
+        # worker names (nexus.services.lanes)
+        slot = str(msg.get("device") or msg.get("worker"))
         if kind in ("update", "rollout"):
             service = "actor" if kind == "update" else "simulator"
             seconds = float(msg["t1"]) - float(msg["t0"])
@@ -71,8 +74,8 @@ class MonitoringState:
             if msg.get("job"):
                 self.metered_jobs[msg["job"]][service] += seconds
             self.busy[service] += seconds
-            self.busy_slot[(service, str(msg["worker"]))] += seconds
-            self.spans.append(Span(service, str(msg["worker"]), msg["tenant"], msg["t0"], msg["t1"],
+            self.busy_slot[(service, slot)] += seconds
+            self.spans.append(Span(service, slot, msg["tenant"], msg["t0"], msg["t1"],
                                    msg.get("what", kind), float(msg.get("sim_s", 0.0)),
                                    float(msg.get("action_wait_s", 0.0))))
             if kind == "rollout" and "sim_s" in msg:  # datapath: stepping vs waiting for actions
@@ -98,8 +101,8 @@ class MonitoringState:
             for job, s in msg.get("by_job", {}).items():
                 self.metered_jobs[job]["inference"] += float(s)
             for t0, t1, tenants in msg.get("spans", ()):
-                self.busy_slot[("inference", str(msg["worker"]))] += float(t1) - float(t0)
-                self.spans.append(Span("inference", str(msg["worker"]), "+".join(sorted(tenants)), t0, t1, "group"))
+                self.busy_slot[("inference", slot)] += float(t1) - float(t0)
+                self.spans.append(Span("inference", slot, "+".join(sorted(tenants)), t0, t1, "group"))
             self.group_sizes.extend(msg.get("sizes", ()))
             self.group_waits.extend(msg.get("waits", ()))
             self.counts["inference_groups"] += len(msg.get("sizes", ()))

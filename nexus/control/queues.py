@@ -15,8 +15,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import Counter
-from collections.abc import Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -71,12 +71,17 @@ class TenantCounters:
         return self.reserved + self.queued + self.running
 
 
+Order = Literal["fifo", "priority", "critical"]
+
+
 class TrainingQueue:
-    def __init__(self, order: Literal["fifo", "priority"] = "priority") -> None:
-        if order not in ("fifo", "priority"):
-            raise ValueError(f"queue order {order!r}: 'fifo' or 'priority'")
+    def __init__(self, order: Order = "priority", remaining: Callable[[str], float] = lambda tenant: 0.0) -> None:
+        if order not in ("fifo", "priority", "critical"):
+            raise ValueError(f"queue order {order!r}: 'fifo', 'priority' or 'critical'")
         self.order = order
-        self._heap: list[tuple[int, int, TrainingItem]] = []
+        self.remaining = remaining  # tenant -> seconds of training work its running job has left ("critical")
+        self.delays: dict[str, deque] = {}  # tenant -> its items' waits in the queue (put -> dispatch), s
+        self._heap: list[tuple[float, int, TrainingItem]] = []
         self._seq = itertools.count()
         self.limits: dict[str, TenantLimits] = {}
         self.counters: dict[str, TenantCounters] = {}
@@ -94,6 +99,7 @@ class TrainingQueue:
         heapq.heapify(self._heap)
         self.limits.pop(tenant, None)
         self.counters.pop(tenant, None)
+        self.delays.pop(tenant, None)
         return gone
 
     def _c(self, tenant: str) -> TenantCounters:
@@ -132,7 +138,7 @@ class TrainingQueue:
             seq = next(self._seq)
             item.item_id = item.item_id or f"{item.tenant}-{item.kind}-{seq}"
             item.enqueued_at = time.time()
-            heapq.heappush(self._heap, (self._rank(item.tenant), seq, item))
+            heapq.heappush(self._heap, (self._rank(item), seq, item))
 
     def requeue(self, item: TrainingItem) -> None:
         """A running item goes back to the head of its priority class (its worker was lost, or it is
@@ -142,16 +148,22 @@ class TrainingQueue:
             raise AdmissionError(f"tenant {item.tenant!r} has no running item to requeue")
         c.running -= 1
         c.queued += 1
-        heapq.heappush(self._heap, (self._rank(item.tenant), -next(self._seq), item))
+        heapq.heappush(self._heap, (self._rank(item), -next(self._seq), item))
 
-    def _rank(self, tenant: str) -> int:
-        return -self.limits[tenant].priority if self.order == "priority" else 0
+    def _rank(self, item: TrainingItem) -> float:
+        """Lower runs first. 'critical': an RL item unblocks its producers (their admission slots wait for it),
+        so RL before SFT, then the longest remaining chain (what bounds the makespan)."""
+        if self.order == "priority":
+            return -self.limits[item.tenant].priority
+        if self.order == "critical":
+            return -(1e9 if item.kind == "rl" else 0.0) - self.remaining(item.tenant)
+        return 0
 
     def apply(self, policy: SchedulerPolicy) -> None:
         """A new scheduling policy: its ``queue_order`` ranks the items queued from now on (and re-ranks
         those still queued)."""
         self.order = policy.queue_order
-        self._heap = [(self._rank(it.tenant), seq, it) for _, seq, it in self._heap]
+        self._heap = [(self._rank(it), seq, it) for _, seq, it in self._heap]
         heapq.heapify(self._heap)
 
     def remove(self, item: TrainingItem) -> bool:
@@ -183,6 +195,7 @@ class TrainingQueue:
                 continue
             c.running += 1
             c.dispatched += 1
+            self.delays.setdefault(item.tenant, deque(maxlen=5000)).append(time.time() - item.enqueued_at)
             return item, dropped
         return None, dropped
 
@@ -199,6 +212,15 @@ class TrainingQueue:
 
     def depth(self) -> dict[str, int]:
         return dict(Counter(it.tenant for _, _, it in self._heap))
+
+    def delay_view(self) -> dict[str, dict[str, float]]:
+        """Per tenant: how long its items waited in the queue (p50, p99, count; the last 5000)."""
+        out = {}
+        for tenant, d in self.delays.items():
+            xs = sorted(d)
+            if xs:
+                out[tenant] = {"p50": xs[len(xs) // 2], "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))], "n": len(xs)}
+        return out
 
     def lags(self, versions: dict[str, int]) -> dict[str, int]:
         """Largest version lag among each tenant's queued RL items."""

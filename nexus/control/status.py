@@ -124,7 +124,8 @@ def build(p: StatusParts, page: Page | None = None) -> dict[str, Any]:
     return {"tenants": tenant_rows(p, names), "jobs": [p.jobs.view(j) for j in jobs],
             "page": page.info(names, more_tenants, jobs, more_jobs,
                               {"tenants_total": len(p.registry), "jobs_total": len(p.jobs.jobs)}),
-            "training_queue": {"depth": len(p.queue), "by_tenant": p.queue.depth(), "lag": p.queue.lags(versions)},
+            "training_queue": {"depth": len(p.queue), "by_tenant": p.queue.depth(), "lag": p.queue.lags(versions),
+                               "delay_s": p.queue.delay_view()},
             "inference_queue": {"pending": p.monitoring.inference_pending},
             # the SIM slots' fair share: capacity, slots held and requests waiting per tenant
             "simulators": p.jobs.ctx.sim_slots.view() if p.jobs.ctx.sim_slots is not None else None,

@@ -39,10 +39,12 @@ class TaskRef:
         return getattr(import_module(module), name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fn = self.resolve()
         if self.role is None:
-            return fn(*args, **kwargs)
-        return fn(import_module(HOSTS).host_for(self.role), *args, **kwargs)
+            return self.resolve()(*args, **kwargs)
+        host = import_module(HOSTS).host_for(self.role)
+        # a host may run a task itself (an emulated actor rank: nexus.services.emulated_actor), same arguments
+        fn = getattr(host, "tasks", {}).get(self.path) or self.resolve()
+        return fn(host, *args, **kwargs)
 
 
 _A = "nexus.services.actor_tasks"

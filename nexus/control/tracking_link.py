@@ -23,7 +23,8 @@ Send = Callable[[str, list[list[Any]]], Awaitable[list[Any]]]  # (address, calls
 
 
 class TrackerLink:
-    def __init__(self, send: Send, max_batch: int = 200, linger_s: float = 0.5) -> None:
+    def __init__(self, send: Send, max_batch: int = 200, linger_s: float = 0.5,
+                 on_error: Callable[[str], None] | None = None) -> None:
         """``linger_s``: how long the sender lets calls gather before it sends what it has (a batch is one
         message and one tracker write per run however many calls it holds; ``flush`` never lingers)."""
         self._send = send
@@ -40,7 +41,7 @@ class TrackerLink:
         self._idle.set()
         self._task: asyncio.Task | None = None
         self.errors = 0
-        self.on_error: Callable[[str], None] | None = None
+        self.on_error = on_error
 
     # -- calls (never wait) -----------------------------------------------------------------------------
     def start_run(self, job_id: str, tenant: str, kind: str, params: dict[str, Any],

@@ -21,10 +21,21 @@ from nexus.services.request_check import check_request
 logger = logging.getLogger("nexus.worker")
 
 
+def _engine(config: ServiceConfig, device: str | None) -> InferenceEngine:
+    """The real engine, or in an emulated service the one whose forwards take calibrated time (``device``:
+    the slot it is charged to)."""
+    if config.emulation is None:
+        return InferenceEngine(config)
+    from nexus.services.emulated_engine import EmulatedEngine
+
+    return EmulatedEngine(config, device)
+
+
 class EngineHost:
-    def __init__(self, engine_id: str, config: ServiceConfig, served_log: deque[tuple[str, str]]) -> None:
+    def __init__(self, engine_id: str, config: ServiceConfig, served_log: deque[tuple[str, str]],
+                 device: str | None = None) -> None:
         self.id = engine_id
-        self.engine = InferenceEngine(config)
+        self.engine = _engine(config, device)
         self.schemas: dict[str, TenantSchema] = {}
         self.draining = False
         self.inflight = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +24,10 @@ class EngineStats:
     calls_hist: Counter = field(default_factory=Counter)  # requests per group -> groups
     tenants_hist: Counter = field(default_factory=Counter)  # tenants per group -> groups
     reasons: Counter = field(default_factory=Counter)  # why groups fired (GroupBatcher reasons)
+    tenant_waits: dict[str, deque] = field(default_factory=dict)  # tenant -> its rows' waits, last 20000
 
     def record(self, size: int, waits: list[float], busy: float, calls: int = 1, tenants: int = 1,
-               reason: str = "timeout") -> None:
+               reason: str = "timeout", row_tenants: list[str] | None = None) -> None:
         self.groups += 1
         self.requests += size
         self.calls += calls
@@ -37,6 +38,8 @@ class EngineStats:
         self.calls_hist[calls] += 1
         self.tenants_hist[tenants] += 1
         self.reasons[reason] += 1
+        for tenant, w in zip(row_tenants or (), waits, strict=False):  # action-request queueing delay by tenant
+            self.tenant_waits.setdefault(tenant, deque(maxlen=20_000)).append(w)
 
     def view(self) -> dict[str, Any]:
         def hist(c: Counter) -> dict[str, int]:
@@ -45,7 +48,8 @@ class EngineStats:
         return {"groups": self.groups, "requests": self.requests, "calls": self.calls, "busy_s": self.busy_s,
                 "group_sizes": list(self.group_sizes), "waits_s": list(self.waits_s),
                 "size_hist": hist(self.size_hist), "calls_hist": hist(self.calls_hist),
-                "tenants_hist": hist(self.tenants_hist), "reasons": dict(self.reasons)}
+                "tenants_hist": hist(self.tenants_hist), "reasons": dict(self.reasons),
+                "tenant_waits": {t: list(w) for t, w in self.tenant_waits.items()}}
 
 
 def _empty() -> dict[str, Any]:
@@ -55,10 +59,12 @@ def _empty() -> dict[str, Any]:
 class EngineMeter:
     """The ``inference`` monitoring signal: each group's busy time split over its tenants (and jobs) by their
     share of its rows, its span, size and waits; flushed at most once a second (``pending``: the requests
-    still queued at the engine, sent along)."""
+    still queued at the engine, sent along; ``device``: the slot its spans are charged to, when it is not the
+    worker itself — an emulated worker holding several engines)."""
 
-    def __init__(self, pending=lambda: 0) -> None:
+    def __init__(self, pending=lambda: 0, device: str | None = None) -> None:
         self._pending = pending
+        self._device = {"device": device} if device else {}
         self._signal = _empty()
         self._last_flush = time.time()
         self._timer: asyncio.TimerHandle | None = None
@@ -85,6 +91,6 @@ class EngineMeter:
             self._timer.cancel()
             self._timer = None
         if self._signal["sizes"]:
-            emit("inference", **self._signal, pending=self._pending())
+            emit("inference", **self._signal, pending=self._pending(), **self._device)
         self._signal = _empty()
         self._last_flush = time.time()

@@ -119,7 +119,7 @@ class InferenceEngine:
 
     def _record(self, g: Group) -> None:
         self.stats.record(len(g.rows), g.waits_s, g.busy_s, calls=g.calls, tenants=len({r.tenant for r in g.rows}),
-                          reason=g.reason)
+                          reason=g.reason, row_tenants=[r.tenant for r in g.rows])
         self.meter.account([r.tenant for r in g.rows], [r.job for r in g.rows], g.t0, g.t1, g.busy_s, g.waits_s)
 
     # -- producers and requests ---------------------------------------------------------------------------

@@ -16,7 +16,12 @@ from nexus.services.sim_host import SimHost
 def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
     """A rollout producer: the tenant's episodes, each action from its (re-routable) inference engine.
 
-    The whole task is the tenant's simulator time, from the moment Dask started it (imports included)."""
+    The whole task is the tenant's simulator time, from the moment Dask started it (imports included). In an
+    emulated service (``req.emulation``) the producer steps calibrated time (``nexus.services.emulated_sim``)."""
+    if req.emulation is not None:
+        from nexus.services import emulated_sim
+
+        return emulated_sim.run_rollout(sim, req)
     t_start = getattr(thread_state, "start_time", None) or time.time()
     import torch
 

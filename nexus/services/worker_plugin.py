@@ -255,10 +255,16 @@ def start_actor(plugin: NexusWorkerPlugin, config: ServiceConfig, rank: int = 0,
 
     With N ranks, every rank's task runs at the same time (the group forms when all have joined); rank 0
     serves ``rendezvous`` on the socket of :func:`open_rendezvous`. A process joins one group in its life."""
-    from nexus.services.actor_host import ActorHost
-
     with plugin._lock:
         actor = plugin.actor
+        if config.emulation is not None:  # an emulated rank: no torch, no process group (nexus.emulation)
+            if actor is None or (actor.rank, actor.world_size) != (rank, world_size):
+                from nexus.services.emulated_actor import EmulatedActorHost
+
+                plugin.actor = EmulatedActorHost(config, rank, world_size)  # type: ignore[assignment]
+            return plugin.worker.address
+        from nexus.services.actor_host import ActorHost
+
         if actor is None or (actor.rank, actor.world_size, actor.rendezvous) != (rank, world_size, rendezvous):
             sock = plugin.rendezvous_socket if rank == 0 and rendezvous is not None else None
             if rank == 0 and rendezvous is not None and sock is None:
@@ -275,8 +281,15 @@ def start_engine(plugin: NexusWorkerPlugin, engine_id: str, config: ServiceConfi
 
     worker = plugin.worker
 
+    device = None
+    if config.emulation is not None:  # a worker holding several emulated engines charges each to its own slot
+        from nexus.services.lanes import lane_label
+
+        slot = int(engine_id.removeprefix("engine-").partition(".")[0])
+        device = lane_label(worker.name, int(worker.state.total_resources.get("INFER", 1)), slot)
+
     async def create() -> None:  # on the loop: the engine's asyncio objects belong to it
-        plugin.engines[engine_id] = EngineHost(engine_id, config, plugin.served_log)
+        plugin.engines[engine_id] = EngineHost(engine_id, config, plugin.served_log, device)
 
     sync(worker.loop, create)
     return {"engine": engine_id, "address": worker.address, "worker": str(worker.name)}

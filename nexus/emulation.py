@@ -1,0 +1,194 @@
+"""Emulated devices: the real control plane at a scale this machine does not have.
+
+In an emulated service (``ServiceConfig.emulation``, ``nexus up --emulate CALIBRATION``) the three kinds
+of device work — an actor update, an inference forward, a simulator step — take the time a
+**calibration** says instead of computing anything; everything around them is the real code: the
+scheduler plugin, the training queue with its in-flight caps and staleness drops, the inference queue
+with its group-batching rule, the Dask task graph, the engine pool and routing, weight-sync messages,
+health. Devices are slots with counts (``devices``: actor-inference-simulator, e.g. 2-2-4): one worker
+per service holds that many device lanes (a Dask resource count and as many threads), and every span a
+lane records is charged to its own slot (``<worker>#<lane>``).
+
+A calibration is a TOML file with its ``source`` (``calibrations/``, or a path):
+
+* ``[forward.<family>]`` one grouped backbone forward: ``call_s + row_s * rows + tenant_s * tenants``
+  (the fixed cost ``call_s`` is what group batching saves; ``experiments/group_batching`` measures it);
+* ``[update.<kind>]`` one actor update on one device: ``call_s + row_s * rows * epochs``; a data-parallel
+  group of ``g`` devices is ``g * dp_efficiency ** log2(g)`` times faster;
+* ``[env."<catalog env>"]`` one lockstep step of a producer's K envs: ``step_s + env_s * K``; one action
+  request covers ``chunk`` steps (a chunked VLA policy), resets cost ``reset_s``;
+* ``sync_s``: pushing one tenant's head to the engines.
+
+``time_scale`` k divides every service time, so long workloads run in minutes; the benchmark checks that
+its figures do not move with k. Plain data, no torch, no I/O at import.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from nexus.errors import SpecError, describe_errors
+
+
+class DeviceCounts(BaseModel):
+    """Devices per service: the paper's server is 2-2-4 (actor, inference, simulators)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    actor: int = Field(1, ge=1)
+    inference: int = Field(1, ge=1)
+    simulator: int = Field(2, ge=1)
+
+    @classmethod
+    def parse(cls, text: str) -> DeviceCounts:
+        """``"2-2-4"`` -> actor 2, inference 2, simulator 4."""
+        parts = text.split("-")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise SpecError(f"devices {text!r}: expected actor-inference-simulator counts, e.g. 2-2-4")
+        return cls(actor=int(parts[0]), inference=int(parts[1]), simulator=int(parts[2]))
+
+    def label(self) -> str:
+        return f"{self.actor}-{self.inference}-{self.simulator}"
+
+    @property
+    def total(self) -> int:
+        return self.actor + self.inference + self.simulator
+
+
+class ForwardCost(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    call_s: float = Field(ge=0, description="fixed cost of one forward call (what grouping saves)")
+    row_s: float = Field(ge=0, description="cost per row (observation) in the call")
+    tenant_s: float = Field(0.0, ge=0, description="per tenant head run on the call's features")
+
+
+class UpdateCost(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    call_s: float = Field(ge=0, description="fixed cost of one update on one device")
+    row_s: float = Field(ge=0, description="per row and epoch (RL: env steps of the batch; SFT: samples)")
+
+
+class EnvCost(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    step_s: float = Field(ge=0, description="one lockstep step of a producer's envs, fixed part")
+    env_s: float = Field(0.0, ge=0, description="... plus this per env stepped")
+    reset_s: float = Field(0.0, ge=0, description="one episode reset")
+    chunk: int = Field(1, ge=1, description="env steps per action request (a chunked policy)")
+    episode_steps: int | None = Field(None, ge=1, description="steps per episode (default: the catalog's cap)")
+    success: float = Field(0.5, ge=0, le=1, description="chance an emulated episode succeeds")
+
+
+class Calibration(BaseModel):
+    """Service times of one kind of hardware, with where they come from (``source``: required)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = ""
+    source: str = Field(min_length=1, description="where the figures come from (a results file, a paper table)")
+    description: str = ""
+    forward: dict[str, ForwardCost]
+    update: dict[str, UpdateCost]
+    env: dict[str, EnvCost]
+    dp_efficiency: float = Field(0.7, gt=0, le=1, description="data-parallel efficiency per doubling of devices")
+    sync_s: float = Field(0.0, ge=0, description="one weight push of a tenant's head")
+    notes: dict[str, str | float | int] = Field(default_factory=dict, description="derivation, free form")
+
+    @model_validator(mode="after")
+    def _kinds(self) -> Calibration:
+        missing = {"rl", "sft"} - set(self.update)
+        if missing:
+            raise ValueError(f"update costs for {sorted(missing)} are missing")
+        if "default" not in self.forward:
+            raise ValueError("forward needs a 'default' family")
+        return self
+
+
+class EmulationSettings(BaseModel):
+    """``ServiceConfig.emulation``: which calibration, how fast, how many devices."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    calibration: str = Field(description="a calibrations/ catalog name or a path to a calibration .toml")
+    time_scale: float = Field(1.0, gt=0, le=1000, description="k: every service time is divided by k")
+    devices: DeviceCounts = DeviceCounts()
+    actor_group: int = Field(0, ge=0, description="devices one update runs on, data-parallel (0: all actor "
+                             "devices; with fewer, devices.actor / actor_group updates may run at once)")
+    seed: int = Field(0, ge=0, description="emulated episode outcomes")
+    table: Calibration | None = Field(None, description="the loaded calibration (filled in; workers never "
+                                      "re-read the file)")
+
+    @model_validator(mode="after")
+    def _load(self) -> EmulationSettings:
+        if self.actor_group > self.devices.actor or (self.actor_group and self.devices.actor % self.actor_group):
+            raise ValueError(f"actor_group {self.actor_group} must divide devices.actor {self.devices.actor}")
+        if self.table is None:
+            object.__setattr__(self, "table", load_calibration(self.calibration))
+        return self
+
+    @property
+    def group(self) -> int:
+        return self.actor_group or self.devices.actor
+
+    def times(self) -> ServiceTimes:
+        assert self.table is not None
+        return ServiceTimes(self.table, self.time_scale)
+
+
+class ServiceTimes:
+    """Calibrated durations, already divided by the time scale k."""
+
+    def __init__(self, cal: Calibration, time_scale: float = 1.0) -> None:
+        self.cal, self.k = cal, float(time_scale)
+
+    def forward_s(self, rows_by_family: dict[str, int], tenants: int) -> float:
+        """One grouped forward: the largest fixed cost of its families, every row at its family's rate."""
+        costs = {f: self.cal.forward.get(f, self.cal.forward["default"]) for f in rows_by_family}
+        call = max(c.call_s for c in costs.values())
+        rows = sum(costs[f].row_s * n for f, n in rows_by_family.items())
+        head = max(c.tenant_s for c in costs.values()) * tenants
+        return (call + rows + head) / self.k
+
+    def update_s(self, kind: str, rows: int, epochs: int = 1, devices: int = 1) -> float:
+        c = self.cal.update.get(kind, self.cal.update["sft"])
+        speedup = devices * self.cal.dp_efficiency ** math.log2(devices) if devices > 1 else 1.0
+        return (c.call_s + c.row_s * rows * max(epochs, 1)) / speedup / self.k
+
+    def env(self, name: str) -> EnvCost:
+        c = self.cal.env.get(name) or self.cal.env.get("default")
+        if c is None:
+            raise SpecError(f"calibration {self.cal.name!r} has no cost for env {name!r} (and no 'default')")
+        return c
+
+    def step_s(self, name: str, envs: int) -> float:
+        c = self.env(name)
+        return (c.step_s + c.env_s * envs) / self.k
+
+    def reset_s(self, name: str) -> float:
+        return self.env(name).reset_s / self.k
+
+    def sync_s(self) -> float:
+        return self.cal.sync_s / self.k
+
+
+def catalog_dir() -> Path:
+    """``calibrations/`` next to ``schedulers/`` (``NEXUS_CATALOG_ROOT`` moves both)."""
+    return Path(os.environ.get("NEXUS_CATALOG_ROOT", Path(__file__).resolve().parents[1])) / "calibrations"
+
+
+def load_calibration(ref: str) -> Calibration:
+    """A catalog name (``"paper_gpu"`` -> ``calibrations/paper_gpu.toml``) or a path; errors name the file."""
+    path = Path(ref).expanduser() if ref.endswith(".toml") or os.sep in ref else catalog_dir() / f"{ref}.toml"
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as e:
+        names = sorted(p.stem for p in catalog_dir().glob("*.toml"))
+        raise SpecError(f"calibration {ref!r}: cannot read {path} ({e.strerror or e}); calibrations/ has: "
+                        f"{', '.join(names) or 'none'}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"calibration file {path}: not valid TOML ({e})") from None
+    try:
+        return Calibration.model_validate({**raw, "name": raw.get("name", path.stem)})
+    except ValidationError as e:
+        raise SpecError(f"calibration file {path}: {describe_errors(e.errors(), root='?', quote=True)}") from None

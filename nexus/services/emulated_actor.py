@@ -1,0 +1,165 @@
+"""An emulated actor rank (``ServiceConfig.emulation``): the tasks of :mod:`nexus.services.actor_tasks` with the
+same names, arguments and results, but an update *takes* its calibrated time on the rank's device lanes
+instead of computing (no torch, no DeepSpeed: a slot is its version counter).
+
+What stays real: the tenant's output dir (manifest, version 0, job records), the version numbering, and
+the weight-sync messages — a new version is pushed to every engine of the request (``EngineSet``), with a
+token payload, when the sync rule says so; the push's calibrated cost is spent on the update's lanes.
+The rank hands these functions to the control plane's task references (:attr:`EmulatedActorHost.tasks`),
+so the scheduler submits exactly the tasks it submits to a real rank.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from distributed import get_worker
+
+from nexus.config import ServiceConfig
+from nexus.data.output_dir import TenantOutputDir
+from nexus.data.tenant_dirs import job_seq
+from nexus.engine_client import EngineSet
+from nexus.errors import SpecError, Unavailable
+from nexus.messages import EngineEndpoint, OpWork, RLWork, SlotInfo, TenantSetup, UpdateRequest, UpdateResult
+from nexus.services.lanes import Lanes, lane_label
+from nexus.signals import emit
+
+TOKEN_WEIGHTS = b"emulated-head"  # what a weight-sync message carries instead of a head
+
+
+class EmulatedActorHost:
+    """One emulated actor rank: ``devices.actor`` lanes; an update holds ``emulation.group`` of them."""
+
+    def __init__(self, config: ServiceConfig, rank: int = 0, world_size: int = 1) -> None:
+        emu = config.emulation
+        if emu is None:
+            raise ValueError("EmulatedActorHost needs ServiceConfig.emulation")
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.times = emu.times()
+        self.group = emu.group
+        self.lanes = Lanes(emu.devices.actor)
+        self.versions: dict[str, int] = {}  # tenant -> its slot's version
+        self.synced: dict[str, int] = {}
+        self.offloaded: dict[str, int] = {}
+        self.rendezvous = None
+
+    @property
+    def slots(self) -> dict[str, int]:  # the heartbeat counts slots
+        return self.versions
+
+    @property
+    def writes(self) -> bool:
+        return self.rank == 0
+
+    def label(self, lane: int) -> str:
+        return lane_label(get_worker().name, self.lanes.n, lane)
+
+    @property
+    def tasks(self) -> dict[str, Any]:
+        """``nexus.control.tasks`` paths this host runs itself."""
+        return {f"nexus.services.actor_tasks:{f.__name__}": f for f in (
+            init_tenant, rebuild_slots, run_update, finish_job, drop_tenant, offload_slots, export_version)}
+
+
+def init_tenant(actor: EmulatedActorHost, setup: TenantSetup) -> SlotInfo:
+    """The tenant's output dir and version 0 (a token head the engines register), as a real rank writes them."""
+    out = TenantOutputDir(setup.output_dir)
+    if actor.writes and not out.exists():
+        out.create(setup.spec.model_dump(), setup.schema.to_dict())
+    if actor.writes and not out.weights_path(0).exists():
+        out.write_weights(0, TOKEN_WEIGHTS)
+        out.add_version(0, "init")
+    published = out.highest_version() if out.exists() else 0
+    version = max(actor.versions.get(setup.name, 0), published)
+    actor.versions[setup.name] = actor.synced[setup.name] = version
+    return SlotInfo(setup.name, version, False, None, published, job_seq(out) if out.exists() else 0)
+
+
+def rebuild_slots(actor: EmulatedActorHost, setups: list[TenantSetup], offloaded: list[str] = ()) -> dict[str, Any]:
+    slots, errors = [], {}
+    for s in setups:
+        try:
+            slots.append(init_tenant(actor, s))
+        except Exception as e:
+            errors[s.name] = f"{type(e).__name__}: {e}"
+    return {"slots": slots, "errors": errors}
+
+
+def drop_tenant(actor: EmulatedActorHost, tenant: str) -> bool:
+    actor.versions.pop(tenant, None)
+    actor.synced.pop(tenant, None)
+    return True
+
+
+def offload_slots(actor: EmulatedActorHost, setups: list[TenantSetup]) -> dict[str, Any]:
+    """An emulated slot holds no memory: nothing to offload."""
+    return {"offloaded": [], "kept": {s.name: "emulated slots hold no memory" for s in setups}}
+
+
+def _work_size(work: Any) -> tuple[str, int, int]:
+    """(kind, rows, epochs) of a training item."""
+    if isinstance(work, RLWork):
+        return "rl", work.batch.rows, work.config.update_epochs
+    if isinstance(work, OpWork):
+        raise SpecError("low-level ops are not emulated: an emulated service runs SFT and RL jobs")
+    return "sft", work.batch_size, 1
+
+
+def run_update(actor: EmulatedActorHost, req: UpdateRequest, data: Any = None) -> UpdateResult:
+    """One training item: its calibrated time on ``group`` lanes, a new version, the weight push."""
+    name = req.tenant.name
+    if name not in actor.versions:
+        raise Unavailable(f"tenant {name!r} has no slot on this actor rank (it restarted?): the control plane "
+                          "rebuilds it")
+    kind, rows, epochs = _work_size(req.work)
+    engines = EngineSet(get_worker(), req.engines)
+    with actor.lanes.hold(actor.group) as lanes:
+        t0 = time.time()
+        duration = actor.times.update_s(kind, rows, epochs, len(lanes))
+        time.sleep(duration)
+        version = actor.versions[name] = actor.versions[name] + 1
+        sync_s = 0.0
+        if actor.writes and req.sync.should_push(version):
+            sync_s = _push(actor, engines, name, version)
+        t1 = time.time()
+    pushed = float(len(TOKEN_WEIGHTS)) if engines.pushed_to else 0.0
+    for i, lane in enumerate(lanes):  # every device of the group was busy: each is charged (the push once)
+        emit("update", tenant=name, job=req.job, what=kind, t0=t0, t1=t1, device=actor.label(lane),
+             sync_s=sync_s if i == 0 else 0.0, sync_bytes=pushed if i == 0 else 0.0, synced=bool(pushed) and i == 0)
+    metrics = {"update_s": t1 - t0, "emulated_s": duration, "rows": float(rows), "loss": 0.0,
+               "weight_sync_s": sync_s}
+    return UpdateResult(version=version, metrics=metrics, pushed_to=tuple(engines.pushed_to),
+                        push_errors=tuple(engines.errors))
+
+
+def _push(actor: EmulatedActorHost, engines: EngineSet, tenant: str, version: int) -> float:
+    """A real weight-sync message (token payload) to every engine; its calibrated cost on the lanes."""
+    t0 = time.perf_counter()
+    engines.load_weights(tenant, version, TOKEN_WEIGHTS).result()
+    left = actor.times.sync_s() - (time.perf_counter() - t0)
+    if left > 0:
+        time.sleep(left)
+    actor.synced[tenant] = version
+    return time.perf_counter() - t0
+
+
+def finish_job(actor: EmulatedActorHost, tenant: str, output_dir: str, record: dict, checkpoint: bool,
+               version: int | None = None, engines: tuple[EngineEndpoint, ...] = ()) -> dict[str, Any]:
+    """The job's record in the tenant's output dir, and the last version pushed if lazy sync held it back."""
+    out = TenantOutputDir(output_dir)
+    if not actor.writes:
+        return {"artifacts": []}
+    if record.get("history") is None:
+        out.write_job(record)
+    out.add_job(record)
+    res: dict[str, Any] = {"artifacts": [str(out.manifest_path)]}
+    current = actor.versions.get(tenant)
+    if engines and current is not None and actor.synced.get(tenant) != current:
+        sync_s = _push(actor, EngineSet(get_worker(), engines), tenant, current)
+        res["sync"] = {"version": current, "pushed": True, "weight_sync_s": sync_s}
+    return res
+
+
+def export_version(actor: EmulatedActorHost, setup: TenantSetup, version: int, path: str | None = None) -> dict:
+    raise Unavailable("an emulated service has no weights to export")

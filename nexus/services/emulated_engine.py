@@ -1,0 +1,105 @@
+"""An emulated inference engine (``ServiceConfig.emulation``): the real :class:`InferenceEngine` — its inference
+queue, group-batching rule, statistics and metering — whose grouped forward *takes* the calibrated time of
+its rows and tenants' families (in the engine's model thread, as a real forward would) and answers with
+zero actions. Heads are version counters: weight-sync messages move them like real heads."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from nexus.config import ServiceConfig
+from nexus.features import TenantSchema
+from nexus.services.engine_stats import EngineMeter
+from nexus.services.inference import InferenceEngine
+from nexus.services.inference_queue import Group
+from nexus.spec import TenantSpec
+
+
+class EmulatedHeads:
+    """The :class:`~nexus.services.tenant_heads.TenantHeads` interface without weights."""
+
+    def __init__(self) -> None:
+        self.specs: dict[str, tuple[TenantSpec, TenantSchema]] = {}
+        self.live: dict[str, tuple[int, None]] = {}
+        self.pinned: dict[tuple[str, int], list] = {}
+        self.feature_keys: dict[str, str] = {}
+
+    def register(self, spec: TenantSpec, schema: TenantSchema, version: int, weights: bytes) -> None:
+        self.specs[spec.name] = (spec, schema)
+        self.live[spec.name] = (version, None)
+
+    def load(self, tenant: str, version: int, weights: bytes) -> None:
+        self.live[tenant] = (version, None)
+
+    def unregister(self, tenant: str) -> None:
+        self.specs.pop(tenant, None)
+        self.live.pop(tenant, None)
+        for key in [k for k in self.pinned if k[0] == tenant]:
+            del self.pinned[key]
+
+    def load_pinned(self, tenant: str, version: int, output_dir: str) -> None:
+        return None
+
+    def live_version(self, tenant: str) -> int | None:
+        entry = self.live.get(tenant)
+        return None if entry is None else entry[0]
+
+    def serves(self, tenant: str, version: int | None) -> bool:
+        if tenant not in self.live:
+            return False
+        return version is None or (tenant, version) in self.pinned or self.live[tenant][0] == version
+
+    def versions(self) -> dict[str, object]:
+        return {"live": {t: v for t, (v, _) in self.live.items()},
+                "pinned": sorted(f"{t}@{v}" for t, v in self.pinned)}
+
+
+class EmulatedEngine(InferenceEngine):
+    """``device``: the slot its groups are charged to (``<worker>#<engine slot>`` when a worker holds several)."""
+
+    def __init__(self, config: ServiceConfig, device: str | None = None) -> None:
+        super().__init__(config)
+        assert config.emulation is not None
+        self.times = config.emulation.times()
+        self.heads = EmulatedHeads()  # type: ignore[assignment]
+        self.meter = EngineMeter(pending=lambda: len(self.queue), device=device)
+        self._busy = 0.0  # the calibrated time of the group now (or last) running
+
+    async def _forward_group(self, group: list[Any]) -> list[dict[str, Any]]:
+        """The calibrated forward time, slept on the engine's event loop (one group at a time per engine, as
+        the real queue fires them): no hop to a model thread, whose wake-up on a loaded host would add
+        milliseconds a device would not spend."""
+        families = Counter(self._family(r.tenant) for r in group)
+        self._busy = self.times.forward_s(dict(families), len({r.tenant for r in group}))
+        await asyncio.sleep(self._busy)
+        return self._outputs(group)
+
+    def _family(self, tenant: str) -> str:
+        """The forward cost a tenant's rows take: its env's when the calibration has one (a camera env), else
+        its action head family's."""
+        spec = self.heads.specs[tenant][0]
+        return spec.env if spec.env in self.times.cal.forward else spec.action_head
+
+    def _record(self, g: Group) -> None:
+        """Charge the device the calibrated forward time (the host's timer lateness is not device work)."""
+        busy = min(g.busy_s, self._busy)
+        super()._record(dataclasses.replace(g, busy_s=busy, t1=g.t0 + busy))
+
+    def _forward(self, group: list[Any]) -> list[dict[str, Any]]:
+        time.sleep(self._busy)
+        return self._outputs(group)
+
+    def _outputs(self, group: list[Any]) -> list[dict[str, Any]]:
+        outs = []
+        for r in group:
+            spec, schema = self.heads.specs[r.tenant]
+            version = self.heads.live[r.tenant][0] if r.version is None else r.version
+            outs.append({"action": np.zeros(schema.action_dim, np.float32), "logprob": 0.0, "value": 0.0,
+                         "version": version})
+        return outs

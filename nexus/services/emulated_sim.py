@@ -1,0 +1,128 @@
+"""An emulated rollout producer (``ServiceConfig.emulation``): the task :func:`nexus.services.sim_tasks.run_rollout`
+runs when its request says the service is emulated.
+
+The producer holds one simulator lane of its worker for the whole task (as a real one holds its SIM
+worker) and steps K envs in lockstep: a reset, then per action request — one real ``predict_batch`` to the
+tenant's routed engine with observations of the tenant's schema, through the engine's inference queue —
+``chunk`` env steps of calibrated time. Episodes have the catalog's length; outcomes are drawn from the
+seed. The host's own messaging time (round trip minus the engine's wait and compute) is taken off the
+next step's sleep, so what the emulated producer spends is the calibrated step time plus the engine's
+real queueing and forward time, whatever the machine's load.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+
+import numpy as np
+from distributed import get_worker
+
+from nexus import catalog
+from nexus.engine_client import EngineClient
+from nexus.features import Observation, TenantSchema
+from nexus.messages import BatchRef, RolloutRequest, RolloutResult
+from nexus.services.lanes import Lanes, lane_label
+from nexus.services.rollout import ProducerLink, producer_envs
+from nexus.services.sim_host import SimHost
+from nexus.signals import emit
+
+_LOCK = threading.Lock()
+
+
+def sim_lanes(sim: SimHost) -> Lanes:
+    """The worker's simulator lanes: as many as its ``SIM`` resource count."""
+    with _LOCK:
+        lanes = getattr(sim, "lanes", None)
+        if lanes is None:
+            lanes = Lanes(int(get_worker().state.total_resources.get("SIM", 1)))
+            sim.lanes = lanes  # type: ignore[attr-defined]
+        return lanes
+
+
+def observation(schema: TenantSchema) -> Observation:
+    """A blank observation of the tenant's schema (what the engine's request gate checks)."""
+    return Observation(state=np.zeros(schema.proprio_dim, np.float32),
+                       images={c.name: np.zeros((c.height, c.width, 3), np.uint8) for c in schema.cameras},
+                       instruction=schema.instruction)
+
+
+class _Clock:
+    """Sleeps the calibrated time, less the host's messaging time owed from earlier requests."""
+
+    def __init__(self) -> None:
+        self.debt = 0.0
+        self.slept = 0.0
+
+    def spend(self, seconds: float) -> None:
+        self.slept += seconds
+        pay = min(self.debt, seconds)
+        self.debt -= pay
+        if seconds - pay > 0:
+            time.sleep(seconds - pay)
+
+
+def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
+    t_start = time.time()
+    emu = req.emulation
+    assert emu is not None
+    times = emu.times()
+    entry = catalog.env(req.env)
+    cost = times.env(req.env)
+    length = cost.episode_steps or entry.max_episode_steps
+    k = producer_envs(entry, req.datapath.envs_per_producer, req.episodes)
+    rl = req.version is None
+    kind = "rollout" if rl else "eval"
+    name = req.tenant.name
+    lanes = sim_lanes(sim)
+    with lanes.hold(1) as (lane,), sim.producer(f"{req.job}:{req.offset}", req.job or "", name, kind) as progress:
+        t0 = time.time()
+        routes = {name: req.route} if req.route is not None else None
+        engine = EngineClient(get_worker(), routes=routes, on_answer=progress.tick)
+        link = ProducerLink(engine, name, req.version, req.deterministic, req.job,
+                            f"{name}/{req.job}/{uuid.uuid4().hex[:8]}", features=False, features_max_dim=0)
+        obs = observation(req.tenant.schema)
+        clock = _Clock()
+        wait = rtt = engine_wait = compute = 0.0
+        requests = rows = 0
+        versions: set[int] = set()
+        link.open()
+        try:
+            for first in range(0, req.episodes, k):
+                n = min(k, req.episodes - first)
+                clock.spend(times.reset_s(req.env))
+                for c in range(math.ceil(length / cost.chunk)):
+                    sent = time.perf_counter()
+                    reply = link.submit([obs] * n).result()
+                    got = time.perf_counter() - sent
+                    versions.update(int(o.version) for o in reply.outputs)
+                    served = reply.engine_wait_s + reply.compute_s
+                    clock.debt += max(0.0, got - served)  # messaging: the host's, not the emulated devices'
+                    wait += min(got, served)
+                    rtt, engine_wait, compute = rtt + got, engine_wait + reply.engine_wait_s, compute + reply.compute_s
+                    requests, rows = requests + 1, rows + n
+                    steps = min(cost.chunk, length - c * cost.chunk)
+                    clock.spend(times.step_s(req.env, n) * steps)
+        finally:
+            link.close()
+        t1 = time.time()
+    rng = np.random.default_rng([emu.seed, req.seed % 2**32, req.offset])
+    success = rng.random(req.episodes) < cost.success
+    returns = rng.random(req.episodes) * length * (0.5 + success)
+    steps_total = req.episodes * length
+    stats = {"episodes": req.episodes, "steps": steps_total,
+             "mean_return": float(returns.mean()) if req.episodes else 0.0,
+             "success_rate": float(success.mean()) if req.episodes else 0.0, "envs": k, "waves": 1,
+             "sim_s": clock.slept, "action_wait_s": wait, "requests": requests, "rows": rows, "timed": requests,
+             "rtt_s": rtt, "engine_wait_s": engine_wait, "compute_s": compute,
+             "messaging_s": max(0.0, rtt - engine_wait - compute)}
+    emit("rollout", tenant=name, job=req.job, t0=t0, t1=t1, what="rl" if rl else "eval", steps=steps_total,
+         sim_s=clock.slept, action_wait_s=wait, device=lane_label(get_worker().name, lanes.n, lane),
+         queued_s=t0 - t_start)
+    batch = None
+    if rl:
+        batch = BatchRef(path="", rows=steps_total, episodes=req.episodes, policy_version=min(versions, default=0),
+                         tenant=name)
+    return RolloutResult(stats=stats, versions=sorted(versions), batch=batch)

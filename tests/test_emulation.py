@@ -1,0 +1,224 @@
+"""Emulated devices (``ServiceConfig.emulation``, issue 20): calibrations and service times, the device
+lanes, the control-signal policies (``critical`` order, load routing) as plain objects; then one emulated
+2-2-4 service (the real scheduler plugin, queues and task graph; updates, forwards and simulator steps of
+calibrated time): the same plugin code drives it, a short run is deterministic for a fixed seed, the
+isolated policy really isolates, and the accounting holds per device (busy <= wall)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+
+from nexus.config import ServiceConfig
+from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
+from nexus.emulation import Calibration, DeviceCounts, EmulationSettings, ServiceTimes, load_calibration
+from nexus.errors import SpecError
+from nexus.services.lanes import Lanes, lane_label
+
+EMU = {"calibration": "paper_gpu", "time_scale": 20, "devices": {"actor": 2, "inference": 2, "simulator": 4}}
+
+
+# -- plain objects ------------------------------------------------------------------------------------------
+def test_calibration_files_load_with_their_source_and_bad_ones_name_the_file(tmp_path):
+    cal = load_calibration("paper_gpu")
+    assert cal.name == "paper_gpu" and "arXiv" in cal.source
+    bad = tmp_path / "bad.toml"
+    bad.write_text('source = "x"\n[forward.default]\ncall_s = -1\nrow_s = 0\n[update.rl]\ncall_s = 0\nrow_s = 0\n'
+                   '[update.sft]\ncall_s = 0\nrow_s = 0\n[env.default]\nstep_s = 0\n')
+    with pytest.raises(SpecError, match=r"bad.toml.*forward.default.call_s"):
+        load_calibration(str(bad))
+    nosource = tmp_path / "nosource.toml"
+    nosource.write_text(bad.read_text().replace('source = "x"\n', "").replace("-1", "0"))
+    with pytest.raises(SpecError, match="source"):
+        load_calibration(str(nosource))
+    with pytest.raises(SpecError, match="calibrations/ has: .*paper_gpu"):
+        load_calibration("no-such-calibration")
+
+
+def test_service_times_group_batching_time_scale_and_data_parallel_groups():
+    cal = load_calibration("paper_gpu")
+    one, ten = ServiceTimes(cal, 1.0), ServiceTimes(cal, 10.0)
+    grouped = one.forward_s({"oft": 32}, tenants=8)
+    separate = 8 * one.forward_s({"oft": 4}, tenants=1)
+    assert separate / grouped == pytest.approx(3.24, rel=0.01)  # the paper's Exp. 2 OFT speed-up at 8 x 4
+    assert ten.forward_s({"oft": 4}, 1) == pytest.approx(one.forward_s({"oft": 4}, 1) / 10)
+    assert ten.step_s("robosuite/lift-state", 8) == pytest.approx(one.step_s("robosuite/lift-state", 8) / 10)
+    t1, t2 = one.update_s("rl", 1000, 4, devices=1), one.update_s("rl", 1000, 4, devices=2)
+    assert t1 / t2 == pytest.approx(2 * cal.dp_efficiency)
+    assert one.env("no/such-env") == cal.env["default"]
+
+
+def test_emulation_settings_in_the_service_config():
+    cfg = ServiceConfig(root="/tmp/x", emulation=EMU)
+    assert cfg.inference_engines == 2 and cfg.emulation.table is not None
+    again = ServiceConfig.model_validate_json(cfg.model_dump_json())  # workers get the loaded table
+    assert again.emulation.table == cfg.emulation.table
+    with pytest.raises(ValueError, match="actor_ranks must be 1"):
+        ServiceConfig(root="/tmp/x", emulation=EMU, actor_ranks=2)
+    with pytest.raises(ValueError, match="inference_engines 3 differs"):
+        ServiceConfig(root="/tmp/x", emulation=EMU, inference_engines=3)
+    with pytest.raises(ValueError, match="actor_group 3 must divide"):
+        EmulationSettings(calibration="paper_gpu", devices={"actor": 4}, actor_group=3)
+    assert DeviceCounts.parse("16-16-32").total == 64
+    with pytest.raises(SpecError, match="actor-inference-simulator"):
+        DeviceCounts.parse("2-2")
+    assert isinstance(cfg.emulation.table, Calibration)
+
+
+def test_lanes_hold_distinct_devices_and_wait_when_all_are_busy():
+    lanes = Lanes(2)
+    assert lane_label("sim-0", 1, 0) == "sim-0" and lane_label("sim-0", 4, 3) == "sim-0#3"
+    got: list[list[int]] = []
+    with lanes.hold(2) as both:
+        assert sorted(both) == [0, 1] and lanes.busy == 2
+        t = threading.Thread(target=lambda: got.append(lanes.hold(1).__enter__()))
+        t.start()
+        t.join(0.2)
+        assert t.is_alive() and not got  # no free device: it waits, as work waits for hardware
+    t.join(5)
+    assert got and got[0][0] in (0, 1)
+
+
+def test_critical_order_puts_unblocking_work_first_then_the_longest_remaining_chain():
+    left = {"a": 3.0, "b": 30.0, "s": 100.0}
+    q = TrainingQueue("critical", remaining=lambda t: left[t])
+    for t in left:
+        q.set_limits(t, TenantLimits(max_inflight=4))
+    for t, kind in (("s", "sft"), ("a", "rl"), ("b", "rl"), ("s", "sft")):
+        q.reserve(t)
+        q.put(TrainingItem(tenant=t, kind=kind, policy_version=0))
+    order = [q.pop({})[0].tenant for _ in range(4)]
+    assert order == ["b", "a", "s", "s"]
+    assert set(q.delay_view()) == {"a", "b", "s"}
+    q.order = "fifo"
+    q.reserve("s")
+    q.put(TrainingItem(tenant="s", kind="sft", policy_version=0))
+    assert q.pop({})[0].tenant == "s"
+
+
+# -- one emulated 2-2-4 service ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def nx(tmp_path_factory):
+    from nexus.client.api import Nexus
+    from nexus.spec import TenantSpec
+
+    with Nexus.local(tmp_path_factory.mktemp("emulated"), emulation=EMU, scheduler="fifo",
+                     datapath={"envs_per_producer": 4}) as nexus:
+        for name, env, dim in (("emu-lift", "robosuite/lift-state", 7), ("emu-push", "maniskill/pushcube-state", 4)):
+            nexus.create_tenant(TenantSpec(name=name, env=env, action_dim=dim, hidden_dim=32, seed=5))
+        nexus.create_tenant(TenantSpec(name="emu-sft", dataset="pickcube-scripted", env="maniskill/pickcube-state",
+                                       action_dim=4, hidden_dim=32, seed=6))
+        yield nexus
+
+
+def _run(nx, policy: str) -> tuple[float, float, dict]:
+    from nexus import scheduling
+
+    nx.internal("nexus_set_policy", policy=scheduling.load(policy).model_dump())
+    t0 = time.time()
+    handles = {"emu-lift": nx.tenant("emu-lift").rl(updates=2, episodes_per_batch=4, collectors=2),
+               "emu-push": nx.tenant("emu-push").rl(updates=2, episodes_per_batch=4, collectors=2),
+               "emu-sft": nx.tenant("emu-sft").sft(steps=4, batch_size=64)}
+    results = {n: h.result(timeout=600) for n, h in handles.items()}
+    t1 = time.time()
+    nx.flush()
+    return t0, t1, {"results": results, "views": {n: h.info() for n, h in handles.items()}}
+
+
+def _outcome(res: dict) -> dict:
+    keep = ("version", "updates", "episodes", "env_steps", "requests", "rows", "mean_return", "return",
+            "success_rate", "steps", "dropped_stale")
+    return {n: {k: v for k, v in r.items() if k in keep} for n, r in res["results"].items()}
+
+
+def test_emulated_service_runs_the_real_plugin_and_accounts_per_device(nx):
+    info = nx.client.scheduler_info()["workers"]
+    resources = sorted(tuple(sorted(i["resources"].items())) for i in info.values())
+    assert resources == [(("ACTOR", 2),), (("INFER", 2),), (("SIM", 4),)], info  # one worker per service
+
+    def plugin_kind(dask_scheduler):
+        p = dask_scheduler.plugins["nexus"]
+        return type(p).__module__, type(p.master.queue).__module__, type(p.master.pool).__module__
+
+    assert nx.client.run_on_scheduler(plugin_kind) == (
+        "nexus.control.plugin", "nexus.control.queues", "nexus.control.engines")  # no second scheduler
+
+    def host_kind(dask_worker):
+        p = dask_worker.plugins["nexus"]
+        return type(p.actor).__name__ if p.actor is not None else [type(e.engine).__name__ for e in p.engines.values()]
+
+    kinds = sorted(str(v) for v in nx.client.run(host_kind).values())
+    assert "EmulatedActorHost" in kinds and "['EmulatedEngine', 'EmulatedEngine']" in kinds
+
+    t0, t1, res = _run(nx, "fifo")
+    out = _outcome(res)
+    assert out["emu-lift"]["updates"] == 2 and out["emu-sft"]["steps"] == 4
+    assert out["emu-lift"]["env_steps"] == 2 * 4 * 240  # the calibration's episode length
+    assert out["emu-lift"]["requests"] == 2 * 240 // 8  # one action request per chunk of 8 steps (K=4 in one)
+    st = nx.status(limit=100)
+    assert set(st["training_queue"]["delay_s"]) >= {"emu-lift", "emu-push", "emu-sft"}  # the real queue ran them
+    reasons = {}
+    for i in range(2):
+        reasons.update(nx.engine(i).engine_stats().result()["reasons"])
+    assert reasons and set(reasons) <= {"full", "all_waiting", "none_expected", "timeout"}  # the real batcher
+
+    acc = nx.internal("nexus_accounting", t0=t0, t1=t1)
+    assert {s: r["slots"] for s, r in acc["services"].items()} == {"actor": 2, "inference": 2, "simulator": 4}
+    for service, row in acc["services"].items():
+        assert row["device_s"] == pytest.approx(row["slots"] * acc["wall_s"])
+        assert all(0 <= b <= acc["wall_s"] + 1e-6 for b in row["busy_per_slot_s"].values()), row
+        assert 0.0 < row["utilization"] <= 1.0, (service, row)
+    # an update holds the whole actor group (2 devices, data-parallel): both are charged the same
+    a = acc["services"]["actor"]["busy_per_slot_s"]
+    assert a["actor-0#0"] == pytest.approx(a["actor-0#1"], rel=0.05)
+
+
+def test_a_short_emulated_run_is_deterministic_for_a_fixed_seed(nx):
+    """The same jobs of fresh tenants with the same seeds, run twice (at the same time, sharing the devices):
+    versions, episodes, steps, action requests and the drawn returns and successes are identical."""
+    from nexus.spec import TenantSpec
+
+    outs = {}
+    handles = {}
+    for run in ("a", "b"):
+        for env, dim in (("robosuite/lift-state", 7), ("maniskill/pushcube-state", 4)):
+            name = f"det-{run}-{env.split('/')[0]}"
+            nx.create_tenant(TenantSpec(name=name, env=env, action_dim=dim, hidden_dim=32, seed=9))
+            handles[name] = nx.tenant(name).rl(updates=2, episodes_per_batch=4, collectors=2)
+    for name, h in handles.items():
+        outs[name] = _outcome({"results": {name: h.result(timeout=600)}})[name]
+    for sim in ("robosuite", "maniskill"):
+        a, b = outs[f"det-a-{sim}"], outs[f"det-b-{sim}"]
+        assert a == b, (a, b)
+        assert a["version"] == 2 and a["episodes"] == 8
+
+
+def test_the_isolated_policy_really_isolates_on_emulated_devices(nx):
+    t0, _, res = _run(nx, "isolated")
+    views = sorted(res["views"].values(), key=lambda v: v["t_start"])
+    for a, b in itertools.pairwise(views):
+        assert a["t_end"] <= b["t_start"] + 1e-3, (a, b)  # one tenant after the other
+    spans = [s for s in nx.call("nexus_monitoring", since=t0)["spans"] if s["t0"] >= t0]
+    assert all("+" not in s["tenant"] for s in spans)  # no forward mixed two tenants
+    by_tenant = {tn: [s for s in spans if s["tenant"] == tn] for tn in {s["tenant"] for s in spans}}
+    assert set(by_tenant) == {"emu-lift", "emu-push", "emu-sft"}
+    for x, y in itertools.combinations(by_tenant, 2):
+        for p, q in itertools.product(by_tenant[x], by_tenant[y]):
+            assert p["t1"] <= q["t0"] + 1e-3 or q["t1"] <= p["t0"] + 1e-3, (p, q)
+
+
+def test_nexus_up_emulation_flags_refuse_bad_input_in_one_line_and_create_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    root = tmp_path / "svc"
+    for args, needle in ((["--time-scale", "5"], "need --emulate"),
+                         (["--emulate", "no-such-calibration"], "calibrations/ has: "),
+                         (["--emulate", "paper_gpu", "--devices", "2-2"], "actor-inference-simulator")):
+        r = subprocess.run([sys.executable, "-m", "nexus.client.cli", "up", "--root", str(root), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not root.exists()
