@@ -77,18 +77,21 @@ async def predict_load(url: str, tokens: dict[str, str], names: list[str], secon
     import httpx
 
     lat: list[float] = []
-    errors = 0
+    errors = rejected = 0  # rejected: 429s past a tenant's predict budget (back-pressure, not failures)
     stop = time.monotonic() + seconds
     body = {"observation": observation()}
 
     async def client(http, name: str) -> None:
-        nonlocal errors
+        nonlocal errors, rejected
         while time.monotonic() < stop:
             t0 = time.perf_counter()
             r = await http.post(f"/v1/tenants/{name}/predict", json=body,
                                 headers={"Authorization": f"Bearer {tokens[name]}"})
             if r.status_code == 200:
                 lat.append(time.perf_counter() - t0)
+            elif r.status_code == 429:
+                rejected += 1
+                await asyncio.sleep(float(r.json().get("retry_after_s", 0.05)))  # the gateway's finer hint
             else:
                 errors += 1
 
@@ -98,7 +101,7 @@ async def predict_load(url: str, tokens: dict[str, str], names: list[str], secon
         await asyncio.gather(*(client(http, n) for n in names))
         wall = time.monotonic() - t0
     return {"clients": len(names), "predict_per_s": len(lat) / wall, "p50_ms": 1e3 * pct(lat, 0.5),
-            "p99_ms": 1e3 * pct(lat, 0.99), "errors": errors}
+            "p99_ms": 1e3 * pct(lat, 0.99), "errors": errors, "rejected_429": rejected}
 
 
 def train_one_step(nx, names: list[str]) -> None:
