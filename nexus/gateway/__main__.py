@@ -55,7 +55,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-
     harden_process()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = ServiceConfig.load(a.config)
