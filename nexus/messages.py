@@ -20,6 +20,7 @@ from nexus.features import TenantSchema
 from nexus.spec import TenantSpec
 
 if TYPE_CHECKING:
+    from nexus.algorithms.grpo import GRPOConfig
     from nexus.algorithms.ppo import PPOConfig
     from nexus.config import DataPathSettings
 
@@ -145,6 +146,18 @@ class RLWork:
 
 
 @dataclass(frozen=True)
+class GRPOWork:
+    """One GRPO update on a stored batch of whole groups (episode ``e`` in group ``e // group_size``);
+    ``ref_version``: the reference policy of the KL penalty (the version the job started from), when
+    ``config.kl_coef`` > 0."""
+
+    batch: BatchRef
+    config: GRPOConfig
+    ref_version: int | None = None
+    use_cached_features: bool = True
+
+
+@dataclass(frozen=True)
 class OpWork:
     """A Tinker-style low-level op; a ``forward_backward`` batch travels as its own task argument."""
 
@@ -152,7 +165,7 @@ class OpWork:
     loss: str = "sft"
 
 
-Work = SFTWork | RLWork | OpWork
+Work = SFTWork | RLWork | GRPOWork | OpWork
 
 
 @dataclass(frozen=True)
@@ -193,6 +206,7 @@ class RolloutRequest:
     version: int | None = None
     job: str | None = None
     route: EngineEndpoint | None = None
+    group_size: int = 1  # GRPO: episode e is reset with seed + e // group_size (a group shares its start)
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nexus.algorithms.grpo import GRPOConfig
 from nexus.algorithms.ppo import PPOConfig
 from nexus.errors import SpecError
 
-__all__ = ["PPOConfig", "EvalJob", "JobRequest", "JobSpec", "LoraConfig", "RLJob", "SFTJob", "TenantSpec"]
+__all__ = ["GRPOConfig", "PPOConfig", "EvalJob", "JobRequest", "JobSpec", "LoraConfig", "RLJob", "SFTJob", "TenantSpec"]
 
 TenantName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,39}$")]
 
@@ -122,11 +123,33 @@ class SFTJob(_Spec):
 
 
 class RLJob(_Spec):
+    """Online RL in the tenant's env: ``algorithm`` "ppo" (GAE with the value head; settings in ``ppo``) or
+    "grpo" (no critic: each batch is ``episodes_per_batch // grpo.group_size`` groups of episodes reset with
+    one seed, scored within their group; settings in ``grpo``)."""
+
     kind: Literal["rl"] = "rl"
+    algorithm: Literal["ppo", "grpo"] = "ppo"
     updates: int = Field(5, ge=1, description="policy versions to produce")
     episodes_per_batch: int = Field(2, ge=1)
     collectors: int = Field(2, ge=1, description="rollout tasks kept in flight")
     ppo: PPOConfig = PPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
+
+    @model_validator(mode="after")
+    def _whole_groups(self) -> RLJob:
+        if self.algorithm == "grpo" and self.episodes_per_batch % self.grpo.group_size:
+            raise ValueError(f"episodes_per_batch={self.episodes_per_batch} is not a multiple of "
+                             f"grpo.group_size={self.grpo.group_size}: a GRPO batch is whole groups")
+        return self
+
+    @property
+    def update_epochs(self) -> int:
+        return (self.grpo if self.algorithm == "grpo" else self.ppo).update_epochs
+
+    @property
+    def group_size(self) -> int:
+        """Episodes reset with one seed (1: every episode its own seed)."""
+        return self.grpo.group_size if self.algorithm == "grpo" else 1
 
 
 class EvalJob(_Spec):

@@ -19,7 +19,7 @@ from nexus.config import DataPathSettings
 from nexus.control import tasks
 from nexus.control.queues import TrainingItem
 from nexus.errors import JobFailed
-from nexus.messages import OpWork, RLWork, RolloutRequest, RolloutResult, SFTWork, SyncRule
+from nexus.messages import GRPOWork, OpWork, RLWork, RolloutRequest, RolloutResult, SFTWork, SyncRule
 
 if TYPE_CHECKING:
     from nexus.control.dispatcher import Dispatcher
@@ -116,6 +116,24 @@ async def run_sft(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, A
 # RL: rollouts of the current policy on SIM workers overlap with updates on the actor.
 async def run_rl(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, Any]:
     spec = js.spec
+    # GRPO's KL reference is the version the job starts from: retention keeps it while the job runs
+    ref_version = t.version if spec.algorithm == "grpo" and spec.grpo.kl_coef > 0 else None
+    if ref_version is None:
+        return await _train_rl(ctx, js, t, None)
+    await ctx.runtime.run(tasks.MARK_EVALUATION, t.output_dir, js.job_id, ref_version,
+                          key=f"nexus-refmark-{js.job_id}", resources={"SIM": 1})
+    try:
+        out = await _train_rl(ctx, js, t, ref_version)
+    except BaseException as e:
+        if js.cancel_requested or not isinstance(e, asyncio.CancelledError):  # closing: the next boot unmarks
+            await _unmark(ctx, t, js)
+        raise
+    await _unmark(ctx, t, js)
+    return out
+
+
+async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version: int | None) -> dict[str, Any]:
+    spec = js.spec
     name = t.name
     role = producer_role(js.job_id)
     ctx.health.register(role, "rollout")
@@ -130,8 +148,16 @@ async def run_rl(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, An
     def collect(offset: int, attempt: int) -> None:
         key = f"nexus-rollout-{js.job_id}-{offset}" + (f"-r{attempt}" if attempt else "")
         task = _spawn(_rollout(ctx, t, js, key, episodes=spec.episodes_per_batch, seed=t.spec.seed * 1_000_003,
-                               offset=offset))
+                               offset=offset, group_size=spec.group_size))
         rollouts[task] = (offset, attempt)
+
+    if spec.group_size > 1:  # whole groups: offsets stay multiples of the group size
+        t.episodes = -(-t.episodes // spec.group_size) * spec.group_size
+
+    def work(batch) -> RLWork | GRPOWork:
+        if spec.algorithm == "grpo":
+            return GRPOWork(batch=batch, config=spec.grpo, ref_version=ref_version)
+        return RLWork(batch=batch, config=spec.ppo)
 
     try:
         while updates < spec.updates:
@@ -167,7 +193,7 @@ async def run_rl(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, An
                                  "episodes": episodes, "env_steps": env_steps, **producer_totals,
                                  "version": out.batch.policy_version}, env_steps, "rollout")
                     item = TrainingItem(tenant=name, kind="rl", policy_version=out.batch.policy_version,
-                                        work=RLWork(batch=out.batch, config=spec.ppo), job=js.job_id,
+                                        work=work(out.batch), job=js.job_id,
                                         sync=ctx.sync_rule(live_consumers=True))
                     items.add(_spawn(ctx.dispatcher.submit(item)))
                 else:
@@ -213,12 +239,17 @@ async def run_eval(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, 
         return await _evaluate(ctx, js, t, version)
     except BaseException as e:  # failed or cancelled: no report, so the version need not outlive retention
         if js.cancel_requested or not isinstance(e, asyncio.CancelledError):  # closing: the next boot unmarks
-            try:
-                await ctx.runtime.run(tasks.UNMARK_EVALUATION, t.output_dir, js.job_id,
-                                      key=f"nexus-evalunmark-{js.job_id}", resources={"SIM": 1})
-            except Exception as err:
-                logger.warning("evaluation %s: its marker stays (%s)", js.job_id, err)
+            await _unmark(ctx, t, js)
         raise
+
+
+async def _unmark(ctx: FlowContext, t: TenantState, js: JobState) -> None:
+    """The job's retention marker goes (an evaluation without its report; a GRPO job's KL reference)."""
+    try:
+        await ctx.runtime.run(tasks.UNMARK_EVALUATION, t.output_dir, js.job_id,
+                              key=f"nexus-evalunmark-{js.job_id}", resources={"SIM": 1})
+    except Exception as err:
+        logger.warning("job %s: its retention marker stays (%s)", js.job_id, err)
 
 
 async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int) -> dict[str, Any]:
