@@ -84,9 +84,12 @@ class EngineClient:
         return self.call("predict", tenant, obs, version, deterministic, job, request_id=uuid.uuid4().hex)
 
     async def apredict(self, tenant: str, obs: Any, version: int | None = None, deterministic: bool = False,
-                       job: str | None = None) -> Any:
-        """:meth:`predict` for callers on the server's own event loop (the gateway)."""
-        return await self._call("predict", tenant, (obs, version, deterministic, job), {"request_id": uuid.uuid4().hex})
+                       job: str | None = None, seed: int | None = None, n: int = 1) -> Any:
+        """:meth:`predict` for callers on the server's own event loop (the gateway); ``seed``: a reproducible
+        sample, ``n``: that many samples."""
+        sampling = {k: v for k, v in (("seed", seed), ("n", n)) if v not in (None, 1)}
+        return await self._call("predict", tenant, (obs, version, deterministic, job),
+                                {"request_id": uuid.uuid4().hex, **sampling})
 
     def call(self, method: str, tenant: str, *args: Any, **kwargs: Any) -> Future:
         """Call ``method(tenant, *args, **kwargs)`` on the tenant's engine."""

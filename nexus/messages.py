@@ -159,10 +159,13 @@ class GRPOWork:
 
 @dataclass(frozen=True)
 class OpWork:
-    """A Tinker-style low-level op; a ``forward_backward`` batch travels as its own task argument."""
+    """A Tinker-style low-level op; a ``forward_backward`` / ``forward`` batch travels as its own task argument.
+    ``adam``: an ``optim_step``'s Adam settings (``nexus.spec.AdamParams`` fields); ``name``: a saved state's."""
 
-    op: Literal["forward_backward", "optim_step", "save_weights"]
+    op: Literal["forward_backward", "forward", "optim_step", "save_weights", "save_state", "load_state"]
     loss: str = "sft"
+    adam: dict[str, float] | None = None
+    name: str | None = None
 
 
 Work = SFTWork | RLWork | GRPOWork | OpWork
@@ -188,6 +191,7 @@ class UpdateResult:
     metrics: dict[str, float]
     pushed_to: tuple[str, ...] = ()  # engines that acknowledged the new weights
     push_errors: tuple[str, ...] = ()
+    outputs: dict[str, Any] | None = None  # a ``forward``'s per-row results (log-probs, values, entropies)
 
 
 # -- simulators -----------------------------------------------------------------------------------------

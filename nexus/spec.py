@@ -14,7 +14,8 @@ from nexus.algorithms.grpo import GRPOConfig
 from nexus.algorithms.ppo import PPOConfig
 from nexus.errors import SpecError
 
-__all__ = ["GRPOConfig", "PPOConfig", "EvalJob", "JobRequest", "JobSpec", "LoraConfig", "RLJob", "SFTJob", "TenantSpec"]
+__all__ = ["AdamParams", "GRPOConfig", "PPOConfig", "EvalJob", "JobRequest", "JobSpec", "LoraConfig", "RLJob",
+           "SFTJob", "TenantSpec"]
 
 TenantName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,39}$")]
 
@@ -33,6 +34,19 @@ def check_session(session: str | None) -> str:
         raise SpecError(f"session id {str(session)[:80]!r}: 1 to 64 letters, digits, '-' or '_', starting with a "
                         "letter or digit")
     return session
+# A saved training state's name (``save_state`` / ``load_state``): a folder name under the tenant's states/.
+STATE_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+OPS = ("forward_backward", "forward", "optim_step", "save_weights", "save_state", "load_state")  # low-level verbs
+
+
+def check_state_name(name: object) -> str:
+    """A ``save_state`` / ``load_state`` name; a bad one is a SpecError."""
+    if not isinstance(name, str) or not STATE_NAME_PATTERN.fullmatch(name) or ".." in name:
+        raise SpecError(f"state name {str(name)[:80]!r}: 1 to 64 letters, digits, '.', '-' or '_', starting with a "
+                        "letter or digit (no '..')")
+    return name
+
+
 # Action-module families with exact action log-probabilities (Gaussian policies): the only ones RL can train.
 RL_ACTION_HEADS = frozenset({"oft"})
 
@@ -77,8 +91,8 @@ class TenantSpec(_Spec):
     """A tenant: its task (env for RL/eval, dataset for SFT), action module and limits."""
 
     name: TenantName
-    env: str | None = Field(None, description="catalog env, e.g. 'maniskill/pushcube-state'")
-    dataset: str | None = Field(None, description="catalog dataset, e.g. 'pickcube-scripted'")
+    env: str | None = Field(None, max_length=200, description="catalog env, e.g. 'maniskill/pushcube-state'")
+    dataset: str | None = Field(None, max_length=200, description="catalog dataset, e.g. 'pickcube-scripted'")
     action_dim: int | None = Field(None, ge=1, description="checked against the env/dataset schema")
     action_head: Literal["oft", "groot", "pi"] = Field(
         "oft", description="action-module family: oft (Gaussian, SFT + RL), groot / pi (flow matching, SFT + eval)")
@@ -96,11 +110,11 @@ class TenantSpec(_Spec):
     max_staleness: int | None = Field(None, ge=0, description="RL batches lagging more versions are dropped; "
                                       "unset: the scheduler's default_max_staleness")
     seed: int = Field(0, ge=0, description="simulator episode seeds derive from it (ServiceLimits.max_seed)")
-    output_dir: str | None = Field(None, description="default: <root>/tenants/<name>; elsewhere only inside the "
-                                                     "service's output_base")
+    output_dir: str | None = Field(None, max_length=4096, description="default: <root>/tenants/<name>; elsewhere "
+                                                                      "only inside the service's output_base")
     lora: LoraConfig | None = Field(None, description="a LoRA adapter on the shared backbone (off by default)")
-    init_from: str | None = Field(None, description="an exported policy directory to initialise the head "
-                                  "(and adapter) from, when the tenant has no checkpoint yet")
+    init_from: str | None = Field(None, max_length=4096, description="an exported policy directory to initialise "
+                                  "the head (and adapter) from, when the tenant has no checkpoint yet")
 
     @model_validator(mode="after")
     def _needs_a_source(self) -> TenantSpec:
@@ -114,6 +128,18 @@ class TenantSpec(_Spec):
             raise ValueError(f"hidden_dim={self.hidden_dim}: the {self.action_head!r} expert's 4 attention heads "
                              "need a multiple of 4")
         return self
+
+
+class AdamParams(_Spec):
+    """One ``optim_step``'s Adam settings (Tinker's ``AdamParams``); a field left unset keeps the tenant's own
+    (``TenantSpec.lr``, ``weight_decay``; betas and eps AdamW's defaults 0.9, 0.999, 1e-8). They apply to that
+    step only."""
+
+    learning_rate: float | None = Field(None, gt=0, le=10)
+    beta1: float | None = Field(None, ge=0, lt=1)
+    beta2: float | None = Field(None, ge=0, lt=1)
+    eps: float | None = Field(None, gt=0, le=1)
+    weight_decay: float | None = Field(None, ge=0, le=10)
 
 
 class SFTJob(_Spec):

@@ -107,8 +107,8 @@ def validate_tenant(raw: dict[str, Any] | TenantSpec,
     if limits is not None:
         check_tenant_limits(spec, limits)
     try:
-        env = catalog.env(spec.env) if spec.env else None
-        ds = catalog.dataset(spec.dataset) if spec.dataset else None
+        env = catalog.env(spec.env) if spec.env is not None else None  # "" is an unknown name, not none
+        ds = catalog.dataset(spec.dataset) if spec.dataset is not None else None
     except catalog.CatalogError as e:
         raise SpecError(f"invalid tenant spec {spec.name!r}: {e}") from None
     schema = env.schema if env else ds.schema  # type: ignore[union-attr]

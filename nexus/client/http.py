@@ -147,10 +147,11 @@ class HttpTransport:
                                 params={"timeout": 30.0 if timeout is None else min(float(timeout), 60.0)})
         if handler == "nexus_op":
             verb, session = kw["verb"], kw.get("session")
-            if verb == "forward_backward":
-                return self.request("POST", f"/v1/tenants/{_q(t)}/forward_backward", tenant=t, session=session,
-                                    json_body={"batch": kw.get("batch"), "loss": kw.get("loss", "sft")})
-            return self.request("POST", f"/v1/tenants/{_q(t)}/{_q(verb)}", tenant=t, session=session)
+            body = {"forward_backward": {"batch": kw.get("batch"), "loss": kw.get("loss", "sft")},
+                    "forward": {"batch": kw.get("batch")}, "save_state": {"name": kw.get("name")},
+                    "load_state": {"name": kw.get("name")},
+                    "optim_step": {"adam": kw["adam"]} if kw.get("adam") else None}.get(verb)
+            return self.request("POST", f"/v1/tenants/{_q(t)}/{_q(verb)}", tenant=t, session=session, json_body=body)
         if handler == "nexus_tenant_log":
             return self.request("GET", f"/v1/tenants/{_q(t)}/logs", tenant=t)
         if handler == "nexus_monitoring":
@@ -178,10 +179,11 @@ class HttpTransport:
         return self.call("nexus_op", tenant=tenant, verb="forward_backward", batch=batch, loss=loss, session=session)
 
     def predict(self, tenant: str, obs: Observation | dict[str, Any], version: int | None = None,
-                deterministic: bool = True) -> dict[str, Any]:
-        out = self.request("POST", f"/v1/tenants/{_q(tenant)}/predict", tenant=tenant,
-                           json_body={"observation": obs, "version": version, "deterministic": deterministic})
-        for k in ("action", "chunk"):
+                deterministic: bool = True, seed: int | None = None, n: int = 1) -> dict[str, Any]:
+        body = {"observation": obs, "version": version, "deterministic": deterministic}
+        body |= {k: v for k, v in (("seed", seed), ("n", n)) if v not in (None, 1)}
+        out = self.request("POST", f"/v1/tenants/{_q(tenant)}/predict", tenant=tenant, json_body=body)
+        for k in ("action", "chunk", "actions"):
             if k in out and out[k] is not None:
                 out[k] = np.asarray(out[k], dtype=np.float32)
         return out

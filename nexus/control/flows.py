@@ -293,8 +293,8 @@ async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int
     return report
 
 
-async def run_op(ctx: FlowContext, t: TenantState, verb: str, loss: str, data: Any) -> dict[str, Any]:
+async def run_op(ctx: FlowContext, t: TenantState, work: OpWork, data: Any) -> dict[str, Any]:
     """One low-level op (Tinker-style), ordered with the tenant's other training items."""
     await ctx.dispatcher.reserve(t.name)
-    item = TrainingItem(tenant=t.name, kind="op", policy_version=t.version, work=OpWork(verb, loss), data=data)
+    item = TrainingItem(tenant=t.name, kind="op", policy_version=t.version, work=work, data=data)
     return await ctx.dispatcher.submit(item)

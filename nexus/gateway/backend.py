@@ -17,7 +17,7 @@ import uuid
 from typing import Any
 
 from nexus.engine_client import EngineClient
-from nexus.errors import NexusError, NotFound, NotSupported, Unavailable
+from nexus.errors import NexusError, NotFound, NotSupported, Unavailable, quote
 
 logger = logging.getLogger("nexus.gateway")
 
@@ -67,7 +67,7 @@ class Backend:
     async def tenant_view(self, tenant: str) -> dict[str, Any]:
         rows = (await self.status(tenant=tenant))["tenants"]
         if not rows:
-            raise NotFound(f"unknown tenant {tenant!r}")
+            raise NotFound(f"unknown tenant {quote(tenant)}")
         return rows[0]
 
     async def submit(self, tenant: str, job: dict[str, Any]) -> str:
@@ -112,11 +112,12 @@ class Backend:
         return self._actor
 
     async def op(self, tenant: str, verb: str, batch: dict[str, Any] | None = None, loss: str = "sft",
-                 session: str | None = None) -> Any:
+                 session: str | None = None, **options: Any) -> Any:
         """A Tinker-style op; the batch goes to the actor worker directly, the scheduler sees its name.
-        ``session``: the client connection's id (its ops are one MLflow run)."""
+        ``session``: the client connection's id (its ops are one MLflow run); ``options``: ``adam`` (optim_step),
+        ``name`` (save_state / load_state)."""
         if batch is None:
-            return await self._call("nexus_op", tenant=tenant, verb=verb, loss=loss, session=session)
+            return await self._call("nexus_op", tenant=tenant, verb=verb, loss=loss, session=session, **options)
         name = f"nexus-op-{tenant}-{uuid.uuid4().hex[:12]}"
         actor = await self._actor_address()
         workers = [actor] if actor else None
@@ -128,24 +129,27 @@ class Backend:
             (fut,) = await self.client.scatter([batch], direct=True, workers=workers, hash=False)
         await self.client.publish_dataset(fut, name=name)
         try:
-            return await self._call("nexus_op", tenant=tenant, verb=verb, data=name, loss=loss, session=session)
+            return await self._call("nexus_op", tenant=tenant, verb=verb, data=name, loss=loss, session=session,
+                                    **options)
         finally:
             try:
                 await self.client.unpublish_dataset(name)
             except Exception:  # already unpublished by the plugin
                 pass
 
-    async def predict(self, tenant: str, obs: Any, version: int | None, deterministic: bool) -> dict[str, Any]:
-        """An action from the engine serving ``tenant`` (re-routed by the control plane when it drains or dies)."""
+    async def predict(self, tenant: str, obs: Any, version: int | None, deterministic: bool, seed: int | None = None,
+                      n: int = 1) -> dict[str, Any]:
+        """An action from the engine serving ``tenant`` (re-routed by the control plane when it drains or dies);
+        ``seed``: a reproducible sample, ``n``: that many samples (``actions``, ``logprobs``)."""
         if self._engines is None:
 
             self._engines = EngineClient(self.client, route_timeout_s=60.0)
         try:
-            return plain(await self._engines.apredict(tenant, obs, version, deterministic))
+            return plain(await self._engines.apredict(tenant, obs, version, deterministic, seed=seed, n=n))
         except NexusError:
             raise
         except KeyError as e:  # the engine's "not registered" / "neither live nor pinned"
-            raise NotFound(str(e.args[0]) if e.args else f"unknown tenant {tenant!r}") from None
+            raise NotFound(str(e.args[0]) if e.args else f"unknown tenant {quote(tenant)}") from None
         except (RuntimeError, OSError, TimeoutError) as e:
             raise Unavailable(f"the inference engine is unavailable ({type(e).__name__}: {e})") from None
 

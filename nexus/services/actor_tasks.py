@@ -179,8 +179,9 @@ def update(actor: ActorHost, req: UpdateRequest, engines: EngineSet, data: Any =
     work: Work = req.work
     kind = "op" if isinstance(work, OpWork) else "rl" if isinstance(work, RLWork | GRPOWork) else "sft"
     with metered(slot.name, kind, req.job) as sig:
+        outputs = None
         if isinstance(work, OpWork):
-            version, metrics = ops.run_op(actor, slot, work, data, out, engines)
+            version, metrics, outputs = ops.run_op(actor, slot, work, data, out, engines)
             sync: dict[str, float] = {}
         else:
             metrics = UPDATES[type(work)](actor, slot, work, req.tenant.output_dir)
@@ -189,7 +190,7 @@ def update(actor: ActorHost, req: UpdateRequest, engines: EngineSet, data: Any =
                    synced=bool(sync.get("weight_sync_bytes")))
     metrics = {k: float(v) for k, v in {**metrics, **sync, "update_s": sig["t1"] - sig["t0"]}.items()}
     return UpdateResult(version=int(version), metrics=metrics, pushed_to=tuple(engines.pushed_to),
-                        push_errors=tuple(engines.errors))
+                        push_errors=tuple(engines.errors), outputs=outputs)
 
 
 # -- jobs and exports -----------------------------------------------------------------------------------

@@ -39,8 +39,9 @@ class EngineHost:
 
     # -- data path ---------------------------------------------------------------------------------
     async def predict(self, tenant: str, obs: Any, version: int | None = None, deterministic: bool = False,
-                      job: str | None = None, request_id: str | None = None) -> dict[str, Any]:
-        work = self.engine.predict(tenant, obs, version, deterministic, job)
+                      job: str | None = None, request_id: str | None = None, seed: int | None = None,
+                      n: int = 1) -> dict[str, Any]:
+        work = self.engine.predict(tenant, obs, version, deterministic, job, seed=seed, n=n)
         return await self._serve(tenant, [obs], request_id, work)
 
     async def predict_batch(self, tenant: str, observations: list, *args: Any, request_id: str | None = None,

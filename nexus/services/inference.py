@@ -30,6 +30,7 @@ from nexus.services.inference_queue import Group, InferenceQueue
 from nexus.services.tenant_heads import TenantHeads
 from nexus.spec import TenantSpec
 
+MAX_SAMPLES = 64  # samples of one predict request (the gateway allows as many)
 
 @dataclass
 class _Request:
@@ -42,6 +43,7 @@ class _Request:
     job: str | None
     features: bool = False  # also return the row's pooled backbone feature
     t_arrival: float = field(default_factory=time.monotonic)
+    seed: int | None = None  # a sampled row's own noise seed (reproducible, whatever group it joins)
 
 
 class InferenceEngine:
@@ -137,23 +139,34 @@ class InferenceEngine:
         return self.queue.batcher.producers()
 
     async def predict(self, tenant: str, obs: Any, version: int | None = None,
-                      deterministic: bool = False, job: str | None = None) -> dict[str, Any]:
-        """One action for one observation; grouped with other tenants' requests.
+                      deterministic: bool = False, job: str | None = None, seed: int | None = None,
+                      n: int = 1) -> dict[str, Any]:
+        """One action for one observation; grouped with other tenants' requests. A sample (not
+        ``deterministic``) drawn with ``seed`` is reproducible; ``n`` > 1 samples (sample j with ``seed + j``) come
+        as ``actions`` [n, A] and ``logprobs`` [n] besides the first one's fields.
 
         ``job`` only labels the request for metering."""
-        reply = await self.predict_batch(tenant, [obs], version, deterministic, job)
-        return reply["outputs"][0]
+        if not 1 <= n <= MAX_SAMPLES:
+            raise ValueError(f"n={n}: 1 to {MAX_SAMPLES} samples")
+        seeds = None if seed is None else [seed + j for j in range(n)]
+        reply = await self.predict_batch(tenant, [obs] * n, version, deterministic, job, seeds=seeds)
+        out = dict(reply["outputs"][0])
+        if n > 1:
+            out["actions"] = np.stack([o["action"] for o in reply["outputs"]])
+            out["logprobs"] = [o["logprob"] for o in reply["outputs"]]
+        return out
 
     async def predict_batch(self, tenant: str, observations: list, version: int | None = None,
                             deterministic: bool = False, job: str | None = None, producer: str | None = None,
-                            features: bool = False, features_max_dim: int = 0) -> dict[str, Any]:
+                            features: bool = False, features_max_dim: int = 0,
+                            seeds: list[int | None] | None = None) -> dict[str, Any]:
         """Actions for several observations of one tenant (a producer's envs), as one request.
 
         -> ``outputs`` (one dict per observation, in order: action, logprob, value, version),
         ``features`` float32 [n, H] pooled backbone features or None (asked with ``features`` and
         only when H <= ``features_max_dim``), ``feature_key`` (the forward's compat key), ``wait_s``
         (this request's wait for its group), ``compute_s`` (the group's compute), ``group_rows``.
-        ``producer`` names the calling producer (see :meth:`open_producer`)."""
+        ``producer`` names the calling producer (see :meth:`open_producer`); ``seeds``: each row's sampling seed."""
         if tenant not in self.heads.live:
             raise KeyError(f"tenant {tenant!r} is not registered on this inference engine")
         if not self.heads.serves(tenant, version):
@@ -162,7 +175,9 @@ class InferenceEngine:
             raise ValueError("predict_batch needs at least one observation")
         want = bool(features) and self.heads.framework.backbone.hidden_size <= features_max_dim
         now = time.monotonic()
-        rows = [_Request(tenant, o, version, deterministic, job, want, now) for o in observations]
+        seeds = seeds or [None] * len(observations)
+        rows = [_Request(tenant, o, version, deterministic, job, want, now, s) for o, s in zip(observations, seeds,
+                                                                                                strict=True)]
         outs, wait, compute, group_rows = await self.queue.submit(rows, producer)
         feats = np.stack([o.pop("feature") for o in outs]) if want else None
         return {"outputs": outs, "features": feats,
@@ -192,8 +207,9 @@ class InferenceEngine:
             for (version, det), rows in heads.items():
                 policy = self.heads.policy_of(tenant, version)
                 proprio = torch.as_tensor(np.stack([feats[idx[row]].proprio for row in rows]))
+                seeds = [group[idx[row]].seed for row in rows]
                 with torch.no_grad():
-                    action, logprob, value = policy.act(cond[rows], proprio, deterministic=det)
+                    action, logprob, value = _act(policy, cond[rows], proprio, det, seeds)
                 action = action.float().cpu().numpy()  # unclipped sample: its logprob is PPO's
                 for j, row in enumerate(rows):
                     out = {"action": action[j][:policy.action_dim], "logprob": float(logprob[j]),
@@ -204,3 +220,18 @@ class InferenceEngine:
                         out["feature"] = cond.pooled[row].float().cpu().numpy()
                     outs[idx[row]] = out
         return outs  # type: ignore[return-value]
+
+
+def _act(policy, cond, proprio: torch.Tensor, deterministic: bool, seeds: list[int | None]):
+    """The head's actions of some rows; a row with a seed draws its sample from its own generator, so the same
+    request gives the same sample in any group."""
+    if deterministic or all(s is None for s in seeds):
+        return policy.act(cond, proprio, deterministic=deterministic)
+    if policy.gaussian:
+        width = policy.chunk * policy.action_dim
+        noise = torch.stack([torch.randn(width) if s is None else
+                             torch.randn(width, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        return policy.act(cond, proprio, noise=noise)
+    parts = [policy.act(cond[[r]], proprio[r:r + 1], generator=None if s is None else
+                        torch.Generator().manual_seed(s)) for r, s in enumerate(seeds)]
+    return tuple(torch.cat([p[k] for p in parts]) for k in range(3))
