@@ -268,9 +268,8 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
             err = SpecError(f"{request.method} {request.url.path}: the body is not valid JSON ({e.detail})")
             return NexusJSON(error_body(err), status_code=err.http_status)
         cls = NotFound if e.status_code == 404 else NexusError
-        err = cls(f"{request.method} {request.url.path}: {e.detail}")
-        return NexusJSON({"error": {"class": cls.__name__, "code": err.code, "message": str(err)}},
-                         status_code=e.status_code)
+        err = cls(f"{request.method} {quote(request.url.path, 200)}: {e.detail}")
+        return NexusJSON(error_body(err), status_code=e.status_code)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> Response:
