@@ -75,12 +75,12 @@ def main() -> None:
     algorithms = args.algorithms.split(",")
     root = Path(tempfile.mkdtemp(prefix="nexus-service-rl-")) / "service"
     t0 = time.time()
-    results: dict[str, Any] = {a: {"evals": [], "rollouts": []} for a in algorithms}
     with Nexus.local(root, n_sim=args.n_sim) as nx:
         tenants = {a: nx.create_tenant(TenantSpec(name=a, env=ENV, action_head="oft", hidden_dim=256, lr=5e-4,
                                                   grad_clip=0.5, max_inflight=2, seed=args.seed))
                    for a in algorithms}
-        evals: dict[str, list] = {a: [tenants[a].evaluate(episodes=args.eval_episodes)] for a in algorithms}
+        evals: dict[str, list] = {a: [(0, tenants[a].evaluate(episodes=args.eval_episodes))] for a in algorithms}
+        chunks: dict[str, list] = {a: [] for a in algorithms}
         t_ready = time.time()
         done = dict.fromkeys(algorithms, 0)
         while min(done.values()) < args.updates:
@@ -89,27 +89,39 @@ def main() -> None:
             for a, job in jobs.items():
                 res = job.result()
                 done[a] += int(res["updates"])
-                evals[a].append(tenants[a].evaluate(episodes=args.eval_episodes))
+                evals[a].append((done[a], tenants[a].evaluate(episodes=args.eval_episodes)))
                 print(f"{time.time() - t_ready:7.0f} s  {a:5s} update {done[a]:4d}  v{res['version']}  "
                       f"rollout return {res.get('return', float('nan')):.2f}  "
                       f"success {res.get('success_rate', float('nan')):.2f}", flush=True)
-                results[a].setdefault("chunks", []).append({"updates": done[a], "t_s": time.time() - t_ready,
-                                                            "version": res["version"]})
-        for a in algorithms:
-            for k, ev in enumerate(evals[a]):
-                r = ev.result()
-                results[a]["evals"].append({"update": k * args.eval_every if k * args.eval_every < args.updates
-                                            else args.updates, "version": r["version"],
-                                            "success_rate": r["success_rate"], "return": r["mean_return"],
-                                            "episodes": r["episodes"]})
-            results[a]["rollouts"] = rollout_rows(nx, a)
-        wall = time.time() - t_ready
-    out = {"env": ENV, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-           "wall_s_training": wall, "wall_s_total": time.time() - t0, "machine": platform.node(),
-           "cpu": platform.processor() or platform.machine(), "results": results}
-    args.out.write_text(json.dumps(out, indent=1))
+                chunks[a].append({"updates": done[a], "t_s": time.time() - t_ready, "version": res["version"]})
+            write(args, snapshot(nx, algorithms, evals, chunks, wait=False), t0, t_ready)  # partial, in case
+        out = write(args, snapshot(nx, algorithms, evals, chunks, wait=True), t0, t_ready)
     table(out)
     plot(out, args.out.with_suffix(".png"))
+
+
+def snapshot(nx, algorithms: list[str], evals: dict[str, list], chunks: dict[str, list], wait: bool
+             ) -> dict[str, Any]:
+    """Each tenant's evaluations (those finished, or all with ``wait``), rollout batches and job chunks."""
+    results: dict[str, Any] = {}
+    for a in algorithms:
+        rows = []
+        for update, ev in evals[a]:
+            if not wait and not ev.progress().finished:
+                continue
+            r = ev.result()
+            rows.append({"update": update, "version": r["version"], "success_rate": r["success_rate"],
+                         "return": r["mean_return"], "episodes": r["episodes"]})
+        results[a] = {"evals": rows, "rollouts": rollout_rows(nx, a), "chunks": chunks[a]}
+    return results
+
+
+def write(args: argparse.Namespace, results: dict[str, Any], t0: float, t_ready: float) -> dict[str, Any]:
+    out = {"env": ENV, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+           "wall_s_training": time.time() - t_ready, "wall_s_total": time.time() - t0, "machine": platform.node(),
+           "cpu": platform.processor() or platform.machine(), "results": results}
+    args.out.write_text(json.dumps(out, indent=1))
+    return out
 
 
 def table(out: dict[str, Any]) -> None:
