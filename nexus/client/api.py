@@ -542,8 +542,8 @@ class Tenant:
         gateway serves its files). ``path``: a local directory (missing or empty) to download it into,
         every file checked against the manifest's sha256. ``server_path``: write it there on the
         service's file system instead (tenant tokens: only inside their output dir). Returns the export's
-        summary: ``path`` (on the service), ``relative_path``, ``version``, ``files`` and, when downloaded,
-        ``local_path``."""
+        summary: ``path`` (on the service; through a tenant token relative to its output dir), ``relative_path``,
+        ``version``, ``files`` and, when downloaded, ``local_path``."""
         if self.nexus.transport is None:  # service-internal: the same file system, written in place
             return self.nexus.call("nexus_export", tenant=self.name, version=version,
                                    path=str(Path(server_path or path).resolve()) if (server_path or path) else None)
