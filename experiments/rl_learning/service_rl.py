@@ -14,6 +14,7 @@ reward standardized over its group, summed from the step on).
 
     python experiments/rl_learning/service_rl.py                       # 40 updates each, ~15 min on 2 cores
     python experiments/rl_learning/service_rl.py --updates 20 --algorithms grpo
+    python experiments/rl_learning/service_rl.py --algorithms ppo-c1,ppo-c2 --out ..._collectors.json   # lag 0 vs 1
 """
 
 from __future__ import annotations
@@ -30,10 +31,17 @@ HERE = Path(__file__).resolve().parent
 ENV = "maniskill/pushcube-state-full"
 
 
-def job_spec(algorithm: str, updates: int, args: argparse.Namespace) -> dict[str, Any]:
+def variant(name: str, args: argparse.Namespace) -> tuple[str, int]:
+    """A tenant's name -> (algorithm, collectors): "ppo" or "grpo", with "-c<N>" for N collectors (e.g. ppo-c1)."""
+    algorithm, _, c = name.partition("-c")
+    return algorithm, int(c) if c else args.collectors
+
+
+def job_spec(name: str, updates: int, args: argparse.Namespace) -> dict[str, Any]:
+    algorithm, collectors = variant(name, args)
     common = {"update_epochs": 8, "minibatch_size": 200, "target_kl": 0.1}
     job: dict[str, Any] = {"kind": "rl", "algorithm": algorithm, "updates": updates,
-                           "episodes_per_batch": args.episodes, "collectors": args.collectors}
+                           "episodes_per_batch": args.episodes, "collectors": collectors}
     if algorithm == "ppo":
         job["ppo"] = {"gamma": 0.8, "gae_lambda": 0.9, **common}
     else:
@@ -55,7 +63,7 @@ def rollout_rows(nx, tenant: str) -> list[dict[str, Any]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--algorithms", default="ppo,grpo")
+    ap.add_argument("--algorithms", default="ppo,grpo", help="tenants: ppo / grpo, '-c<N>' for N collectors (ppo-c1)")
     ap.add_argument("--updates", type=int, default=40, help="updates per tenant")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-episodes", type=int, default=16)
@@ -162,7 +170,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"PPO vs GRPO as service jobs, {out['env']} (both tenants at once on one service)")
+    names = " vs ".join(a.upper() for a in out["results"])
+    fig.suptitle(f"{names} as service jobs, {out['env']} (at once, one service)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

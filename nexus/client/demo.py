@@ -107,8 +107,9 @@ def learned_rows(logs: dict[str, dict[str, Any]]) -> list[list[str]]:
                          f"[b]{_fmt(last['success_rate'])}[/b] (v{last['step']}, {int(last.get('episodes', 0))} ep.)",
                          "0-1; PPO baseline 0.5 after 60k env steps (v75); service 0.53 at v50"])
         if len(evals) > 2:
-            rows.append(["push-rl", "eval success by version", "",
-                         "  ".join(f"v{h['step']} {_fmt(h['success_rate'])}" for h in evals), "rises with training"])
+            rows.append(["push-rl", "eval by version: success (return)", "",
+                         "  ".join(f"v{h['step']} {_fmt(h['success_rate'])} ({_fmt(h.get('return'), 1)})"
+                                   for h in evals), "both rise with training; return max 50"])
     return rows
 
 
