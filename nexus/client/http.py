@@ -2,7 +2,8 @@
 
 ``nexus.client.api.Nexus("http://host:port", token=...)`` uses it. It keeps one token per tenant
 (handed out by ``create_tenant``) plus a default token (a tenant's, or the operator's); a call about
-tenant X carries X's token when it holds one. Errors come back as the gateway's
+tenant X carries X's token when it holds one, unless the default token is the operator's (the operator's own
+client, e.g. ``Nexus.local``, acts as the operator). Errors come back as the gateway's
 :class:`nexus.errors.NexusError` subclass with the gateway's message.
 
 :meth:`HttpTransport.call` maps the scheduler handler names the API used before the gateway
@@ -20,6 +21,7 @@ import numpy as np
 
 from nexus.errors import NexusError, NotSupported, Unavailable, error_class
 from nexus.features import Observation
+from nexus.gateway.auth import OPERATOR_PREFIX
 from nexus.inputs import encode_array
 from nexus.spec import SESSION_HEADER
 
@@ -92,7 +94,11 @@ class HttpTransport:
 
     # -- plumbing --------------------------------------------------------------------------
     def _token(self, tenant: str | None) -> str | None:
-        return self.tokens.get(tenant, self.token) if tenant else self.token
+        """The operator's client acts as the operator (it sees what the operator sees, e.g. absolute paths);
+        another client sends a tenant's own token for calls about that tenant."""
+        if not tenant or (self.token or "").startswith(OPERATOR_PREFIX):
+            return self.token
+        return self.tokens.get(tenant, self.token)
 
     def request(self, method: str, path: str, *, tenant: str | None = None, json_body: Any = None,
                 params: dict[str, Any] | None = None, raw: bool = False, session: str | None = None) -> Any:
