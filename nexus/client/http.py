@@ -2,9 +2,9 @@
 
 ``nexus.client.api.Nexus("http://host:port", token=...)`` uses it. It keeps one token per tenant
 (handed out by ``create_tenant``) plus a default token (a tenant's, or the operator's); a call about
-tenant X carries X's token when it holds one, unless the default token is the operator's (the operator's own
-client, e.g. ``Nexus.local``, acts as the operator). Errors come back as the gateway's
-:class:`nexus.errors.NexusError` subclass with the gateway's message.
+tenant X carries X's token when it holds one (so it sees what X sees: paths relative to X's output dir); the
+status, which only reads, goes with the operator's token when the client holds it (``Nexus.local``, the CLI).
+Errors come back as the gateway's :class:`nexus.errors.NexusError` subclass with the gateway's message.
 
 :meth:`HttpTransport.call` maps the scheduler handler names the API used before the gateway
 (``nexus_submit``, ``nexus_job``, …) to routes, so the API keeps its shape over either transport.
@@ -94,11 +94,12 @@ class HttpTransport:
 
     # -- plumbing --------------------------------------------------------------------------
     def _token(self, tenant: str | None) -> str | None:
-        """The operator's client acts as the operator (it sees what the operator sees, e.g. absolute paths);
-        another client sends a tenant's own token for calls about that tenant."""
-        if not tenant or (self.token or "").startswith(OPERATOR_PREFIX):
-            return self.token
-        return self.tokens.get(tenant, self.token)
+        return self.tokens.get(tenant, self.token) if tenant else self.token
+
+    @property
+    def operator(self) -> bool:
+        """Whether the default token is the operator's (``Nexus.local``, the CLI)."""
+        return (self.token or "").startswith(OPERATOR_PREFIX)
 
     def request(self, method: str, path: str, *, tenant: str | None = None, json_body: Any = None,
                 params: dict[str, Any] | None = None, raw: bool = False, session: str | None = None) -> Any:
@@ -142,7 +143,7 @@ class HttpTransport:
             return info
         if handler == "nexus_status":
             params = {k: kw[k] for k in ("limit", "cursor", "tenant") if kw.get(k) is not None}
-            return self.request("GET", "/v1/status", params=params or None, tenant=t)
+            return self.request("GET", "/v1/status", params=params or None, tenant=None if self.operator else t)
         if handler == "nexus_submit":
             return self.request("POST", f"/v1/tenants/{_q(t)}/jobs", json_body=kw["job"], tenant=t)["job"]
         if handler == "nexus_job":
