@@ -15,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from nexus.errors import quote
 from nexus.features import CameraSpec, TenantSchema
 
 SIMULATORS = ("maniskill", "robosuite")
@@ -159,12 +160,12 @@ def env(name: str) -> EnvEntry:
     suite, _, task = name.lower().rpartition("/")
     for key in (name.lower(), f"{suite}/*", task, f"{task}-v1"):
         if key in refused_:
-            raise CatalogError(f"env {name!r} is refused: {refused_[key]}")
-    raise CatalogError(f"unknown env {name!r}; the catalog has: {', '.join(sorted(all_envs))}")
+            raise CatalogError(f"env {quote(name)} is refused: {refused_[key]}")
+    raise CatalogError(f"unknown env {quote(name)}; the catalog has: {', '.join(sorted(all_envs))}")
 
 
 def dataset(name: str) -> DatasetEntry:
     all_ds = datasets()
     if name not in all_ds:
-        raise CatalogError(f"unknown dataset {name!r}; the catalog has: {', '.join(sorted(all_ds)) or 'none'}")
+        raise CatalogError(f"unknown dataset {quote(name)}; the catalog has: {', '.join(sorted(all_ds)) or 'none'}")
     return all_ds[name]

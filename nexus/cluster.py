@@ -276,7 +276,7 @@ class LocalService:
             sec = security(self.config)
             r = rpc(self.address, timeout=5, connection_args=sec.get_connection_args("client") if sec else {})
             try:
-                await asyncio.wait_for(r.nexus_end_sessions(timeout=timeout), timeout + 5)
+                await asyncio.wait_for(r.nexus_end_sessions(timeout=timeout), 2 * timeout + 5)  # settle + flush
             finally:
                 await r.close_rpc()
 
@@ -288,7 +288,7 @@ class LocalService:
 
         t = threading.Thread(target=run, daemon=True, name="nexus-end-sessions")
         t.start()
-        t.join(timeout + 10)
+        t.join(2 * timeout + 10)
 
     def listening(self) -> list[tuple[int, str, str, int]]:
         """(pid, process, ip, port) of every listening socket of the service's processes (and children)."""

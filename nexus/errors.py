@@ -108,6 +108,17 @@ class NotSupported(NexusError):
     code = "not_supported"
 
 
+QUOTE_CHARS = 80  # an error message quotes at most this much of a bad value (a 50 MB name is not sent back)
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)``, cut to its first ``limit`` characters (saying how long it was) when it is longer."""
+    if isinstance(value, str | bytes) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= limit + 2 else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def error_class(name: str) -> type[NexusError]:
     """The NexusError subclass called ``name`` (what the gateway reports), NexusError if unknown."""
     cls = globals().get(name)
@@ -124,6 +135,6 @@ def describe_errors(errors: list[dict], root: str = "spec", prefix: str = "", sk
     for err in errors:
         loc = prefix + (".".join(str(x) for x in err.get("loc", ()) if x not in skip) or root)
         where = f"field {loc!r}" if quote else loc
-        got = f" (got {err.get('input')!r})" if show_input else ""
+        got = f" (got {quote(err.get('input'))})" if show_input else ""
         parts.append(f"{where}: {err.get('msg', 'invalid')}{got}")
     return "; ".join(parts)

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from nexus.algorithms.grpo import GRPOConfig
 from nexus.algorithms.ppo import PPOConfig
-from nexus.errors import LimitExceeded, SpecError, describe_errors
+from nexus.errors import LimitExceeded, SpecError, describe_errors, quote
 from nexus.features import Observation, TenantSchema
 
 WIRE_DTYPES = {"float32": np.float32, "float64": np.float64, "uint8": np.uint8, "int64": np.int64,
@@ -68,14 +68,14 @@ def _as_array(value: Any, field: str, expected: str | None) -> np.ndarray:
     elif isinstance(value, Mapping):
         if set(value) != {"dtype", "shape", "b64"}:
             raise SpecError(f"{field}: an encoded array has exactly the keys dtype, shape, b64; got "
-                            f"{sorted(map(str, value))}{what}")
+                            f"{quote(sorted(map(str, value)))}{what}")
         dtype = WIRE_DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None
         shape = value["shape"]
         if dtype is None:
-            raise SpecError(f"{field}: dtype {value['dtype']!r} is not one of {sorted(WIRE_DTYPES)}")
+            raise SpecError(f"{field}: dtype {quote(value['dtype'])} is not one of {sorted(WIRE_DTYPES)}")
         if not isinstance(shape, list | tuple) or not all(isinstance(d, int) and not isinstance(d, bool)
                                                           and 0 <= d <= MAX_ELEMENTS for d in shape):
-            raise SpecError(f"{field}: shape must be a list of non-negative integers, got {shape!r}")
+            raise SpecError(f"{field}: shape must be a list of non-negative integers, got {quote(shape)}")
         if math.prod(shape) > MAX_ELEMENTS:
             raise SpecError(f"{field}: {math.prod(shape)} elements is more than {MAX_ELEMENTS}")
         if not isinstance(value["b64"], str):
@@ -192,7 +192,7 @@ def check_batch(batch: Any, schema: TenantSchema, loss: str, *, chunk: int = 1, 
     """A checked copy of a ``forward_backward`` batch: observations as :class:`Observation`, numeric
     fields as finite float32 arrays (``actions`` flattened to [N, chunk * action_dim])."""
     if loss not in BATCH_FIELDS:
-        raise SpecError(f"loss: unknown loss {loss!r}; expected one of {sorted(BATCH_FIELDS)}")
+        raise SpecError(f"loss: unknown loss {quote(loss)}; expected one of {sorted(BATCH_FIELDS)}")
     if loss != "sft" and not gaussian:
         raise SpecError(f"loss {loss!r}: RL losses need a Gaussian action head (oft); this tenant's is a "
                         "flow-matching expert without action log-probabilities")
@@ -203,7 +203,7 @@ def check_batch(batch: Any, schema: TenantSchema, loss: str, *, chunk: int = 1, 
     allowed = BATCH_FIELDS[loss]
     unknown = sorted(map(str, set(batch) - set(allowed)))
     if unknown:
-        raise SpecError(f"batch: unknown field(s) {unknown} for loss {loss!r}; allowed {list(allowed)}")
+        raise SpecError(f"batch: unknown field(s) {quote(unknown)} for loss {loss!r}; allowed {list(allowed)}")
     obs = batch.get("observations")
     if not isinstance(obs, list | tuple):
         raise SpecError(f"batch.observations: expected a list of observations, got {_kind(obs)}")

@@ -20,6 +20,7 @@ from nexus.features import TenantSchema
 from nexus.spec import TenantSpec
 
 if TYPE_CHECKING:
+    from nexus.algorithms.grpo import GRPOConfig
     from nexus.algorithms.ppo import PPOConfig
     from nexus.config import DataPathSettings
     from nexus.emulation import EmulationSettings
@@ -146,14 +147,29 @@ class RLWork:
 
 
 @dataclass(frozen=True)
+class GRPOWork:
+    """One GRPO update on a stored batch of whole groups (episode ``e`` in group ``e // group_size``);
+    ``ref_version``: the reference policy of the KL penalty (the version the job started from), when
+    ``config.kl_coef`` > 0."""
+
+    batch: BatchRef
+    config: GRPOConfig
+    ref_version: int | None = None
+    use_cached_features: bool = True
+
+
+@dataclass(frozen=True)
 class OpWork:
-    """A Tinker-style low-level op; a ``forward_backward`` batch travels as its own task argument."""
+    """A Tinker-style low-level op; a ``forward_backward`` / ``forward`` batch travels as its own task argument.
+    ``adam``: an ``optim_step``'s Adam settings (``nexus.spec.AdamParams`` fields); ``name``: a saved state's."""
 
-    op: Literal["forward_backward", "optim_step", "save_weights"]
+    op: Literal["forward_backward", "forward", "optim_step", "save_weights", "save_state", "load_state"]
     loss: str = "sft"
+    adam: dict[str, float] | None = None
+    name: str | None = None
 
 
-Work = SFTWork | RLWork | OpWork
+Work = SFTWork | RLWork | GRPOWork | OpWork
 
 
 @dataclass(frozen=True)
@@ -176,6 +192,7 @@ class UpdateResult:
     metrics: dict[str, float]
     pushed_to: tuple[str, ...] = ()  # engines that acknowledged the new weights
     push_errors: tuple[str, ...] = ()
+    outputs: dict[str, Any] | None = None  # a ``forward``'s per-row results (log-probs, values, entropies)
 
 
 # -- simulators -----------------------------------------------------------------------------------------
@@ -195,6 +212,7 @@ class RolloutRequest:
     job: str | None = None
     route: EngineEndpoint | None = None
     emulation: EmulationSettings | None = None  # an emulated service: calibrated simulator time
+    group_size: int = 1  # GRPO: episode e is reset with seed + e // group_size (a group shares its start)
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nexus.algorithms.grpo import GRPOConfig
 from nexus.algorithms.ppo import PPOConfig
 from nexus.errors import SpecError
 
-__all__ = ["PPOConfig", "EvalJob", "ExternalEnv", "JobRequest", "JobSpec", "LoraConfig", "RLJob", "SFTJob",
-           "TenantSpec"]
+__all__ = ["AdamParams", "GRPOConfig", "PPOConfig", "EvalJob", "ExternalEnv", "JobRequest", "JobSpec",
+           "LoraConfig", "RLJob", "SFTJob", "TenantSpec"]
 
 TenantName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,39}$")]
 
@@ -33,6 +34,19 @@ def check_session(session: str | None) -> str:
         raise SpecError(f"session id {str(session)[:80]!r}: 1 to 64 letters, digits, '-' or '_', starting with a "
                         "letter or digit")
     return session
+# A saved training state's name (``save_state`` / ``load_state``): a folder name under the tenant's states/.
+STATE_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+OPS = ("forward_backward", "forward", "optim_step", "save_weights", "save_state", "load_state")  # low-level verbs
+
+
+def check_state_name(name: object) -> str:
+    """A ``save_state`` / ``load_state`` name; a bad one is a SpecError."""
+    if not isinstance(name, str) or not STATE_NAME_PATTERN.fullmatch(name) or ".." in name:
+        raise SpecError(f"state name {str(name)[:80]!r}: 1 to 64 letters, digits, '.', '-' or '_', starting with a "
+                        "letter or digit (no '..')")
+    return name
+
+
 # Action-module families with exact action log-probabilities (Gaussian policies): the only ones RL can train.
 RL_ACTION_HEADS = frozenset({"oft"})
 
@@ -93,8 +107,8 @@ class TenantSpec(_Spec):
     """A tenant: its task (env for RL/eval, dataset for SFT), action module and limits."""
 
     name: TenantName
-    env: str | None = Field(None, description="catalog env, e.g. 'maniskill/pushcube-state'")
-    dataset: str | None = Field(None, description="catalog dataset, e.g. 'pickcube-scripted'")
+    env: str | None = Field(None, max_length=200, description="catalog env, e.g. 'maniskill/pushcube-state'")
+    dataset: str | None = Field(None, max_length=200, description="catalog dataset, e.g. 'pickcube-scripted'")
     external: ExternalEnv | None = Field(None, description="instead of a catalog env: the schema of the "
                                          "tenant's own environment or robot, whose episodes it uploads")
     action_dim: int | None = Field(None, ge=1, description="checked against the env/dataset schema")
@@ -114,11 +128,11 @@ class TenantSpec(_Spec):
     max_staleness: int | None = Field(None, ge=0, description="RL batches lagging more versions are dropped; "
                                       "unset: the scheduler's default_max_staleness")
     seed: int = Field(0, ge=0, description="simulator episode seeds derive from it (ServiceLimits.max_seed)")
-    output_dir: str | None = Field(None, description="default: <root>/tenants/<name>; elsewhere only inside the "
-                                                     "service's output_base")
+    output_dir: str | None = Field(None, max_length=4096, description="default: <root>/tenants/<name>; elsewhere "
+                                                                      "only inside the service's output_base")
     lora: LoraConfig | None = Field(None, description="a LoRA adapter on the shared backbone (off by default)")
-    init_from: str | None = Field(None, description="an exported policy directory to initialise the head "
-                                  "(and adapter) from, when the tenant has no checkpoint yet")
+    init_from: str | None = Field(None, max_length=4096, description="an exported policy directory to initialise "
+                                  "the head (and adapter) from, when the tenant has no checkpoint yet")
 
     @model_validator(mode="after")
     def _needs_a_source(self) -> TenantSpec:
@@ -137,6 +151,18 @@ class TenantSpec(_Spec):
         return self
 
 
+class AdamParams(_Spec):
+    """One ``optim_step``'s Adam settings (Tinker's ``AdamParams``); a field left unset keeps the tenant's own
+    (``TenantSpec.lr``, ``weight_decay``; betas and eps AdamW's defaults 0.9, 0.999, 1e-8). They apply to that
+    step only."""
+
+    learning_rate: float | None = Field(None, gt=0, le=10)
+    beta1: float | None = Field(None, ge=0, lt=1)
+    beta2: float | None = Field(None, ge=0, lt=1)
+    eps: float | None = Field(None, gt=0, le=1)
+    weight_decay: float | None = Field(None, ge=0, le=10)
+
+
 class SFTJob(_Spec):
     kind: Literal["sft"] = "sft"
     steps: int = Field(50, ge=1)
@@ -144,7 +170,12 @@ class SFTJob(_Spec):
 
 
 class RLJob(_Spec):
+    """Online RL in the tenant's env: ``algorithm`` "ppo" (GAE with the value head; settings in ``ppo``) or
+    "grpo" (no critic: each batch is ``episodes_per_batch // grpo.group_size`` groups of episodes reset with
+    one seed, scored within their group; settings in ``grpo``)."""
+
     kind: Literal["rl"] = "rl"
+    algorithm: Literal["ppo", "grpo"] = "ppo"
     updates: int = Field(5, ge=1, description="policy versions to produce")
     episodes_per_batch: int = Field(2, ge=1)
     collectors: int = Field(2, ge=1, description="rollout tasks kept in flight")
@@ -152,6 +183,26 @@ class RLJob(_Spec):
     rollouts: Literal["service", "external"] = Field(
         "service", description="service: rollouts in the service's simulators; external: the tenant uploads "
         "its own episodes (its env or robot, actions from predict), each upload one update's batch")
+    grpo: GRPOConfig = GRPOConfig()
+
+    @model_validator(mode="after")
+    def _whole_groups(self) -> RLJob:
+        if self.algorithm == "grpo" and self.rollouts == "external":
+            raise ValueError("algorithm='grpo' needs groups of episodes reset with one seed by the service's "
+                             "simulators; uploaded (external) episodes train with algorithm='ppo'")
+        if self.algorithm == "grpo" and self.episodes_per_batch % self.grpo.group_size:
+            raise ValueError(f"episodes_per_batch={self.episodes_per_batch} is not a multiple of "
+                             f"grpo.group_size={self.grpo.group_size}: a GRPO batch is whole groups")
+        return self
+
+    @property
+    def update_epochs(self) -> int:
+        return (self.grpo if self.algorithm == "grpo" else self.ppo).update_epochs
+
+    @property
+    def group_size(self) -> int:
+        """Episodes reset with one seed (1: every episode its own seed)."""
+        return self.grpo.group_size if self.algorithm == "grpo" else 1
 
 
 class EvalJob(_Spec):

@@ -68,8 +68,9 @@ def check_job_limits(job: Any, limits: ServiceLimits, active_evals: int = 0) -> 
                         limits.max_episodes_per_batch)
         if job.collectors > limits.max_collectors:
             raise _over("collectors", job.collectors, "max_collectors", limits.max_collectors)
-        if job.ppo.update_epochs > limits.max_update_epochs:
-            raise _over("ppo.update_epochs", job.ppo.update_epochs, "max_update_epochs", limits.max_update_epochs)
+        if job.update_epochs > limits.max_update_epochs:
+            raise _over(f"{job.algorithm}.update_epochs", job.update_epochs, "max_update_epochs",
+                        limits.max_update_epochs)
     else:
         if job.episodes > limits.max_eval_episodes:
             raise _over("episodes", job.episodes, "max_eval_episodes", limits.max_eval_episodes)
@@ -106,8 +107,8 @@ def validate_tenant(raw: dict[str, Any] | TenantSpec,
     if limits is not None:
         check_tenant_limits(spec, limits)
     try:
-        env = catalog.env(spec.env) if spec.env else None
-        ds = catalog.dataset(spec.dataset) if spec.dataset else None
+        env = catalog.env(spec.env) if spec.env is not None else None  # "" is an unknown name, not none
+        ds = catalog.dataset(spec.dataset) if spec.dataset is not None else None
     except catalog.CatalogError as e:
         raise SpecError(f"invalid tenant spec {spec.name!r}: {e}") from None
     own = external_schema(spec.external) if spec.external is not None else None
@@ -162,4 +163,7 @@ def validate_job(spec: TenantSpec, raw: dict[str, Any], limits: ServiceLimits | 
                         "(SFT and eval only)")
     if job.kind == "rl" and spec.chunk != 1:
         raise SpecError(f"tenant {spec.name!r}: RL trains one action per step, but chunk={spec.chunk}")
+    if job.kind == "rl" and job.algorithm == "grpo" and job.grpo.kl_coef > 0 and spec.lora is not None:
+        raise SpecError(f"tenant {spec.name!r}: grpo.kl_coef needs a heads-only tenant (the reference policy is "
+                        "a stored head; a LoRA tenant's features move with its adapter)")
     return job

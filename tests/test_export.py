@@ -387,7 +387,7 @@ def test_low_level_ops_train_a_lora_tenant_through_the_backbone(svc, tmp_path):
     fields = {"sft": ("observations", "actions"), "ppo": tuple(data)}  # each loss takes its own fields only
     for loss in ("sft", "ppo"):
         batch = {k: data[k] for k in fields[loss]}
-        _, metrics = ops.run_op(service, slot, OpWork("forward_backward", loss), batch, None, None)
+        _, metrics, _ = ops.run_op(service, slot, OpWork("forward_backward", loss), batch, None, None)
         assert np.isfinite(metrics["loss"])
         ops.run_op(service, slot, OpWork("optim_step"), None, None, None)
     now = slot.policy.state_dict()

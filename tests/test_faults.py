@@ -246,7 +246,8 @@ def test_a_cancelled_evaluation_leaves_no_marker_that_keeps_its_version(nx):
     assert not marker.exists()  # no report will come: the version is retention's again
     done = t.evaluate(episodes=1)
     report = done.result(timeout=300)
-    assert json.loads(Path(report["report_path"]).read_text())["episodes"] == 1  # a finished report stays
+    # a finished report stays (the tenant sees its path relative to its output dir)
+    assert json.loads((evals.parent / report["report_path"]).read_text())["episodes"] == 1
 
 
 def test_delete_tenant_keeps_or_purges_its_output(nx, capsys):

@@ -101,7 +101,8 @@ def test_export_round_trip_api_and_cli(nx, trained, tmp_path, capsys):
     a = lora.export(None, tmp_path / "api")  # the tenant's token: written in its output dir, downloaded here
     assert a["version"] == STEPS and "adapter/adapter_model.safetensors" in a["files"]
     assert a["local_path"] == str(tmp_path / "api") and a["relative_path"] == f"exports/v{STEPS:06d}"
-    assert Path(a["path"]) == Path(lora.info["output_dir"]).resolve() / "exports" / f"v{STEPS:06d}"
+    assert a["path"] == f"exports/v{STEPS:06d}"  # a tenant sees paths relative to its own output dir
+    assert (Path(lora.info["output_dir"]) / a["path"] / "manifest.json").is_file()
     assert f"exports/v{STEPS:06d}/manifest.json" in {f["path"] for f in lora.files()}
     assert main(["export", LORA.name, "--version", "2", "--out", str(tmp_path / "cli"),
                  "--root", nx.status()["config"]["root"]]) == 0  # the operator, from the root's gateway files

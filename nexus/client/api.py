@@ -8,10 +8,12 @@ Dask connection (code execution on the service: for its own processes and tests,
 High level: connect to a service (or start a local one), create a tenant from a spec, submit an
 SFT / RL / Eval job, stream its progress, wait for its result.
 
-Low level, Tinker-style: ``forward_backward(batch, loss)``, ``optim_step()``, ``save_weights()``
-and ``predict_action(obs, version=...)``, each returning a :class:`~nexus.client.futures.NexusFuture`
-(``.result()`` or ``await``). A tenant's training calls run in the order they were made; each datum is
-self-contained (observations + actions). Each ``Nexus`` instance is a session (``nx.session``, a uuid
+Low level, Tinker-style: ``forward_backward(batch, loss)``, ``forward(batch)`` (no gradient: log-probs of
+given actions), ``optim_step(adam=AdamParams(...))``, ``save_weights()``, ``save_state(name)`` /
+``load_state(name)`` (head, adapter and optimizer state) and ``predict_action(obs, version=..., deterministic=...,
+seed=..., n=...)``, each returning a :class:`~nexus.client.futures.NexusFuture` (``.result()`` or ``await``).
+A tenant's training calls run in the order they were made; each datum is self-contained (observations +
+actions). Each ``Nexus`` instance is a session (``nx.session``, a uuid
 unless given): the service groups its low-level ops in one MLflow run.
 
 Everything can come from files too: ``Nexus.local(config="service.toml")``, ``nx.submit("tenant.toml",
@@ -28,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from nexus.client import envs as service_envs
 from nexus.client import rollouts
 from nexus.client.futures import NexusFuture
@@ -36,11 +40,11 @@ from nexus.cluster import LocalService
 from nexus.config import ServiceConfig, load_service_config, load_submission, read_toml
 from nexus.data import policy_files as policy_format
 from nexus.engine_client import EngineClient, EngineHandle
-from nexus.errors import Conflict, Forbidden, JobFailed, NotFound, SpecError, Unavailable
+from nexus.errors import Conflict, Forbidden, JobFailed, NotFound, SpecError, Unavailable, describe_errors
 from nexus.features import Observation
 from nexus.history import JOB_COUNTERS, JOB_HEADLINE
 from nexus.messages import EngineEndpoint
-from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec, check_session
+from nexus.spec import AdamParams, EvalJob, RLJob, SFTJob, TenantSpec, check_session
 from nexus.tls import security
 
 PathLike = str | Path
@@ -476,9 +480,21 @@ class Tenant:
         (``loss="grpo"``: see ``nexus.services.ops.forward_backward`` and ``nexus.inputs.check_batch`` for its fields)
         (a PPOConfig dict). The batch goes to a worker directly; the scheduler sees its name only.
         """
+        return self._batch_op("forward_backward", batch, loss)
+
+    def forward(self, batch: dict[str, Any]) -> NexusFuture[dict[str, Any]]:
+        """Without a gradient, on the current weights (saved or not), in order with the training calls: each row's
+        log-probability of its action, the policy's entropy and value there -> ``{"logprobs", "entropies",
+        "values"}`` (lists of N floats). ``batch``: ``observations``, ``actions``; Gaussian (OFT) heads."""
+        fut: NexusFuture[dict[str, Any]] = NexusFuture()
+        self._batch_op("forward", batch).add_done_callback(
+            lambda f: fut.set_exception(f.exception()) if f.exception() else fut.set_result(f.result()["outputs"]))
+        return fut
+
+    def _batch_op(self, verb: str, batch: dict[str, Any], loss: str = "sft") -> NexusFuture[dict[str, Any]]:
         if self.nexus.transport is not None:  # to the gateway, which sends it to the actor worker directly
-            return NexusFuture.run(self._ops, self.nexus.transport.forward_backward, self.name, batch, loss,
-                                   self.nexus.session)
+            return NexusFuture.run(self._ops, self.nexus.call, "nexus_op", tenant=self.name, verb=verb, batch=batch,
+                                   loss=loss, session=self.nexus.session)
 
         def run() -> dict[str, Any]:
             client = self.nexus.client
@@ -487,17 +503,38 @@ class Tenant:
             (fut,) = client.scatter([batch], direct=False, hash=False)
             client.publish_dataset(fut, name=name)
             try:
-                return self.nexus.call("nexus_op", tenant=self.name, verb="forward_backward", data=name,
-                                      loss=loss, session=self.nexus.session)
+                return self.nexus.call("nexus_op", tenant=self.name, verb=verb, data=name, loss=loss,
+                                       session=self.nexus.session)
             finally:
                 if name in client.list_datasets():
                     client.unpublish_dataset(name)
 
         return NexusFuture.run(self._ops, run)
 
-    def optim_step(self) -> NexusFuture[dict[str, Any]]:
+    def optim_step(self, adam: AdamParams | dict[str, Any] | None = None) -> NexusFuture[dict[str, Any]]:
+        """Apply the accumulated gradients; ``adam``: this step's Adam settings (Tinker's ``AdamParams``:
+        ``learning_rate``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``; unset ones keep the tenant's)."""
+        extra = {}
+        if adam is not None:
+            try:
+                params = adam if isinstance(adam, AdamParams) else AdamParams.model_validate(adam)
+            except ValidationError as e:
+                raise SpecError(f"adam: {describe_errors(e.errors(), root='adam')}") from None
+            extra["adam"] = params.model_dump(exclude_none=True)
         return NexusFuture.run(self._ops, self.nexus.call, "nexus_op", tenant=self.name, verb="optim_step",
-                               session=self.nexus.session)
+                               session=self.nexus.session, **extra)
+
+    def save_state(self, name: str) -> NexusFuture[dict[str, Any]]:
+        """Save the training state (head, adapter and optimizer state) as ``name`` (replacing one of that name);
+        not a policy version. In order with the training calls."""
+        return NexusFuture.run(self._ops, self.nexus.call, "nexus_op", tenant=self.name, verb="save_state",
+                               name=name, session=self.nexus.session)
+
+    def load_state(self, name: str) -> NexusFuture[dict[str, Any]]:
+        """Back to the training state saved as ``name``: weights, adapter and optimizer state. The version does not
+        move back; ``save_weights()`` publishes the loaded weights as a new version."""
+        return NexusFuture.run(self._ops, self.nexus.call, "nexus_op", tenant=self.name, verb="load_state",
+                               name=name, session=self.nexus.session)
 
     def save_weights(self) -> NexusFuture[int]:
         """Publish the current head as a new policy version; the future gives the version."""
@@ -514,8 +551,8 @@ class Tenant:
         gateway serves its files). ``path``: a local directory (missing or empty) to download it into,
         every file checked against the manifest's sha256. ``server_path``: write it there on the
         service's file system instead (tenant tokens: only inside their output dir). Returns the export's
-        summary: ``path`` (on the service), ``relative_path``, ``version``, ``files`` and, when downloaded,
-        ``local_path``."""
+        summary: ``path`` (on the service; through a tenant token relative to its output dir), ``relative_path``,
+        ``version``, ``files`` and, when downloaded, ``local_path``."""
         if self.nexus.transport is None:  # service-internal: the same file system, written in place
             return self.nexus.call("nexus_export", tenant=self.name, version=version,
                                    path=str(Path(server_path or path).resolve()) if (server_path or path) else None)
@@ -553,16 +590,23 @@ class Tenant:
             raise
         return target
 
-    def predict_action(self, obs: Observation, version: int | None = None,
-                       deterministic: bool = True) -> NexusFuture[dict[str, Any]]:
+    def predict_action(self, obs: Observation, version: int | None = None, deterministic: bool = True,
+                       seed: int | None = None, n: int = 1) -> NexusFuture[dict[str, Any]]:
         """An action from the tenant's inference engine (grouped with other tenants' requests); the future
-        gives ``{"action": array, "version": int, ...}``. Not ordered behind this tenant's training calls."""
+        gives ``{"action": array, "logprob", "value", "version", ...}``. ``deterministic=False`` samples: with a
+        ``seed`` reproducibly, and ``n`` > 1 samples also as ``actions`` [n, A] and ``logprobs`` [n] (sample j
+        drawn with ``seed + j``). Not ordered behind this tenant's training calls."""
+        if deterministic and (seed is not None or n > 1):
+            raise SpecError("seed and n > 1 draw samples: pass deterministic=False")
         if self.nexus.transport is not None:
             if self.nexus._predicts is None:
                 self.nexus._predicts = ThreadPoolExecutor(4, thread_name_prefix="nexus-predict")
             return NexusFuture.run(self.nexus._predicts, self.nexus.transport.predict, self.name, obs, version,
-                                   deterministic)
-        return NexusFuture.of(self.nexus.predictor().predict(self.name, obs, version, deterministic))
+                                   deterministic, seed, n)
+        return NexusFuture.of(self.nexus.predictor().call("predict", self.name, obs, version, deterministic, None,
+                                                          request_id=uuid.uuid4().hex,
+                                                          **{k: v for k, v in (("seed", seed), ("n", n))
+                                                             if v not in (None, 1)}))
 
     # -- the tenant's own algorithms: the service's simulators, the tenant's own envs -------------------------
     def env(self, env: str, seed: int = 0) -> service_envs.ServiceEnv:

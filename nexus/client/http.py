@@ -2,8 +2,9 @@
 
 ``nexus.client.api.Nexus("http://host:port", token=...)`` uses it. It keeps one token per tenant
 (handed out by ``create_tenant``) plus a default token (a tenant's, or the operator's); a call about
-tenant X carries X's token when it holds one. Errors come back as the gateway's
-:class:`nexus.errors.NexusError` subclass with the gateway's message.
+tenant X carries X's token when it holds one (so it sees what X sees: paths relative to X's output dir); the
+status, which only reads, goes with the operator's token when the client holds it (``Nexus.local``, the CLI).
+Errors come back as the gateway's :class:`nexus.errors.NexusError` subclass with the gateway's message.
 
 :meth:`HttpTransport.call` maps the scheduler handler names the API used before the gateway
 (``nexus_submit``, ``nexus_job``, …) to routes, so the API keeps its shape over either transport.
@@ -22,6 +23,7 @@ import numpy as np
 
 from nexus.errors import NexusError, NotSupported, Overloaded, Unavailable, error_class
 from nexus.features import Observation
+from nexus.gateway.auth import OPERATOR_PREFIX
 from nexus.inputs import encode_array
 from nexus.spec import SESSION_HEADER
 
@@ -125,6 +127,11 @@ class HttpTransport:
     def _token(self, tenant: str | None) -> str | None:
         return self.tokens.get(tenant, self.token) if tenant else self.token
 
+    @property
+    def operator(self) -> bool:
+        """Whether the default token is the operator's (``Nexus.local``, the CLI)."""
+        return (self.token or "").startswith(OPERATOR_PREFIX)
+
     def request(self, method: str, path: str, *, tenant: str | None = None, json_body: Any = None,
                 params: dict[str, Any] | None = None, raw: bool = False, session: str | None = None) -> Any:
         import httpx
@@ -176,7 +183,7 @@ class HttpTransport:
             return info
         if handler == "nexus_status":
             params = {k: kw[k] for k in ("limit", "cursor", "tenant") if kw.get(k) is not None}
-            return self.request("GET", "/v1/status", params=params or None, tenant=t)
+            return self.request("GET", "/v1/status", params=params or None, tenant=None if self.operator else t)
         if handler == "nexus_submit":
             return self.request("POST", f"/v1/tenants/{_q(t)}/jobs", json_body=kw["job"], tenant=t)["job"]
         if handler == "nexus_job":
@@ -187,10 +194,11 @@ class HttpTransport:
                                 params={"timeout": 30.0 if timeout is None else min(float(timeout), 60.0)})
         if handler == "nexus_op":
             verb, session = kw["verb"], kw.get("session")
-            if verb == "forward_backward":
-                return self.request("POST", f"/v1/tenants/{_q(t)}/forward_backward", tenant=t, session=session,
-                                    json_body={"batch": kw.get("batch"), "loss": kw.get("loss", "sft")})
-            return self.request("POST", f"/v1/tenants/{_q(t)}/{_q(verb)}", tenant=t, session=session)
+            body = {"forward_backward": {"batch": kw.get("batch"), "loss": kw.get("loss", "sft")},
+                    "forward": {"batch": kw.get("batch")}, "save_state": {"name": kw.get("name")},
+                    "load_state": {"name": kw.get("name")},
+                    "optim_step": {"adam": kw["adam"]} if kw.get("adam") else None}.get(verb)
+            return self.request("POST", f"/v1/tenants/{_q(t)}/{_q(verb)}", tenant=t, session=session, json_body=body)
         if handler == "nexus_tenant_log":
             return self.request("GET", f"/v1/tenants/{_q(t)}/logs", tenant=t)
         if handler == "nexus_monitoring":
@@ -218,10 +226,11 @@ class HttpTransport:
         return self.call("nexus_op", tenant=tenant, verb="forward_backward", batch=batch, loss=loss, session=session)
 
     def predict(self, tenant: str, obs: Observation | dict[str, Any], version: int | None = None,
-                deterministic: bool = True) -> dict[str, Any]:
-        out = self.request("POST", f"/v1/tenants/{_q(tenant)}/predict", tenant=tenant,
-                           json_body={"observation": obs, "version": version, "deterministic": deterministic})
-        for k in ("action", "chunk"):
+                deterministic: bool = True, seed: int | None = None, n: int = 1) -> dict[str, Any]:
+        body = {"observation": obs, "version": version, "deterministic": deterministic}
+        body |= {k: v for k, v in (("seed", seed), ("n", n)) if v not in (None, 1)}
+        out = self.request("POST", f"/v1/tenants/{_q(tenant)}/predict", tenant=tenant, json_body=body)
+        for k in ("action", "chunk", "actions"):
             if k in out and out[k] is not None:
                 out[k] = np.asarray(out[k], dtype=np.float32)
         return out

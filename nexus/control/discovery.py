@@ -55,12 +55,13 @@ class Rediscovery:
         """Tenants of this root from their output dirs; jobs a crashed service left running become failed."""
         root = self.root
         reason = INTERRUPTED
-        found_tenants, interrupted, errors = [], [], {}
+        found_tenants, interrupted, errors, ended = [], [], {}, {}
         try:
             found = await self.actors.run(tasks.DISCOVER, lambda r: (root,), key="nexus-discover", retry_lost=True,
                                           first_only=True)
             for f in found:
                 self.jobs.ids.observe(f["job_seq"])
+                ended.update(f.get("ended", {}))
             for f in found:
                 name = f["tenant"]
                 try:
@@ -76,7 +77,7 @@ class Rediscovery:
                 except Exception as e:
                     errors[name] = f"{type(e).__name__}: {e}"
                     logger.error("rediscovering tenant %s: %s", name, e)
-            self.tracker.fail_interrupted(int(self.boot_time * 1000), root, reason)
+            self.tracker.fail_interrupted(int(self.boot_time * 1000), root, reason, ended)
             self.state = {"state": "done", "tenants": found_tenants, "interrupted": interrupted, "errors": errors,
                           "t": time.time()}
         except Exception as e:

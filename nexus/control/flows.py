@@ -21,7 +21,7 @@ from nexus.control.queues import TrainingItem
 from nexus.control.sim_slots import SimSlots
 from nexus.emulation import EmulationSettings
 from nexus.errors import JobFailed
-from nexus.messages import OpWork, RLWork, RolloutRequest, RolloutResult, SFTWork, SyncRule
+from nexus.messages import GRPOWork, OpWork, RLWork, RolloutRequest, RolloutResult, SFTWork, SyncRule
 
 if TYPE_CHECKING:
     from nexus.control.dispatcher import Dispatcher
@@ -138,6 +138,24 @@ async def run_sft(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, A
 # RL: rollouts of the current policy on SIM workers overlap with updates on the actor.
 async def run_rl(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, Any]:
     spec = js.spec
+    # GRPO's KL reference is the version the job starts from: retention keeps it while the job runs
+    ref_version = t.version if spec.algorithm == "grpo" and spec.grpo.kl_coef > 0 else None
+    if ref_version is None:
+        return await _train_rl(ctx, js, t, None)
+    await ctx.runtime.run(tasks.MARK_EVALUATION, t.output_dir, js.job_id, ref_version,
+                          key=f"nexus-refmark-{js.job_id}", resources={"SIM": 1})
+    try:
+        out = await _train_rl(ctx, js, t, ref_version)
+    except BaseException as e:
+        if js.cancel_requested or not isinstance(e, asyncio.CancelledError):  # closing: the next boot unmarks
+            await _unmark(ctx, t, js)
+        raise
+    await _unmark(ctx, t, js)
+    return out
+
+
+async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version: int | None) -> dict[str, Any]:
+    spec = js.spec
     name = t.name
     role = producer_role(js.job_id)
     ctx.health.register(role, "rollout")
@@ -152,8 +170,16 @@ async def run_rl(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, An
     def collect(offset: int, attempt: int) -> None:
         key = f"nexus-rollout-{js.job_id}-{offset}" + (f"-r{attempt}" if attempt else "")
         task = _spawn(_rollout(ctx, t, js, key, episodes=spec.episodes_per_batch, seed=t.spec.seed * 1_000_003,
-                               offset=offset))
+                               offset=offset, group_size=spec.group_size))
         rollouts[task] = (offset, attempt)
+
+    if spec.group_size > 1:  # whole groups: offsets stay multiples of the group size
+        t.episodes = -(-t.episodes // spec.group_size) * spec.group_size
+
+    def work(batch) -> RLWork | GRPOWork:
+        if spec.algorithm == "grpo":
+            return GRPOWork(batch=batch, config=spec.grpo, ref_version=ref_version)
+        return RLWork(batch=batch, config=spec.ppo)
 
     try:
         while updates < spec.updates:
@@ -189,7 +215,7 @@ async def run_rl(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, An
                                  "episodes": episodes, "env_steps": env_steps, **producer_totals,
                                  "version": out.batch.policy_version}, env_steps, "rollout")
                     item = TrainingItem(tenant=name, kind="rl", policy_version=out.batch.policy_version,
-                                        work=RLWork(batch=out.batch, config=spec.ppo), job=js.job_id,
+                                        work=work(out.batch), job=js.job_id,
                                         sync=ctx.sync_rule(live_consumers=True))
                     items.add(_spawn(ctx.dispatcher.submit(item)))
                 else:
@@ -235,12 +261,16 @@ async def run_eval(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, 
         return await _evaluate(ctx, js, t, version)
     except BaseException as e:  # failed or cancelled: no report, so the version need not outlive retention
         if js.cancel_requested or not isinstance(e, asyncio.CancelledError):  # closing: the next boot unmarks
-            try:  # a worker handler, not a SIM task: it never waits behind rollouts for a simulator
-                await asyncio.wait_for(ctx.runtime.io("unmark_evaluation", output_dir=t.output_dir,
-                                                      job=js.job_id), 30)
-            except Exception as err:
-                logger.warning("evaluation %s: its marker stays (%s)", js.job_id, err)
+            await _unmark(ctx, t, js)
         raise
+
+
+async def _unmark(ctx: FlowContext, t: TenantState, js: JobState) -> None:
+    """The job's retention marker goes (an evaluation without its report; a GRPO job's KL reference)."""
+    try:  # a worker handler, not a SIM task: it never waits behind rollouts for a simulator
+        await asyncio.wait_for(ctx.runtime.io("unmark_evaluation", output_dir=t.output_dir, job=js.job_id), 30)
+    except Exception as err:
+        logger.warning("job %s: its retention marker stays (%s)", js.job_id, err)
 
 
 async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int) -> dict[str, Any]:
@@ -293,8 +323,8 @@ async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int
     return report
 
 
-async def run_op(ctx: FlowContext, t: TenantState, verb: str, loss: str, data: Any) -> dict[str, Any]:
+async def run_op(ctx: FlowContext, t: TenantState, work: OpWork, data: Any) -> dict[str, Any]:
     """One low-level op (Tinker-style), ordered with the tenant's other training items."""
     await ctx.dispatcher.reserve(t.name)
-    item = TrainingItem(tenant=t.name, kind="op", policy_version=t.version, work=OpWork(verb, loss), data=data)
+    item = TrainingItem(tenant=t.name, kind="op", policy_version=t.version, work=work, data=data)
     return await ctx.dispatcher.submit(item)

@@ -23,7 +23,7 @@ from nexus.control.admission import Admission
 from nexus.control.external_rollouts import ExternalRollouts
 from nexus.control.job_state import JobState, JobStatus
 from nexus.control.tenants import TenantPhase, TenantRegistry, TenantState
-from nexus.errors import Conflict, NotFound
+from nexus.errors import Conflict, NotFound, quote
 from nexus.validation import check_eval_version, validate_job
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class JobManager:
     # -- API ------------------------------------------------------------------------------------------
     def get(self, job_id: str) -> JobState:
         if job_id not in self.jobs:
-            raise NotFound(f"unknown job {job_id!r}")
+            raise NotFound(f"unknown job {quote(job_id)}")
         return self.jobs[job_id]
 
     def view(self, js: JobState) -> dict[str, Any]:
@@ -123,6 +123,14 @@ class JobManager:
             except TimeoutError:
                 pass
         return self.view(js)
+
+    async def settle(self, timeout: float) -> list[str]:
+        """Wait (up to ``timeout``) for the jobs that ended but still record themselves (checkpoint, job record, their
+        MLflow run's end), so a closing service leaves no ended job's run RUNNING; returns those still recording."""
+        ending = [j for j in self.jobs.values() if j.terminal and not j.finished.is_set()]
+        if ending:
+            await asyncio.wait([asyncio.ensure_future(j.finished.wait()) for j in ending], timeout=timeout)
+        return [j.job_id for j in ending if not j.finished.is_set()]
 
     def of_tenant(self, tenant: str) -> list[JobState]:
         return [j for j in self.jobs.values() if j.tenant == tenant]

@@ -133,7 +133,7 @@ class Master:
                 self.health.error(m.role, f"weight push: {e}")
         if not isinstance(item.work, OpWork) or item.work.op == "save_weights":
             self.runtime.spawn(self.pool.on_published(t.setup(), res.pushed_to))
-        return {"version": res.version, "metrics": dict(res.metrics)}
+        return {"version": res.version, "metrics": dict(res.metrics), "outputs": res.outputs}
 
     async def _send_tracker(self, address: str, calls: list[list[Any]]) -> list[Any]:
         return await self.runtime.call(address, "nexus_tracker", timeout=300, calls=calls)
@@ -183,16 +183,15 @@ class Master:
         return status.tenant_log(self.parts, tenant)
 
     async def op(self, tenant: str, verb: str, data: str | None = None, loss: str = "sft",
-                 session: str | None = None) -> dict[str, Any]:
+                 session: str | None = None, **options: Any) -> dict[str, Any]:
         """Low-level, Tinker-style operations, ordered through the training queue (:mod:`nexus.control.low_level`)."""
-        return await self.ops.run(tenant, verb, data, loss, session)
+        return await self.ops.run(tenant, verb, data, loss, session, **options)
 
     async def end_sessions(self, timeout: float = 10.0) -> dict[str, Any]:
-        """End every low-level op session's MLflow run now and wait (up to ``timeout``) until the tracker
-        wrote it: a stopping service calls this while its tracker still runs."""
-        ended = self.op_runs.close_all()
-        flushed = await self.tracker.flush(timeout=float(timeout)) if ended else True
-        return {"ended": ended, "flushed": flushed}
+        """A stopping service calls this while its tracker still runs: jobs that ended finish recording themselves,
+        every op session's MLflow run ends, and the tracker writes it all (each wait up to ``timeout``)."""
+        busy, ended = await self.jobs.settle(float(timeout)), self.op_runs.close_all()
+        return {"ended": ended, "still_recording": busy, "flushed": await self.tracker.flush(timeout=float(timeout))}
 
     async def flush(self) -> bool:
         """Wait until pending metering signals arrived and the tracker wrote everything sent so far."""

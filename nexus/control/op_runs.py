@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 KIND = "ops"
-VERBS = ("forward_backward", "optim_step", "save_weights")
+VERBS = ("forward_backward", "optim_step", "save_weights")  # always counted; the other verbs once used
 
 
 class Tracking(Protocol):  # what OpRuns needs of nexus.control.tracking_link.TrackerLink

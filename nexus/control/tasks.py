@@ -70,8 +70,8 @@ MARK_INTERRUPTED = TaskRef(f"{_D}:mark_interrupted")
 RUN_ROLLOUT = TaskRef(f"{_S}:run_rollout", "sim")
 PREWARM = TaskRef(f"{_S}:prewarm", "sim")  # a producer's envs built ahead (benchmarks)
 WRITE_EVAL_REPORT = TaskRef(f"{_D}:write_eval_report")
-MARK_EVALUATION = TaskRef("nexus.data.output_dir:mark_evaluation")  # retention keeps an evaluated version
-UNMARK_EVALUATION = TaskRef("nexus.data.output_dir:unmark_evaluation")  # ... unless it ended without a report
+MARK_EVALUATION = TaskRef("nexus.data.output_dir:mark_evaluation")  # retention keeps an evaluated version (its
+# marker goes through the worker handler nexus_io "unmark_evaluation": never queued behind rollouts)
 # any worker: host a role in the worker's plugin (installs the plugin when the worker lacks it)
 START_ENGINE = TaskRef(f"{_W}:start_engine", "plugin")
 START_TRACKER = TaskRef(f"{_W}:start_tracker", "plugin")

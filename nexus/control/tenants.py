@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from nexus.control.transitions import move
-from nexus.errors import NotFound
+from nexus.errors import NotFound, quote
 from nexus.features import TenantSchema
 from nexus.messages import TenantSetup
 from nexus.spec import TenantSpec
@@ -93,7 +93,7 @@ class TenantRegistry:
     def get(self, name: str) -> TenantState:
         t = self._tenants.get(name)
         if t is None or t.phase == TenantPhase.DELETING:
-            raise NotFound(f"unknown tenant {name!r}")
+            raise NotFound(f"unknown tenant {quote(name)}")
         return t
 
     def find(self, name: str) -> TenantState | None:

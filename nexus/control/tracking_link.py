@@ -63,8 +63,11 @@ class TrackerLink:
         self._queue("end_run", job_id=job_id, status=status, artifacts=list(artifacts), result=result,
                     history=history, metering=metering, end_time=end_time)
 
-    def fail_interrupted(self, before_ms: int, root: str, reason: str) -> None:
-        self._queue("fail_interrupted", before_ms=int(before_ms), root=root, reason=reason)
+    def fail_interrupted(self, before_ms: int, root: str, reason: str,
+                         ended: dict[str, list[Any]] | None = None) -> None:
+        """Runs a crashed service left RUNNING: a job whose record says it ended (``ended``: job -> [state,
+        t_end]) gets that state, the others FAILED with ``reason``."""
+        self._queue("fail_interrupted", before_ms=int(before_ms), root=root, reason=reason, ended=ended or {})
 
     def _queue(self, method: str, **kwargs: Any) -> None:
         self._pending.append([method, kwargs])

@@ -53,8 +53,13 @@ def discover(root: str) -> list[dict[str, Any]]:
         if not out.exists():
             continue
         m = out.read()
+        records = out.job_records()
         found.append({"tenant": name, "spec": m["spec"], "output_dir": str(path),
-                      "interrupted": [r["job"] for r in out.job_records() if r.get("state") in ("queued", "running")],
+                      "interrupted": [r["job"] for r in records if r.get("state") in ("queued", "running")],
+                      # jobs that ended, as recorded: their MLflow runs must say the same (a run a killed service
+                      # never closed is closed from its record at the next start)
+                      "ended": {r["job"]: [r["state"], r.get("t_end")] for r in records
+                                if r.get("state") in ("done", "failed", "cancelled") and "job" in r},
                       "job_seq": job_seq(out), "latest_version": out.highest_version()})
     return found
 

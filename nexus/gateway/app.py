@@ -40,19 +40,29 @@ from nexus.errors import (
     Overloaded,
     SpecError,
     describe_errors,
+    quote,
 )
 from nexus.features import TenantSchema
 from nexus.gateway.auth import Principal, TokenStore
 from nexus.gateway.backend import Backend
 from nexus.gateway.backend import plain as jsonable
 from nexus.gateway.body_limit import BodyLimit
+from nexus.gateway.contract import document, relative_paths
 from nexus.gateway.envs import add_env_routes
 from nexus.gateway.serving import PredictServer
 from nexus.gateway.timing import PredictTiming, spans_of
 from nexus.inputs import check_batch, check_observation
 from nexus.paging import MAX_LIMIT as MAX_PAGE
 from nexus.paths import confine, dir_bytes
-from nexus.spec import RL_ACTION_HEADS, SESSION_HEADER, JobSpec, TenantSpec, check_session
+from nexus.spec import (
+    RL_ACTION_HEADS,
+    SESSION_HEADER,
+    AdamParams,
+    JobSpec,
+    TenantSpec,
+    check_session,
+    check_state_name,
+)
 from nexus.validation import validate_job, validate_tenant
 
 logger = logging.getLogger("nexus.gateway")
@@ -81,8 +91,22 @@ class NexusJSON(JSONResponse):
         return json.dumps(jsonable(content), allow_nan=False, separators=(",", ":")).encode()
 
 
+class FileBytes(StreamingResponse):
+    media_type = "application/octet-stream"
+
+
+class NDJSON(StreamingResponse):
+    media_type = "application/x-ndjson"
+
+
+MAX_MESSAGE = 2000  # characters of an error message: a bad value is quoted by a prefix (nexus.errors.quote)
+
+
 def error_body(e: NexusError) -> dict[str, Any]:
-    return {"error": {"class": type(e).__name__, "code": e.code, "message": str(e)}}
+    message = str(e)
+    if len(message) > MAX_MESSAGE:  # the last guard: a message that quoted a huge value whole
+        message = f"{message[:MAX_MESSAGE]}... (message cut: {len(message)} characters)"
+    return {"error": {"class": type(e).__name__, "code": e.code, "message": message}}
 
 
 def _validation_message(e: RequestValidationError) -> str:
@@ -101,11 +125,27 @@ class ForwardBackwardBody(_Body):
     loss: Literal["sft", "ppo", "grpo"] = "sft"
 
 
+class ForwardBody(_Body):
+    batch: dict[str, Any] = Field(description="observations (list), actions [N, A]: their log-probabilities, the "
+                                              "policy's entropies and values, on the current weights, no gradient")
+
+
+class OptimStepBody(_Body):
+    adam: AdamParams | None = Field(None, description="this step's Adam settings; unset: the tenant's own")
+
+
+class StateBody(_Body):
+    name: str = Field(min_length=1, max_length=64, description="the saved state's name (letters, digits, . - _)")
+
+
 class PredictBody(_Body):
     observation: dict[str, Any] = Field(description="state [proprio_dim], images {camera: uint8 [H, W, 3]}, "
                                                     "instruction")
     version: int | None = Field(None, ge=0, le=2**31 - 1, description="a live or pinned version; default: live")
     deterministic: bool = True
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="a reproducible sample (deterministic=false): "
+                                                                  "sample j of n draws with seed + j")
+    n: int = Field(1, ge=1, le=64, description="samples of the action (deterministic=false): actions, logprobs")
 
 
 class ScaleBody(_Body):
@@ -159,6 +199,23 @@ class Gateway:
         self.create_lock = asyncio.Lock()
         self._schemas: dict[str, tuple[TenantSpec, TenantSchema]] = {}
         self.serving = PredictServer(backend, config.qos, lambda t: self.limits(t).max_inflight_predicts)
+        self._dirs: dict[str, str] = {}  # tenant -> its output dir (fixed for the tenant's life)
+
+    async def output_dir(self, tenant: str) -> str:
+        if tenant not in self._dirs:
+            self._dirs[tenant] = (await self.backend.tenant_view(tenant))["output_dir"]
+        return self._dirs[tenant]
+
+    async def shown(self, who: Principal | None, tenant: str, data: Any) -> Any:
+        """An answer about ``tenant`` as ``who`` may see it: a tenant sees paths relative to its own output dir,
+        never the server's absolute ones; the operator sees them as they are."""
+        if who is not None and who.operator:
+            return data
+        return relative_paths(data, await self.output_dir(tenant), str(self.config.root))
+
+    def forget(self, tenant: str) -> None:
+        self._schemas.pop(tenant, None)
+        self._dirs.pop(tenant, None)
 
     def limits(self, tenant: str) -> ServiceLimits:
         return self.config.limits_for(tenant)
@@ -180,7 +237,7 @@ class Gateway:
         """The job's view if ``who`` may see it; a foreign job is as unknown as a missing one."""
         view = await self.backend.job(job_id)
         if not (who.operator or view["tenant"] == who.tenant):
-            raise NotFound(f"unknown job {job_id!r}")
+            raise NotFound(f"unknown job {quote(job_id)}")
         return view
 
     async def check_storage(self, tenant: str, output_dir: str) -> None:
@@ -221,6 +278,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
                   description=__doc__)
     app.state.gateway = gw
     app.add_middleware(PredictTiming, observe=lambda: gw.serving.observe)
+    document(app)  # every route's error responses and their body (nexus.gateway.contract)
 
     # -- errors: every refusal a NexusError with its status ----------------------------------
     @app.exception_handler(NexusError)
@@ -236,10 +294,12 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> Response:
+        if e.status_code == 400:  # a body FastAPI could not parse (not JSON): an invalid request, as any other
+            err = SpecError(f"{request.method} {request.url.path}: the body is not valid JSON ({e.detail})")
+            return NexusJSON(error_body(err), status_code=err.http_status)
         cls = NotFound if e.status_code == 404 else NexusError
-        err = cls(f"{request.method} {request.url.path}: {e.detail}")
-        return NexusJSON({"error": {"class": cls.__name__, "code": err.code, "message": str(err)}},
-                         status_code=e.status_code)
+        err = cls(f"{request.method} {quote(request.url.path, 200)}: {e.detail}")
+        return NexusJSON(error_body(err), status_code=e.status_code)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> Response:
@@ -266,7 +326,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         if tenant is not None and tenant != who.tenant:  # another tenant is unknown to this token, as its jobs are
             return {"tenants": [], "jobs": [], "page": {"limit": limit, "next_cursor": None}}
         st = await backend.status(limit, cursor, tenant=who.tenant)
-        return {"tenants": st["tenants"], "jobs": st["jobs"], "page": st["page"]}
+        return await gw.shown(who, who.tenant, {"tenants": st["tenants"], "jobs": st["jobs"], "page": st["page"]})
 
     # -- tenants ------------------------------------------------------------------------------
     @app.post("/v1/tenants", status_code=201, tags=["tenants"])
@@ -285,26 +345,29 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
             if name in tokens:
                 if who is None or not (who.operator or who.tenant == name):
                     raise Conflict(f"tenant {name!r} exists; re-creating it needs its token")
-                return {**await backend.create_tenant(raw), "token": None}
+                return await gw.shown(who, name, {**await backend.create_tenant(raw), "token": None})
             if (await backend.status(tenant=name))["tenants"]:
                 raise Conflict(f"tenant {name!r} exists (created inside the service)")
             view = await backend.create_tenant(raw)
-            return {**view, "token": tokens.issue(name, raw)}
+            gw.forget(name)  # a re-created name may have another output dir
+            return await gw.shown(who, name, {**view, "token": tokens.issue(name, raw)})
 
     @app.get("/v1/tenants/{tenant}", tags=["tenants"])
     async def tenant_view(tenant: str, who: Who) -> dict[str, Any]:
         who.may_act_on(tenant)
-        return await backend.tenant_view(tenant)
+        return await gw.shown(who, tenant, await backend.tenant_view(tenant))
 
     @app.delete("/v1/tenants/{tenant}", tags=["tenants"])
     async def delete_tenant(tenant: str, who: Who, purge: bool = False) -> dict[str, Any]:
         """Cancel the tenant's jobs, release its slot and forget it; its output dir stays unless ``purge``.
         Its token stops working."""
         who.may_act_on(tenant)
+        own = await gw.output_dir(tenant)
         res = await backend.delete_tenant(tenant, keep_output=not purge)
         tokens.revoke(tenant)
-        gw._schemas.pop(tenant, None)
-        return {**(res if isinstance(res, dict) else {}), "tenant": tenant, "deleted": True}
+        gw.forget(tenant)
+        out = {**(res if isinstance(res, dict) else {}), "tenant": tenant, "deleted": True}
+        return out if who.operator else relative_paths(out, own, str(config.root))
 
     @app.get("/v1/tenants/{tenant}/logs", tags=["tenants"])
     async def logs(tenant: str, who: Who) -> dict[str, Any]:
@@ -314,7 +377,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         # a grouped inference span names every tenant of the group: keep only this tenant's name
         log["spans"] = [{**sp, "tenant": tenant} for sp in log.get("spans", [])
                         if tenant in str(sp.get("tenant", "")).split("+")]
-        return log
+        return await gw.shown(who, tenant, log)
 
     @app.post("/v1/tenants/{tenant}/export", tags=["tenants"])
     async def export(tenant: str, who: Who, body: ExportBody | None = None) -> Any:
@@ -329,7 +392,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
             options["path"] = await asyncio.to_thread(export_target, body.path, output_dir, who.operator)
         if not who.operator:
             await gw.check_storage(tenant, output_dir)
-        return await backend.export(tenant, **options)
+        return await gw.shown(who, tenant, await backend.export(tenant, **options))
 
     @app.get("/v1/tenants/{tenant}/files", tags=["files"])
     async def list_files(tenant: str, who: Who) -> dict[str, Any]:
@@ -338,7 +401,9 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         root = (await backend.tenant_view(tenant))["output_dir"]
         return {"files": await asyncio.to_thread(_list_files, root)}
 
-    @app.get("/v1/tenants/{tenant}/files/{path:path}", tags=["files"])
+    @app.get("/v1/tenants/{tenant}/files/{path:path}", tags=["files"], response_class=FileBytes,
+             responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                  "format": "binary"}}}}})
     async def read_file(tenant: str, path: str, who: Who) -> Response:
         """One file of the tenant's output dir; paths leaving it (``..``, symlinks) are refused."""
         who.may_act_on(tenant)
@@ -351,8 +416,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
                 while block := f.read(FILE_CHUNK):
                     yield block
 
-        return StreamingResponse(chunks(), media_type="application/octet-stream",
-                                 headers={"Content-Length": str(size)})
+        return FileBytes(chunks(), headers={"Content-Length": str(size)})
 
     # -- jobs -------------------------------------------------------------------------------
     @app.post("/v1/tenants/{tenant}/jobs", status_code=201, tags=["jobs"])
@@ -372,28 +436,30 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         """A page of the tenant's jobs, newest first."""
         who.may_act_on(tenant)
         st = await backend.status(limit, cursor, tenant=tenant)
-        return {"jobs": st["jobs"], "page": st["page"]}
+        return await gw.shown(who, tenant, {"jobs": st["jobs"], "page": st["page"]})
 
     @app.get("/v1/jobs/{job_id}", tags=["jobs"])
     async def job(job_id: str, who: Who) -> dict[str, Any]:
-        return await gw.own_job(who, job_id)
+        view = await gw.own_job(who, job_id)
+        return await gw.shown(who, view["tenant"], view)
 
     @app.get("/v1/jobs/{job_id}/result", tags=["jobs"])
     async def result(job_id: str, who: Who, timeout: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 30.0
                      ) -> dict[str, Any]:
         """Wait up to ``timeout`` s for the job to end; the job's view either way (check ``state``)."""
-        await gw.own_job(who, job_id)
-        return await backend.wait(job_id, timeout)
+        view = await gw.own_job(who, job_id)
+        return await gw.shown(who, view["tenant"], await backend.wait(job_id, timeout))
 
-    @app.get("/v1/jobs/{job_id}/stream", tags=["jobs"])
+    @app.get("/v1/jobs/{job_id}/stream", tags=["jobs"], response_class=NDJSON,
+             responses={200: {"content": {"application/x-ndjson": {"schema": {"type": "string"}}}}})
     async def stream(job_id: str, who: Who, poll_s: Annotated[float, Query(ge=0.05, le=10)] = 0.5) -> Response:
         """Newline-delimited JSON: the job's view each time its state or progress changes, until it ends."""
-        await gw.own_job(who, job_id)
+        tenant = (await gw.own_job(who, job_id))["tenant"]
 
         async def lines() -> AsyncIterator[bytes]:
             last = None
             while True:
-                info = await backend.job(job_id)
+                info = await gw.shown(who, tenant, await backend.job(job_id))
                 key = (info["state"], json.dumps(jsonable(info["progress"]), sort_keys=True))
                 if key != last:
                     last = key
@@ -402,12 +468,12 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
                     return
                 await asyncio.sleep(poll_s)
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        return NDJSON(lines())
 
     @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"])
     async def cancel(job_id: str, who: Who) -> Any:
-        await gw.own_job(who, job_id)
-        return await backend.cancel(job_id)
+        view = await gw.own_job(who, job_id)
+        return await gw.shown(who, view["tenant"], await backend.cancel(job_id))
 
     # -- low level (Tinker-style) -------------------------------------------------------------
     @app.post("/v1/tenants/{tenant}/forward_backward", tags=["low level"])
@@ -426,11 +492,51 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         async with gw.queued(tenant):
             return await backend.op(tenant, "forward_backward", batch, body.loss, session)
 
-    @app.post("/v1/tenants/{tenant}/optim_step", tags=["low level"])
-    async def optim_step(tenant: str, who: Who, session: OpSession) -> dict[str, Any]:
+    @app.post("/v1/tenants/{tenant}/forward", tags=["low level"])
+    async def forward(tenant: str, body: ForwardBody, who: Who, session: OpSession) -> dict[str, Any]:
+        """Without a gradient, ordered with the tenant's training calls: each row's log-probability of its action
+        (``outputs.logprobs``), the policy's entropy and value there (Gaussian heads)."""
         who.may_act_on(tenant)
+        spec, schema = await gw.spec_schema(tenant)
+        lim = gw.limits(tenant)
+        batch = body.batch
+        if spec is not None:
+            if spec.action_head not in RL_ACTION_HEADS:
+                raise SpecError(f"tenant {tenant!r}: forward gives log-probabilities of actions, and its "
+                                f"{spec.action_head!r} head is a flow-matching expert without them")
+            batch = await asyncio.to_thread(check_batch, body.batch, schema, "sft", chunk=spec.chunk,
+                                            max_rows=lim.max_batch_rows,
+                                            max_instruction_chars=lim.max_instruction_chars)
         async with gw.queued(tenant):
-            return await backend.op(tenant, "optim_step", session=session)
+            return await backend.op(tenant, "forward", batch, session=session)
+
+    @app.post("/v1/tenants/{tenant}/optim_step", tags=["low level"])
+    async def optim_step(tenant: str, who: Who, session: OpSession, body: OptimStepBody | None = None
+                         ) -> dict[str, Any]:
+        """Apply the accumulated gradients; ``adam``: this step's Adam settings (Tinker's ``AdamParams``)."""
+        who.may_act_on(tenant)
+        adam = body.adam.model_dump(exclude_none=True) if body is not None and body.adam is not None else None
+        async with gw.queued(tenant):
+            return await backend.op(tenant, "optim_step", session=session, **({"adam": adam} if adam else {}))
+
+    @app.post("/v1/tenants/{tenant}/save_state", tags=["low level"])
+    async def save_state(tenant: str, body: StateBody, who: Who, session: OpSession) -> dict[str, Any]:
+        """Save the training state (head, adapter, optimizer state) under ``name`` in the tenant's ``states/``
+        (a state of that name is replaced); it is not a policy version."""
+        who.may_act_on(tenant)
+        name = check_state_name(body.name)
+        await gw.check_storage(tenant, await gw.output_dir(tenant))
+        async with gw.queued(tenant):
+            return await backend.op(tenant, "save_state", session=session, name=name)
+
+    @app.post("/v1/tenants/{tenant}/load_state", tags=["low level"])
+    async def load_state(tenant: str, body: StateBody, who: Who, session: OpSession) -> dict[str, Any]:
+        """Back to a saved training state; the version does not move back (``save_weights`` publishes the loaded
+        weights as a new version)."""
+        who.may_act_on(tenant)
+        name = check_state_name(body.name)
+        async with gw.queued(tenant):
+            return await backend.op(tenant, "load_state", session=session, name=name)
 
     @app.post("/v1/tenants/{tenant}/save_weights", tags=["low level"])
     async def save_weights(tenant: str, who: Who, session: OpSession) -> dict[str, Any]:
@@ -445,18 +551,23 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         """An action from the inference engine, grouped with other tenants' requests. A tenant has at most
         ``limits.max_inflight_predicts`` predicts queued or running at once, the gateway
         ``qos.max_inflight_predicts``: past them the answer is 429 with ``Retry-After`` (nothing was done;
-        send again later). Tenants' queued predicts are served round-robin. The answer's ``Server-Timing``
-        header times each hop (http, auth, check, gateway_queue, to_engine, engine_queue, forward, reply)."""
+        send again later). Tenants' queued predicts are served round-robin. ``deterministic: false`` samples:
+        reproducibly with a ``seed``; ``n`` samples come with their log-probabilities in ``actions`` and
+        ``logprobs``. The answer's ``Server-Timing`` header times each hop (http, auth, check, gateway_queue,
+        to_engine, engine_queue, forward, reply)."""
         spans = spans_of(request.scope) or {}
         t_route = time.perf_counter()
         if "_t0" in spans:
             spans["http"] = t_route - spans["_t0"] - spans.get("auth", 0.0)
         who.may_act_on(tenant)
+        if body.deterministic and (body.seed is not None or body.n > 1):
+            raise SpecError("seed and n > 1 draw samples: set deterministic to false")
         _, schema = await gw.spec_schema(tenant)
         lim = gw.limits(tenant)
         obs = check_observation(body.observation, schema, max_instruction_chars=lim.max_instruction_chars)
         spans["check"] = time.perf_counter() - t_route
-        out = await gw.serving.predict(tenant, obs, body.version, body.deterministic, spans)
+        out = await gw.serving.predict(tenant, obs, body.version, body.deterministic, spans, body.seed,
+                                      body.n)
         spans["_tenant"], spans["_t_done"] = tenant, time.perf_counter()
         return NexusJSON(out)  # type: ignore[return-value]  # rendered once here (numpy to lists, NaN to null)
 
@@ -511,20 +622,20 @@ def export_target(path: str, output_dir: str, operator: bool) -> str:
     tenant's path must stay inside it (no '..', no symlink on the way, not the dir itself or a folder the
     service manages); the operator may name any absolute path."""
     if "\x00" in path or not path.strip():
-        raise SpecError(f"export path {path!r} is not a path")
+        raise SpecError(f"export path {quote(path)} is not a path")
     full = path if os.path.isabs(path) else os.path.join(output_dir, path)
     if operator:
         return os.path.normpath(full)
     if ".." in path.split("/"):
-        raise Forbidden(f"export path {path!r}: '..' is not allowed")
+        raise Forbidden(f"export path {quote(path)}: '..' is not allowed")
     try:
         target = confine(full, output_dir)
         rel = target.relative_to(confine(output_dir, output_dir))
     except (Forbidden, ValueError):
-        raise Forbidden(f"export path {path!r} refused: a tenant exports only inside its own output dir "
+        raise Forbidden(f"export path {quote(path)} refused: a tenant exports only inside its own output dir "
                         "(default: exports/vNNNNNN)") from None
     if not rel.parts or rel.parts[0] in _MANAGED or rel.parts[0] == "manifest.json":
-        raise Forbidden(f"export path {path!r} refused: it is the output dir or a folder the service manages; "
+        raise Forbidden(f"export path {quote(path)} refused: it is the output dir or a folder the service manages; "
                         "use a path under exports/")
     return str(target)
 
@@ -534,11 +645,11 @@ def init_from_allowed(path: str, own_dir: str | None) -> None:
     if own_dir is None:
         raise Forbidden("init_from needs the operator token, or a tenant token whose output dir holds the export")
     if not os.path.isabs(path) or ".." in path.split("/"):
-        raise Forbidden(f"init_from {path!r} refused: give the absolute path of an export in your output dir")
+        raise Forbidden(f"init_from {quote(path)} refused: give the absolute path of an export in your output dir")
     try:
         confine(path, own_dir, must_exist=True)
     except (Forbidden, NotFound):
-        raise Forbidden(f"init_from {path!r} refused: a tenant may start from an export inside its own output "
+        raise Forbidden(f"init_from {quote(path)} refused: a tenant may start from an export inside its own output "
                         "dir only") from None
 
 
@@ -558,22 +669,22 @@ def _list_files(root: str) -> list[dict[str, Any]]:
 def _open_file(root: str, rel: str) -> BinaryIO:
     """The opened regular file at ``rel`` inside ``root`` (not through a symlink)."""
     if rel.startswith("/") or "\x00" in rel:
-        raise SpecError(f"path {rel!r}: give a path relative to the tenant's output dir")
+        raise SpecError(f"path {quote(rel)}: give a path relative to the tenant's output dir")
     if ".." in rel.split("/"):
-        raise Forbidden(f"path {rel!r}: '..' is not allowed")
+        raise Forbidden(f"path {quote(rel)}: '..' is not allowed")
     path = confine(os.path.join(root, rel), root, must_exist=True)
     if os.path.isdir(path):
-        raise SpecError(f"path {rel!r} is a directory; GET .../files lists them")
+        raise SpecError(f"path {quote(rel)} is a directory; GET .../files lists them")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except IsADirectoryError:
-        raise SpecError(f"path {rel!r} is a directory") from None
+        raise SpecError(f"path {quote(rel)} is a directory") from None
     except OSError as e:
-        raise NotFound(f"no file {rel!r} ({e.strerror})") from None
+        raise NotFound(f"no file {quote(rel)} ({e.strerror})") from None
     f = os.fdopen(fd, "rb")
     if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
         f.close()
-        raise SpecError(f"path {rel!r} is not a regular file")
+        raise SpecError(f"path {quote(rel)} is not a regular file")
     return f
 
 

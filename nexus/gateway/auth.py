@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nexus.errors import Forbidden, Unauthorized
+from nexus.errors import Forbidden, Unauthorized, quote
 from nexus.paths import private_mkdir, private_write_bytes
 
 TENANT_PREFIX, OPERATOR_PREFIX = "nxt_", "nxo_"
@@ -46,7 +46,7 @@ class Principal:
         """Raise unless this principal may read and write ``tenant``."""
         if self.operator or self.tenant == tenant:
             return
-        raise Forbidden(f"this token does not give access to tenant {tenant!r}")
+        raise Forbidden(f"this token does not give access to tenant {quote(tenant)}")
 
     def require_operator(self, what: str) -> None:
         if not self.operator:

@@ -17,7 +17,7 @@ import uuid
 from typing import Any
 
 from nexus.engine_client import EngineClient, call_engine
-from nexus.errors import NexusError, NotFound, NotSupported, Unavailable
+from nexus.errors import NexusError, NotFound, NotSupported, Unavailable, quote
 from nexus.messages import EngineEndpoint
 
 logger = logging.getLogger("nexus.gateway")
@@ -68,7 +68,7 @@ class Backend:
     async def tenant_view(self, tenant: str) -> dict[str, Any]:
         rows = (await self.status(tenant=tenant))["tenants"]
         if not rows:
-            raise NotFound(f"unknown tenant {tenant!r}")
+            raise NotFound(f"unknown tenant {quote(tenant)}")
         return rows[0]
 
     async def submit(self, tenant: str, job: dict[str, Any]) -> str:
@@ -113,11 +113,12 @@ class Backend:
         return self._actor
 
     async def op(self, tenant: str, verb: str, batch: dict[str, Any] | None = None, loss: str = "sft",
-                 session: str | None = None) -> Any:
+                 session: str | None = None, **options: Any) -> Any:
         """A Tinker-style op; the batch goes to the actor worker directly, the scheduler sees its name.
-        ``session``: the client connection's id (its ops are one MLflow run)."""
+        ``session``: the client connection's id (its ops are one MLflow run); ``options``: ``adam`` (optim_step),
+        ``name`` (save_state / load_state)."""
         if batch is None:
-            return await self._call("nexus_op", tenant=tenant, verb=verb, loss=loss, session=session)
+            return await self._call("nexus_op", tenant=tenant, verb=verb, loss=loss, session=session, **options)
         name = f"nexus-op-{tenant}-{uuid.uuid4().hex[:12]}"
         actor = await self._actor_address()
         workers = [actor] if actor else None
@@ -129,7 +130,8 @@ class Backend:
             (fut,) = await self.client.scatter([batch], direct=True, workers=workers, hash=False)
         await self.client.publish_dataset(fut, name=name)
         try:
-            return await self._call("nexus_op", tenant=tenant, verb=verb, data=name, loss=loss, session=session)
+            return await self._call("nexus_op", tenant=tenant, verb=verb, data=name, loss=loss, session=session,
+                                    **options)
         finally:
             try:
                 await self.client.unpublish_dataset(name)
@@ -173,7 +175,7 @@ class Backend:
         except NexusError:
             raise
         except KeyError as e:
-            raise NotFound(str(e.args[0]) if e.args else f"unknown tenant {tenant!r}") from None
+            raise NotFound(str(e.args[0]) if e.args else f"unknown tenant {quote(tenant)}") from None
         except (RuntimeError, OSError, TimeoutError) as e:
             raise Unavailable(f"the inference engine is unavailable ({type(e).__name__}: {e})") from None
 

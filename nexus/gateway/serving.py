@@ -72,11 +72,13 @@ class Pending:
     deterministic: bool
     future: asyncio.Future
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    seed: int | None = None  # a reproducible sample
+    n: int = 1  # samples (each a row of the engine's group)
     t_queued: float = field(default_factory=time.perf_counter)
     t_sent: float = 0.0
 
     def wire(self) -> list[Any]:
-        return [self.tenant, self.obs, self.version, self.deterministic, self.request_id]
+        return [self.tenant, self.obs, self.version, self.deterministic, self.request_id, self.seed, self.n]
 
 
 class EngineLane:
@@ -197,9 +199,9 @@ class PredictServer:
         return lane
 
     async def predict(self, tenant: str, obs: Any, version: int | None, deterministic: bool,
-                      spans: dict[str, float]) -> dict[str, Any]:
-        """One predict: admitted (or :class:`Overloaded`), queued fairly, sent gathered, re-routed if refused.
-        Fills ``spans`` with its hops from ``gateway_queue`` on."""
+                      spans: dict[str, float], seed: int | None = None, n: int = 1) -> dict[str, Any]:
+        """One predict (``n`` samples, reproducible with ``seed``): admitted (or :class:`Overloaded`), queued
+        fairly, sent gathered, re-routed if refused. Fills ``spans`` with its hops from ``gateway_queue`` on."""
         try:
             self.budgets.acquire(tenant)
         except Overloaded:
@@ -209,7 +211,8 @@ class PredictServer:
             deadline = time.monotonic() + self.route_timeout_s
             ep = await self.routes.endpoint(tenant)
             while True:
-                p = Pending(tenant, obs, version, deterministic, asyncio.get_running_loop().create_future())
+                p = Pending(tenant, obs, version, deterministic, asyncio.get_running_loop().create_future(),
+                            seed=seed, n=n)
                 lane = self._lane(ep)
                 lane.put(p)
                 try:

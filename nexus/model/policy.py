@@ -218,9 +218,11 @@ class TenantPolicy(nn.Module):
 
     @torch.no_grad()
     def act(self, feat: BackboneFeatures | torch.Tensor, proprio: torch.Tensor, deterministic: bool = False,
-            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            generator: torch.Generator | None = None, noise: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sample (or take the deterministic action) -> (unclipped action [N, A], logprob [N], value [N]).
 
+        ``noise``: a Gaussian head's standard-normal draws [N, chunk * A] (each row's own; else from ``generator``).
         Flow families return logprob and value 0 (they have neither; RL is refused for them).
         """
         feats, proprio = self._inputs(feat, proprio)
@@ -232,9 +234,10 @@ class TenantPolicy(nn.Module):
         if deterministic:
             action = dist.mean
         else:
-            noise = torch.randn(dist.mean.shape, generator=generator, device=dist.mean.device,
-                                dtype=dist.mean.dtype)
-            action = dist.mean + dist.stddev * noise
+            if noise is None:
+                noise = torch.randn(dist.mean.shape, generator=generator, device=dist.mean.device,
+                                    dtype=dist.mean.dtype)
+            action = dist.mean + dist.stddev * noise.to(dist.mean.device, dist.mean.dtype).reshape(dist.mean.shape)
         return action, dist.log_prob(action).sum(-1), self.value(feats, proprio)  # type: ignore[misc]
 
     def evaluate(self, feat: BackboneFeatures | torch.Tensor, proprio: torch.Tensor,

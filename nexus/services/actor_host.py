@@ -28,12 +28,13 @@ from nexus.data.offline_dataset import OfflineDataset
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.trajectory_store import FEATURE_COLUMN, batch_metadata, table_to_observations
 from nexus.engine_client import EngineSet
-from nexus.errors import Unavailable
+from nexus.errors import NotFound, Unavailable
 from nexus.features import Observation
 from nexus.messages import Rendezvous, SyncRule
 from nexus.model.backbone import BackboneConfig, SharedBackbone
 from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.framework import VLAFramework
+from nexus.model.policy import TenantPolicy
 from nexus.services.process_group import ensure_distributed
 from nexus.services.tenant_slot import TenantSlot
 from nexus.signals import emit
@@ -66,6 +67,7 @@ class ActorHost:
         self.datasets: dict[str, OfflineDataset] = {}
         self.action_chunks: dict[str, ActionChunks] = {}  # dataset name -> chunked SFT targets
         self.offloaded: dict[str, int] = {}  # tenant -> the version its slot was offloaded at (on disk)
+        self.references: dict[str, tuple[int, TenantPolicy]] = {}  # tenant -> a GRPO job's KL reference head
 
     @property
     def feat_dim(self) -> int:
@@ -117,6 +119,19 @@ class ActorHost:
         part = table if rows is None else table.take(rows)
         feats, proprio = self.features(slot.name, table_to_observations(part, slot.schema))
         return feats, proprio, False
+
+    def reference(self, slot: TenantSlot, output_dir: str, version: int) -> TenantPolicy:
+        """A frozen copy of the tenant's policy at a recorded ``version`` (a GRPO job's KL reference), read once
+        from its weights file and kept while the job asks for that version."""
+        held = self.references.get(slot.name)
+        if held is None or held[0] != version:
+            path = TenantOutputDir(output_dir).weights_path(version)
+            if not path.exists():
+                raise NotFound(f"version {version} of tenant {slot.name!r} has no weights (pruned): it was the KL "
+                               "reference of this GRPO job")
+            policy = TenantPolicy.from_bytes(path.read_bytes(), slot.spec, slot.schema, self.feat_dim, slot.chunk)
+            self.references[slot.name] = held = (version, policy.requires_grad_(False))
+        return held[1]
 
     # -- versions ---------------------------------------------------------------------------------------
     @property

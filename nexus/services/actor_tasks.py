@@ -2,9 +2,9 @@
 built, rebuilt and dropped; one training-queue item run; a job finished; a version exported.
 
 An update is one function per kind of work, each handing its batch to its algorithm (:data:`UPDATES`:
-SFT → ``nexus.algorithms.sft``, RL → ``nexus.algorithms.ppo``); then the new version is published
-(:meth:`ActorHost.publish`). Low-level ops (:mod:`nexus.services.ops`) make a version only when they save
-weights.
+SFT → ``nexus.algorithms.sft``, RL → ``nexus.algorithms.ppo`` or ``nexus.algorithms.grpo``); then the new
+version is published (:meth:`ActorHost.publish`). Low-level ops (:mod:`nexus.services.ops`) make a version
+only when they save weights.
 """
 
 from __future__ import annotations
@@ -13,16 +13,18 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from distributed import get_worker
 
-from nexus.algorithms import ppo, sft
+from nexus.algorithms import grpo, ppo, sft
 from nexus.algorithms.shards import Shard, shard
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.trajectory_store import read_ipc, table_arrays
 from nexus.engine_client import EngineSet
 from nexus.messages import (
     EngineEndpoint,
+    GRPOWork,
     OpWork,
     RLWork,
     SFTWork,
@@ -63,6 +65,7 @@ def rebuild_slots(actor: ActorHost, setups: list[TenantSetup], offloaded: list[s
 def drop_tenant(actor: ActorHost, tenant: str) -> bool:
     drop_slot(actor, tenant)
     actor.offloaded.pop(tenant, None)
+    actor.references.pop(tenant, None)
     return True
 
 
@@ -140,8 +143,28 @@ def update_rl(actor: ActorHost, slot: TenantSlot, work: RLWork) -> dict[str, flo
     return ppo.update(slot, feats, proprio, arrays, work.config) | {"cached_features": float(cached)}
 
 
-UPDATES: dict[type, Callable[[ActorHost, TenantSlot, Any], dict[str, float]]] = {SFTWork: update_sft,
-                                                                                RLWork: update_rl}
+def update_grpo(actor: ActorHost, slot: TenantSlot, work: GRPOWork, output_dir: str) -> dict[str, float]:
+    """One GRPO update on a stored batch of whole groups; with ``kl_coef`` > 0 the reference head (the version
+    the job started from) scores this rank's steps first."""
+    table = read_ipc(work.batch.path)
+    arrays = table_arrays(table)
+    own = None if slot.world_size == 1 else shard(table.num_rows, slot.rank, slot.world_size).rows
+    feats, proprio, cached = actor.batch_features(slot, table, arrays, work.use_cached_features, own)
+    ref_logprob = None
+    if work.ref_version is not None and work.config.kl_coef > 0:
+        ref = actor.reference(slot, output_dir, work.ref_version)
+        mine = slice(None) if own is None else own
+        with torch.no_grad():
+            ref_logprob, _, _ = ref.evaluate(feats, proprio, torch.as_tensor(np.array(arrays["action"][mine])))
+    return grpo.update(slot, feats, proprio, arrays, work.config, ref_logprob) | {"cached_features": float(cached)}
+
+
+# one update per kind of work: (actor, slot, work, the tenant's output dir) -> metrics
+UPDATES: dict[type, Callable[[ActorHost, TenantSlot, Any, str], dict[str, float]]] = {
+    SFTWork: lambda actor, slot, work, _: update_sft(actor, slot, work),
+    RLWork: lambda actor, slot, work, _: update_rl(actor, slot, work),
+    GRPOWork: update_grpo,
+}
 
 
 def run_update(actor: ActorHost, req: UpdateRequest, data: Any = None) -> UpdateResult:
@@ -154,19 +177,20 @@ def update(actor: ActorHost, req: UpdateRequest, engines: EngineSet, data: Any =
     slot = slot_for(actor, req.tenant)
     out = TenantOutputDir(req.tenant.output_dir)
     work: Work = req.work
-    kind = "op" if isinstance(work, OpWork) else "rl" if isinstance(work, RLWork) else "sft"
+    kind = "op" if isinstance(work, OpWork) else "rl" if isinstance(work, RLWork | GRPOWork) else "sft"
     with metered(slot.name, kind, req.job) as sig:
+        outputs = None
         if isinstance(work, OpWork):
-            version, metrics = ops.run_op(actor, slot, work, data, out, engines)
+            version, metrics, outputs = ops.run_op(actor, slot, work, data, out, engines)
             sync: dict[str, float] = {}
         else:
-            metrics = UPDATES[type(work)](actor, slot, work)
+            metrics = UPDATES[type(work)](actor, slot, work, req.tenant.output_dir)
             version, sync = actor.publish(slot, out, engines, f"{kind}:{req.item_id}", req.sync)
         sig.update(sync_s=sync.get("weight_sync_s", 0.0), sync_bytes=sync.get("weight_sync_bytes", 0.0),
                    synced=bool(sync.get("weight_sync_bytes")))
     metrics = {k: float(v) for k, v in {**metrics, **sync, "update_s": sig["t1"] - sig["t0"]}.items()}
     return UpdateResult(version=int(version), metrics=metrics, pushed_to=tuple(engines.pushed_to),
-                        push_errors=tuple(engines.errors))
+                        push_errors=tuple(engines.errors), outputs=outputs)
 
 
 # -- jobs and exports -----------------------------------------------------------------------------------

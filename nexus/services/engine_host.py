@@ -51,8 +51,9 @@ class EngineHost:
 
     # -- data path ---------------------------------------------------------------------------------
     async def predict(self, tenant: str, obs: Any, version: int | None = None, deterministic: bool = False,
-                      job: str | None = None, request_id: str | None = None) -> dict[str, Any]:
-        work = self.engine.predict(tenant, obs, version, deterministic, job)
+                      job: str | None = None, request_id: str | None = None, seed: int | None = None,
+                      n: int = 1) -> dict[str, Any]:
+        work = self.engine.predict(tenant, obs, version, deterministic, job, seed=seed, n=n)
         return await self._serve(tenant, [obs], request_id, work)
 
     async def predict_batch(self, tenant: str, observations: list, *args: Any, request_id: str | None = None,
@@ -63,14 +64,14 @@ class EngineHost:
 
     async def predict_many(self, requests: list[list[Any]]) -> dict[str, Any]:
         """Predicts of several callers (the gateway's gathered HTTP requests), each ``[tenant, obs, version,
-        deterministic, request_id]``: each passes the gate alone (a refused one fails alone), the others run
+        deterministic, request_id, seed, n]``: each passes the gate alone (a refused one fails alone), the others run
         as one request of the inference queue (``InferenceEngine.predict_rows``: one group, whatever B).
         -> ``replies`` (per request, in order: ``{"output", "wait_s", "compute_s"}`` or ``{"error":
         NexusError}``) and ``engine_s`` (this call's time on the engine)."""
         t0 = time.perf_counter()
         replies: list[dict[str, Any] | None] = [None] * len(requests)
         accepted: list[int] = []
-        for i, (tenant, obs, version, _det, _rid) in enumerate(requests):
+        for i, (tenant, obs, version, *_) in enumerate(requests):
             try:
                 self._gate(tenant, [obs])
                 if not self.engine.heads.serves(tenant, version):
@@ -79,7 +80,7 @@ class EngineHost:
             except Exception as e:
                 replies[i] = {"error": e}
         if accepted:
-            work = self.engine.predict_rows([tuple(requests[i][:4]) for i in accepted])
+            work = self.engine.predict_rows([(*requests[i][:4], *requests[i][5:7]) for i in accepted])
             try:
                 out = await self._run(work, [requests[i][4] for i in accepted])
             except Exception as e:  # the group failed: each of its requests sees why

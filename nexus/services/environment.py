@@ -252,7 +252,7 @@ def collect_episodes(env: SimEnv | BatchedEnv, policy: Policy, episodes: int, se
 
 def collect_waves(waves: list[SimEnv | BatchedEnv], client: ActionClient, episodes: int, seed: int,
                   tenant: str, episode_offset: int = 0,
-                  keep_features: bool = False) -> tuple[dict[str, np.ndarray], ProducerStats]:
+                  keep_features: bool = False, group_size: int = 1) -> tuple[dict[str, np.ndarray], ProducerStats]:
     """:func:`collect_episodes` over several groups ("waves") of envs, each asking ``client`` for
     the actions of all its running envs in one request.
 
@@ -261,7 +261,8 @@ def collect_waves(waves: list[SimEnv | BatchedEnv], client: ActionClient, episod
     plain lockstep. Episodes go to free slots of any wave in id order, so the episodes, their seeds
     and the column layout do not depend on how the envs are split. ``keep_features``: when every
     reply carries features of one backbone, they become a ``feature`` column [N, H] (float32) and
-    ``stats.feature_key`` names that backbone.
+    ``stats.feature_key`` names that backbone. ``group_size`` > 1 (GRPO): episode id ``e`` is reset with seed
+    ``seed + e // group_size``, so each group of ``group_size`` consecutive episodes starts from one state.
     """
     if episodes < 0:
         raise ValueError("episodes must be >= 0")
@@ -286,7 +287,7 @@ def collect_waves(waves: list[SimEnv | BatchedEnv], client: ActionClient, episod
         for s in slots:
             if pending:
                 i = pending.pop()
-                slot_ep[(w, s)], seeds[s] = i, seed + episode_offset + i
+                slot_ep[(w, s)], seeds[s] = i, seed + (episode_offset + i) // group_size
                 records[i] = {k: [] for k in (*_STEP_KEYS, *(f"image.{c}" for c in cams))}
                 features[i] = []
         if seeds:

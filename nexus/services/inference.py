@@ -30,6 +30,7 @@ from nexus.services.inference_queue import Group, InferenceQueue
 from nexus.services.tenant_heads import TenantHeads
 from nexus.spec import TenantSpec
 
+MAX_SAMPLES = 64  # samples of one predict request (the gateway allows as many)
 
 @dataclass
 class _Request:
@@ -42,6 +43,7 @@ class _Request:
     job: str | None
     features: bool = False  # also return the row's pooled backbone feature
     t_arrival: float = field(default_factory=time.monotonic)
+    seed: int | None = None  # a sampled row's own noise seed (reproducible, whatever group it joins)
 
 
 class InferenceEngine:
@@ -137,23 +139,28 @@ class InferenceEngine:
         return self.queue.batcher.producers()
 
     async def predict(self, tenant: str, obs: Any, version: int | None = None,
-                      deterministic: bool = False, job: str | None = None) -> dict[str, Any]:
-        """One action for one observation; grouped with other tenants' requests.
+                      deterministic: bool = False, job: str | None = None, seed: int | None = None,
+                      n: int = 1) -> dict[str, Any]:
+        """One action for one observation; grouped with other tenants' requests. A sample (not
+        ``deterministic``) drawn with ``seed`` is reproducible; ``n`` > 1 samples (sample j with ``seed + j``) come
+        as ``actions`` [n, A] and ``logprobs`` [n] besides the first one's fields.
 
         ``job`` only labels the request for metering."""
-        reply = await self.predict_batch(tenant, [obs], version, deterministic, job)
-        return reply["outputs"][0]
+        reply = await self.predict_batch(tenant, [obs] * _samples(n), version, deterministic, job,
+                                         seeds=_sample_seeds(seed, n))
+        return _one_reply(reply["outputs"])
 
     async def predict_batch(self, tenant: str, observations: list, version: int | None = None,
                             deterministic: bool = False, job: str | None = None, producer: str | None = None,
-                            features: bool = False, features_max_dim: int = 0) -> dict[str, Any]:
+                            features: bool = False, features_max_dim: int = 0,
+                            seeds: list[int | None] | None = None) -> dict[str, Any]:
         """Actions for several observations of one tenant (a producer's envs), as one request.
 
         -> ``outputs`` (one dict per observation, in order: action, logprob, value, version),
         ``features`` float32 [n, H] pooled backbone features or None (asked with ``features`` and
         only when H <= ``features_max_dim``), ``feature_key`` (the forward's compat key), ``wait_s``
         (this request's wait for its group), ``compute_s`` (the group's compute), ``group_rows``.
-        ``producer`` names the calling producer (see :meth:`open_producer`)."""
+        ``producer`` names the calling producer (see :meth:`open_producer`); ``seeds``: each row's sampling seed."""
         if tenant not in self.heads.live:
             raise KeyError(f"tenant {tenant!r} is not registered on this inference engine")
         if not self.heads.serves(tenant, version):
@@ -162,25 +169,33 @@ class InferenceEngine:
             raise ValueError("predict_batch needs at least one observation")
         want = bool(features) and self.heads.framework.backbone.hidden_size <= features_max_dim
         now = time.monotonic()
-        rows = [_Request(tenant, o, version, deterministic, job, want, now) for o in observations]
+        seeds = seeds or [None] * len(observations)
+        rows = [_Request(tenant, o, version, deterministic, job, want, now, s) for o, s in zip(observations, seeds,
+                                                                                                strict=True)]
         outs, wait, compute, group_rows = await self.queue.submit(rows, producer)
         feats = np.stack([o.pop("feature") for o in outs]) if want else None
         return {"outputs": outs, "features": feats,
                 "feature_key": self.heads.feature_keys.get(tenant) if want else None,
                 "wait_s": wait, "compute_s": compute, "group_rows": group_rows}
 
-    async def predict_rows(self, requests: list[tuple[str, Any, int | None, bool]]) -> dict[str, Any]:
-        """Several callers' predicts, one observation each, possibly of different tenants (the gateway's
-        gathered HTTP requests; each already checked): one request of the inference queue, so they share
-        one group whatever B (the queue takes whole requests). -> ``outputs`` in order, ``wait_s``,
-        ``compute_s`` (the group's), ``group_rows``."""
-        for tenant, _, version, _ in requests:
+    async def predict_rows(self, requests: list[tuple[str, Any, int | None, bool, int | None, int]]) -> dict[str, Any]:
+        """Several callers' predicts ``(tenant, obs, version, deterministic, seed, n)``, possibly of different
+        tenants (the gateway's gathered HTTP requests; each already checked): one request of the inference
+        queue, so they share one group whatever B (the queue takes whole requests); a request of ``n`` samples
+        is ``n`` rows (as :meth:`predict`). -> ``outputs`` in order (one per request), ``wait_s``, ``compute_s``
+        (the group's), ``group_rows``."""
+        for tenant, _, version, *_ in requests:
             if not self.heads.serves(tenant, version):
                 raise KeyError(f"version {version} of tenant {tenant!r} is neither live nor pinned")
         now = time.monotonic()
-        rows = [_Request(tenant, obs, version, det, None, False, now) for tenant, obs, version, det in requests]
+        rows, spans = [], []
+        for tenant, obs, version, det, seed, n in requests:
+            seeds = _sample_seeds(seed, n) or [None] * _samples(n)
+            spans.append((len(rows), len(seeds)))
+            rows += [_Request(tenant, obs, version, det, None, False, now, s) for s in seeds]
         outs, wait, compute, group_rows = await self.queue.submit(rows, None)
-        return {"outputs": outs, "wait_s": wait, "compute_s": compute, "group_rows": group_rows}
+        return {"outputs": [_one_reply(outs[i:i + k]) for i, k in spans], "wait_s": wait, "compute_s": compute,
+                "group_rows": group_rows}
 
     # -- the model ----------------------------------------------------------------------------------------
     async def _forward_group(self, group: list[_Request]) -> list[dict[str, Any]]:
@@ -205,8 +220,9 @@ class InferenceEngine:
             for (version, det), rows in heads.items():
                 policy = self.heads.policy_of(tenant, version)
                 proprio = torch.as_tensor(np.stack([feats[idx[row]].proprio for row in rows]))
+                seeds = [group[idx[row]].seed for row in rows]
                 with torch.no_grad():
-                    action, logprob, value = policy.act(cond[rows], proprio, deterministic=det)
+                    action, logprob, value = _act(policy, cond[rows], proprio, det, seeds)
                 action = action.float().cpu().numpy()  # unclipped sample: its logprob is PPO's
                 for j, row in enumerate(rows):
                     out = {"action": action[j][:policy.action_dim], "logprob": float(logprob[j]),
@@ -217,3 +233,39 @@ class InferenceEngine:
                         out["feature"] = cond.pooled[row].float().cpu().numpy()
                     outs[idx[row]] = out
         return outs  # type: ignore[return-value]
+
+
+def _samples(n: int) -> int:
+    if not 1 <= n <= MAX_SAMPLES:
+        raise ValueError(f"n={n}: 1 to {MAX_SAMPLES} samples")
+    return n
+
+
+def _sample_seeds(seed: int | None, n: int) -> list[int | None] | None:
+    """Sample j of a seeded request is drawn with ``seed + j`` (None: the engine's own randomness)."""
+    return None if seed is None else [seed + j for j in range(_samples(n))]
+
+
+def _one_reply(outputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A request's answer from its rows' outputs: the first sample's fields, and with several samples all
+    of them as ``actions`` [n, A] and ``logprobs`` [n]."""
+    out = dict(outputs[0])
+    if len(outputs) > 1:
+        out["actions"] = np.stack([o["action"] for o in outputs])
+        out["logprobs"] = [o["logprob"] for o in outputs]
+    return out
+
+
+def _act(policy, cond, proprio: torch.Tensor, deterministic: bool, seeds: list[int | None]):
+    """The head's actions of some rows; a row with a seed draws its sample from its own generator, so the same
+    request gives the same sample in any group."""
+    if deterministic or all(s is None for s in seeds):
+        return policy.act(cond, proprio, deterministic=deterministic)
+    if policy.gaussian:
+        width = policy.chunk * policy.action_dim
+        noise = torch.stack([torch.randn(width) if s is None else
+                             torch.randn(width, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        return policy.act(cond, proprio, noise=noise)
+    parts = [policy.act(cond[[r]], proprio[r:r + 1], generator=None if s is None else
+                        torch.Generator().manual_seed(s)) for r, s in enumerate(seeds)]
+    return tuple(torch.cat([p[k] for p in parts]) for k in range(3))

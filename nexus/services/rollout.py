@@ -102,7 +102,8 @@ def prewarm(pool: EnvPool, env_name: str, envs: int, waves: int = 1, vector_mode
 def collect(pool: EnvPool, tenant: str, env_name: str, output_dir: str, schema: TenantSchema, episodes: int,
             seed: int, episode_offset: int, deterministic: bool, version: int | None, engine,
             job: str | None = None, producer: DataPathSettings | None = None,
-            t_start: float | None = None, stopped: Callable[[], bool] = lambda: False) -> RolloutResult:
+            t_start: float | None = None, stopped: Callable[[], bool] = lambda: False,
+            group_size: int = 1) -> RolloutResult:
     """Run ``episodes`` episodes (ids from ``episode_offset``) with envs from ``pool``; RL batches are
     stored, eval episodes (pinned ``version``) are not.
 
@@ -110,7 +111,8 @@ def collect(pool: EnvPool, tenant: str, env_name: str, output_dir: str, schema: 
     ``producer_waves`` waves, each wave asking the engine for all its actions in one request; RL batches
     keep the rollout's backbone features when ``cache_features``. ``t_start``: when the task began (its
     simulator slot is the tenant's from then on; default now). ``stopped``: asked before every step; True
-    (its job was cancelled) ends the rollout with :class:`ProducerStopped`."""
+    (its job was cancelled) ends the rollout with :class:`ProducerStopped`. ``group_size``: GRPO's groups
+    of episodes reset with one seed (``environment.collect_waves``)."""
     t_start = time.time() if t_start is None else t_start
     dp = producer or DataPathSettings()
     entry = catalog.env(env_name)
@@ -125,7 +127,8 @@ def collect(pool: EnvPool, tenant: str, env_name: str, output_dir: str, schema: 
         link.open()
         try:
             columns, pstats = collect_waves(groups, link, episodes=episodes, seed=seed, tenant=tenant,
-                                            episode_offset=episode_offset, keep_features=rl and dp.cache_features)
+                                            episode_offset=episode_offset, keep_features=rl and dp.cache_features,
+                                            group_size=group_size)
         finally:
             link.close()
     except BaseException:

@@ -144,16 +144,30 @@ class TenantSlot:
         self.engine.backward(loss)
         self._pending_backward += 1
 
-    def optim_step(self) -> dict[str, float]:
-        """Apply the accumulated gradients (clipped to ``grad_clip``) and clear them."""
+    def optim_step(self, adam: dict[str, float | None] | None = None) -> dict[str, float]:
+        """Apply the accumulated gradients (clipped to ``grad_clip``) and clear them. ``adam``: this step's Adam
+        settings (``nexus.spec.AdamParams`` fields; unset ones keep the slot's own), restored after the step."""
         if self._pending_backward == 0:
             raise RuntimeError(f"tenant {self.name!r}: optim_step() without a forward_backward() "
                                "since the last step")
-        self.engine.step()
+        groups = self.engine.optimizer.param_groups
+        kept = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in groups]
+        for g in groups if adam else ():
+            beta1, beta2 = adam.get("beta1"), adam.get("beta2")  # type: ignore[union-attr]
+            g["betas"] = (g["betas"][0] if beta1 is None else beta1, g["betas"][1] if beta2 is None else beta2)
+            for ours, torchs in (("learning_rate", "lr"), ("eps", "eps"), ("weight_decay", "weight_decay")):
+                if adam.get(ours) is not None:  # type: ignore[union-attr]
+                    g[torchs] = adam[ours]  # type: ignore[index]
+        lr = float(self.engine.get_lr()[0])  # this step's
+        try:
+            self.engine.step()
+        finally:
+            for g, k in zip(groups, kept, strict=True):
+                g.update(k)
         self._pending_backward = 0
         grad_norm = self.engine.get_global_grad_norm()
-        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "lr": float(self.engine.get_lr()[0]), "optimizer_steps": float(self.engine.global_steps)}
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr,
+                "optimizer_steps": float(self.engine.global_steps)}
 
     def close(self) -> None:
         """Free the engine: DeepSpeed's gradient hooks live in autograd's C++ graph, where Python's garbage
@@ -199,6 +213,19 @@ class TenantSlot:
             Path(directory, "version").write_text(f"{self.version}\n")
         self.checkpoint_version = self.version
         return os.path.join(directory, tag)
+
+    def save_state(self, directory: str, name: str) -> None:
+        """The training state (params, adapter, optimizer state) under ``name`` (collective); the version and the
+        checkpoint bookkeeping stay as they are (a state is not a version)."""
+        self.engine.save_checkpoint(directory, tag=name, client_state={"version": self.version}, save_latest=False)
+
+    def load_state(self, directory: str, name: str) -> None:
+        """Back to the training state saved as ``name`` (collective). The version counter does not move back
+        (versions are never re-used): the next ``save_weights`` publishes the loaded weights as a new version."""
+        path, _ = self.engine.load_checkpoint(directory, tag=name, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no saved state {name!r} in {directory!r}")
 
     def load_checkpoint(self, directory: str, tag: str | None = None) -> None:
         """Restore params, optimizer state and version (``tag=None``: DeepSpeed's ``latest``)."""

@@ -32,6 +32,7 @@ from nexus.services.model_registry import log_policy_models
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's classic (non-GenAI) experiment view
+RUN_STATUS = {"done": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}  # a job's state -> its run's
 MAX_METRICS_PER_WRITE = 1000  # MLflow's limit for one log_batch
 
 
@@ -169,8 +170,7 @@ class Tracker:
                 png = plot_curves(history, Path(tmp) / f"{job_id}-curves.png", title=job_id)
                 if png is not None:
                     client.log_artifact(run_id, str(png), "plots")
-        client.set_terminated(run_id, "FINISHED" if status == "done" else "FAILED",
-                              end_time=int((end_time or time.time()) * 1000))
+        client.set_terminated(run_id, RUN_STATUS.get(status, "FAILED"), end_time=int((end_time or time.time()) * 1000))
 
     def flush(self) -> bool:
         return True
@@ -197,19 +197,31 @@ class Tracker:
         hist = self._mlflow().get_metric_history(self.runs[job_id], name)
         return max((m.step for m in hist), default=None)
 
-    def fail_interrupted(self, before_ms: int, root: str, reason: str) -> list[str]:
-        """Mark FAILED every run of this service root still RUNNING from before ``before_ms`` (a crashed
-        service's jobs); returns their job ids."""
+    def fail_interrupted(self, before_ms: int, root: str, reason: str,
+                         ended: dict[str, list[Any]] | None = None) -> list[str]:
+        """Close every run of this service root still RUNNING from before ``before_ms`` (a crashed or killed
+        service's): a job whose record says it ended (``ended``: job -> [state, t_end]) gets the record's state
+        and end time, the others FAILED with ``reason``. Runs already ended are never touched. Returns the job
+        ids marked FAILED."""
         client = self._mlflow()
         runs = client.search_runs([self._experiment_id], filter_string="attributes.status = 'RUNNING'",
                                   max_results=10_000)
         mine = self._root()  # the root this tracker serves (``root`` is the caller's view of it)
+        ended = ended or {}
         failed = []
         for r in runs:
-            if r.info.start_time < before_ms and r.data.tags.get("nexus.root", mine) in (mine, root):
-                client.set_tag(r.info.run_id, "nexus.error", reason)
-                client.set_terminated(r.info.run_id, "FAILED")
-                failed.append(r.data.tags.get("nexus.job", r.info.run_id))
+            if r.info.start_time >= before_ms or r.data.tags.get("nexus.root", mine) not in (mine, root):
+                continue
+            job = r.data.tags.get("nexus.job", r.info.run_id)
+            if job in ended:  # the job ended; only its run's end never arrived
+                state, t_end = ended[job]
+                client.set_tag(r.info.run_id, "nexus.closed_from_record", "true")
+                client.set_terminated(r.info.run_id, RUN_STATUS.get(state, "FAILED"),
+                                      int(t_end * 1000) if isinstance(t_end, int | float) else None)
+                continue
+            client.set_tag(r.info.run_id, "nexus.error", reason)
+            client.set_terminated(r.info.run_id, "FAILED")
+            failed.append(job)
         return failed
 
 
