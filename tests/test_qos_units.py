@@ -297,12 +297,14 @@ def test_engine_predict_many_gates_each_request_alone_and_runs_the_rest_as_one_g
             await host.engine.register_tenant(spec, schema, 0, buf.getvalue())
             host.schemas[name] = schema
         alone = await host.predict("a", obs, None, True)
+        sampled = await host.predict("b", obs, None, False, seed=7, n=2)
         host.engine.reset_stats()
         bad = Observation(state=np.zeros(3, np.float32))
-        out = await host.predict_many([["a", obs, None, True, "r1"], ["nope", obs, None, True, "r2"],
-                                       ["a", obs, 999, True, "r3"], ["b", bad, None, True, "r4"],
-                                       ["b", obs, None, True, "r5"], ["a", obs, None, True, "r6"]])
-        return {"alone": alone, "out": out, "stats": host.engine.engine_stats()}
+        # [tenant, obs, version, deterministic, request_id, seed, n]
+        out = await host.predict_many([["a", obs, None, True, "r1", None, 1], ["nope", obs, None, True, "r2", None, 1],
+                                       ["a", obs, 999, True, "r3", None, 1], ["b", bad, None, True, "r4", None, 1],
+                                       ["b", obs, None, False, "r5", 7, 2], ["a", obs, None, True, "r6", None, 1]])
+        return {"alone": alone, "sampled": sampled, "out": out, "stats": host.engine.engine_stats()}
 
     res = asyncio.run(main())
     host.engine.close()
@@ -311,7 +313,11 @@ def test_engine_predict_many_gates_each_request_alone_and_runs_the_rest_as_one_g
     assert isinstance(replies[1]["error"], NotFound) and isinstance(replies[2]["error"], NotFound)
     assert isinstance(replies[3]["error"], SpecError)  # a malformed observation fails alone
     np.testing.assert_allclose(replies[0]["output"]["action"], res["alone"]["action"], rtol=1e-5, atol=1e-6)
-    assert res["stats"]["groups"] == 1 and res["stats"]["requests"] == 3  # 3 rows in one group, B=2 or not
+    # two seeded samples in the gathered group: the same as asked alone (each row draws from its own seed)
+    assert replies[4]["output"]["actions"].shape == (2, 4) and len(replies[4]["output"]["logprobs"]) == 2
+    np.testing.assert_allclose(replies[4]["output"]["actions"], res["sampled"]["actions"], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(replies[4]["output"]["actions"][0], replies[4]["output"]["actions"][1])
+    assert res["stats"]["groups"] == 1 and res["stats"]["requests"] == 4  # 4 rows (r5: 2) in one group, B=2 or not
     assert {rid for _, rid in host.served_log} >= {"r1", "r5", "r6"}
     assert not {"r2", "r3", "r4"} & {rid for _, rid in host.served_log}
 
