@@ -15,6 +15,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nexus.control.flows import UpdateTally
 from nexus.control.queues import TrainingItem
 from nexus.errors import Conflict
 from nexus.messages import BatchRef, RLWork
@@ -66,13 +67,13 @@ class ExternalRollouts:
         updates are done; uploads dropped as stale count in ``dropped_stale``."""
         spec, name = js.spec, t.name
         box = self.inboxes[js.job_id] = _Inbox(name)
-        updates = dropped = episodes = env_steps = uploads = 0
+        tally, episodes, env_steps, uploads = UpdateTally(), 0, 0, 0
         items: set[asyncio.Task] = set()
         js.progress.update(updates=0, version=t.version, dropped_stale=0, episodes=0, uploads=0)
         get: asyncio.Task | None = None
         try:
-            while updates < spec.updates:
-                if get is None and updates + len(items) < spec.updates:
+            while tally.updates < spec.updates:
+                if get is None and tally.updates + len(items) < spec.updates:
                     get = asyncio.get_running_loop().create_task(box.queue.get())
                 waiting = items | ({get} if get is not None else set())
                 finished, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -92,13 +93,7 @@ class ExternalRollouts:
                     items.add(asyncio.get_running_loop().create_task(ctx.dispatcher.submit(item)))
                 for f in finished & items:
                     items.discard(f)
-                    res = f.result()
-                    if res.get("dropped"):
-                        dropped += 1
-                        ctx.log(js, {"dropped_stale": dropped}, dropped, "queue")
-                    else:
-                        updates += 1
-                        ctx.log_update(js, res, updates=updates)
+                    ctx.rl_item_done(js, f.result(), tally)
         finally:
             self.inboxes.pop(js.job_id, None)
             box.closed.set()
@@ -107,6 +102,6 @@ class ExternalRollouts:
                 f.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
-        return {"version": t.version, "updates": updates, "dropped_stale": dropped, "episodes": episodes,
+        return {"version": t.version, "updates": tally.updates, "dropped_stale": tally.dropped, "episodes": episodes,
                 "env_steps": env_steps, "uploads": uploads,
                 **{k: js.progress[k] for k in ("return", "success_rate") if k in js.progress}}

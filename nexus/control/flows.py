@@ -67,6 +67,23 @@ class FlowContext:
     def log_update(self, js: JobState, res: dict[str, Any], **counters: int) -> None:
         self.log(js, {**res["metrics"], **counters, "version": res["version"]}, res["version"], "train")
 
+    def rl_item_done(self, js: JobState, res: dict[str, Any], tally: UpdateTally) -> None:
+        """An RL job's update item came back: dropped as stale, or an update (its metrics logged)."""
+        if res.get("dropped"):
+            tally.dropped += 1
+            self.log(js, {"dropped_stale": tally.dropped}, tally.dropped, "queue")
+        else:
+            tally.updates += 1
+            self.log_update(js, res, updates=tally.updates)
+
+
+@dataclass
+class UpdateTally:
+    """An RL job's update items so far (service or external rollouts)."""
+
+    updates: int = 0
+    dropped: int = 0
+
 
 def producer_role(job_id: str) -> str:
     return f"producer/{job_id}"
@@ -159,7 +176,7 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
     name = t.name
     role = producer_role(js.job_id)
     ctx.health.register(role, "rollout")
-    updates = dropped = episodes = env_steps = 0
+    tally, episodes, env_steps = UpdateTally(), 0, 0
     rollouts: dict[asyncio.Task, tuple[int, int]] = {}  # task -> (episode offset, attempt)
     items: set[asyncio.Task] = set()
     js.progress.update(updates=0, version=t.version, dropped_stale=0, episodes=0)
@@ -182,8 +199,8 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
         return RLWork(batch=batch, config=spec.ppo)
 
     try:
-        while updates < spec.updates:
-            while (len(rollouts) < spec.collectors and updates + len(items) + len(rollouts) < spec.updates
+        while tally.updates < spec.updates:
+            while (len(rollouts) < spec.collectors and tally.updates + len(items) + len(rollouts) < spec.updates
                    and ctx.queue.reserve(name)):
                 collect(t.episodes, 0)
                 t.episodes += spec.episodes_per_batch
@@ -220,13 +237,7 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
                     items.add(_spawn(ctx.dispatcher.submit(item)))
                 else:
                     items.discard(f)
-                    res = f.result()
-                    if res.get("dropped"):
-                        dropped += 1
-                        ctx.log(js, {"dropped_stale": dropped}, dropped, "queue")
-                    else:
-                        updates += 1
-                        ctx.log_update(js, res, updates=updates)
+                    ctx.rl_item_done(js, f.result(), tally)
     finally:
         open_rollouts = list(rollouts)
         await _cancel_all(open_rollouts + list(items))
@@ -235,7 +246,7 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
         if open_rollouts:
             ctx.dispatcher.notify_freed(name)
         ctx.health.remove(role)
-    return {"version": t.version, "updates": updates, "dropped_stale": dropped, "episodes": episodes,
+    return {"version": t.version, "updates": tally.updates, "dropped_stale": tally.dropped, "episodes": episodes,
             "env_steps": env_steps, **producer_totals,
             **{k: js.progress[k] for k in ("return", "success_rate") if k in js.progress}}
 
