@@ -191,4 +191,4 @@ def load_calibration(ref: str) -> Calibration:
     try:
         return Calibration.model_validate({**raw, "name": raw.get("name", path.stem)})
     except ValidationError as e:
-        raise SpecError(f"calibration file {path}: {describe_errors(e.errors(), root='?', quote=True)}") from None
+        raise SpecError(f"calibration file {path}: {describe_errors(e.errors(), root='?', field_words=True)}") from None

@@ -126,15 +126,16 @@ def error_class(name: str) -> type[NexusError]:
 
 
 def describe_errors(errors: list[dict], root: str = "spec", prefix: str = "", skip: tuple[str, ...] = (),
-                    quote: bool = False, show_input: bool = False) -> str:
+                    field_words: bool = False, show_input: bool = False) -> str:
     """Pydantic's error list (``ValidationError.errors()``) as one line: ``field.path: message; ...``.
 
     ``root`` names an error without a location, ``prefix`` goes before every location, ``skip`` drops
-    location parts (FastAPI's ``body``); ``quote`` writes ``field 'x'``, ``show_input`` adds the value given."""
+    location parts (FastAPI's ``body``); ``field_words`` writes ``field 'x'``, ``show_input`` adds the value given
+    (by a short prefix: :func:`quote`)."""
     parts = []
     for err in errors:
         loc = prefix + (".".join(str(x) for x in err.get("loc", ()) if x not in skip) or root)
-        where = f"field {loc!r}" if quote else loc
+        where = f"field {loc!r}" if field_words else loc
         got = f" (got {quote(err.get('input'))})" if show_input else ""
         parts.append(f"{where}: {err.get('msg', 'invalid')}{got}")
     return "; ".join(parts)

@@ -81,7 +81,7 @@ def parse(text: str, where: str, name: str) -> SchedulerPolicy:
     try:
         return SchedulerPolicy.model_validate({**raw, "name": name})
     except ValidationError as e:
-        errs = describe_errors(e.errors(), root="?", quote=True, show_input=True)
+        errs = describe_errors(e.errors(), root="?", field_words=True, show_input=True)
         raise SpecError(f"scheduler file {where}: {errs}") from None
 
 
