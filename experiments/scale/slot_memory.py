@@ -1,0 +1,199 @@
+"""Where an actor slot's memory goes: N tenant slots (real DeepSpeed ZeRO-2 engines) built and stepped in this
+process, their RSS growth and their tensors' bytes by component.
+
+Every slot is the service's ``TenantSlot`` for ``maniskill/pushcube-state`` at ``--hidden-dim`` (default 256, the
+default spec's) on the service's default backbone width (features come from the frozen backbone, outside every
+engine). Measured per slot, after building all of them and again after one SFT step of each:
+
+* RSS growth per slot (glibc trimmed first, ``malloc_trim``; and untrimmed, to show what the arenas keep);
+* tensor bytes per component, each storage counted once: the module's parameters (the ZeRO flat buffer they
+  are views of), ZeRO's fp32 master partition (counted only where it has its own storage), AdamW's moments,
+  gradient buffers still held between steps (``param.grad``, ZeRO's partitioned / bucketed gradients);
+* the rest (RSS minus tensors): Python objects of the engine, the policy module, autograd hooks, allocator slack;
+  ``--tracemalloc`` measures the Python heap's share of it (slow).
+
+    python experiments/scale/slot_memory.py                     # 64 slots of width 256, table + JSON
+    python experiments/scale/slot_memory.py --hidden-dim 128 --slots 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+HERE = Path(__file__).resolve().parent
+ENV = "maniskill/pushcube-state"
+MIB = 2**20
+
+
+def trim() -> None:
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def nbytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def components(slot) -> dict[str, int]:
+    """Tensor bytes of one slot by component; a storage already counted under an earlier component is not
+    counted again (so an fp32 master that aliases the parameters adds 0)."""
+    import torch
+
+    zero = slot.engine.optimizer
+    inner = getattr(zero, "optimizer", zero)
+    params = list(slot.policy.parameters())
+    buffers = list(slot.policy.buffers())
+    grads = [p.grad for p in params]
+    grads += [t.grad for t in getattr(zero, "single_partition_of_fp32_groups", [])]
+    grads += [getattr(zero, "grads_in_partition", None)]
+    for bucket in getattr(zero, "ipg_buckets", {}).values():
+        grads += list(bucket.buffer)
+    for attr in ("averaged_gradients", "all_grad_tensors"):
+        for v in getattr(zero, attr, {}).values():
+            grads += [v] if isinstance(v, torch.Tensor) else list(v or [])
+    groups = {
+        "parameters": params + buffers,
+        "fp32 master": list(getattr(zero, "single_partition_of_fp32_groups", [])),
+        "AdamW moments": [t for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor)],
+        "gradients held": grads,
+    }
+    out, seen = {}, set()
+    for name, ts in groups.items():
+        fresh = []
+        for t in ts:
+            if t is not None and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                fresh.append(t)
+        out[name] = nbytes(fresh)
+    out["n_params"] = sum(p.numel() for p in params)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--hidden-dim", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8, help="rows of each slot's SFT step")
+    ap.add_argument("--tracemalloc", action="store_true", help="also measure the Python heap per slot (slow)")
+    ap.add_argument("--out", default=str(HERE / "slot_memory.json"))
+    args = ap.parse_args()
+    import numpy as np
+    import torch
+
+    from nexus.algorithms.sft import sft_loss
+    from nexus.config import BackboneSettings
+    from nexus.model.backbone import BackboneConfig, SharedBackbone
+    from nexus.services.tenant_slot import TenantSlot
+    from nexus.validation import validate_tenant
+
+    torch.set_num_threads(1)
+    feat_dim = SharedBackbone(BackboneConfig(**BackboneSettings().model_dump())).hidden_size  # the service's default
+    _, schema = validate_tenant({"name": "probe", "env": ENV})
+    rng = np.random.default_rng(0)
+    feats = torch.from_numpy(rng.standard_normal((args.batch, feat_dim)).astype(np.float32))
+    proprio = torch.from_numpy(rng.standard_normal((args.batch, schema.proprio_dim)).astype(np.float32))
+    actions = torch.from_numpy(rng.uniform(-1, 1, (args.batch, schema.action_dim)).astype(np.float32))
+
+    def build(i: int) -> TenantSlot:
+        spec, _ = validate_tenant({"name": f"s{i:04d}", "env": ENV, "seed": i, "hidden_dim": args.hidden_dim})
+        return TenantSlot(spec, schema, feat_dim)
+
+    def train(slot: TenantSlot) -> None:
+        slot.train_step(lambda policy: sft_loss(policy, feats, proprio, actions))
+
+    # one-off costs (DeepSpeed's first engine, torch's first kernels) are paid before measuring
+    warm = build(9999)
+    train(warm)
+    n = args.slots
+    t0 = time.time()
+    trim()
+    r0, r0_untrimmed = rss(), rss()
+    if args.tracemalloc:
+        tracemalloc.start()
+    slots = [build(i) for i in range(n)]
+    py_built = tracemalloc.get_traced_memory()[0] if args.tracemalloc else None
+    r1_untrimmed = rss()
+    trim()
+    r1 = rss()
+    built = components(slots[0])
+    for s in slots:
+        train(s)
+    py_trained = tracemalloc.get_traced_memory()[0] if args.tracemalloc else None
+    r2_untrimmed = rss()
+    trim()
+    r2 = rss()
+    trained = components(slots[0])
+    with tempfile.TemporaryDirectory() as tmp:
+        for s in slots:  # what the service's save_weights does (checkpoint_every = 1)
+            s.bump_version()
+            s.save_checkpoint(os.path.join(tmp, s.name))
+            s.export_weights()
+    py_saved = tracemalloc.get_traced_memory()[0] if args.tracemalloc else None
+    r3_untrimmed = rss()
+    trim()
+    r3 = rss()
+    saved = components(slots[0])
+    tracemalloc.stop()
+    wall = time.time() - t0
+
+    def per(x: float) -> float:
+        return x / n / MIB
+
+    phases = ("built", "stepped", "saved")
+    comps = dict(zip(phases, (built, trained, saved), strict=True))
+    trimmed = dict(zip(phases, (r1 - r0, r2 - r0, r3 - r0), strict=True))
+    untrimmed = dict(zip(phases, (r1_untrimmed - r0_untrimmed, r2_untrimmed - r0_untrimmed,
+                                  r3_untrimmed - r0_untrimmed), strict=True))
+    tensors = {ph: sum(v for k, v in c.items() if k != "n_params") for ph, c in comps.items()}
+    table: dict[str, dict[str, float]] = {
+        "RSS per slot (trimmed)": {ph: per(trimmed[ph]) for ph in phases},
+        "RSS per slot (untrimmed)": {ph: per(untrimmed[ph]) for ph in phases},
+        **{k: {ph: comps[ph][k] / MIB for ph in phases} for k in built if k != "n_params"},
+        "tensors, all": {ph: tensors[ph] / MIB for ph in phases},
+        "rest (RSS - tensors)": {ph: per(trimmed[ph]) - tensors[ph] / MIB for ph in phases},
+    }
+    if args.tracemalloc:
+        table["of which Python heap"] = {ph: per(py) for ph, py in zip(phases, (py_built, py_trained, py_saved),
+                                                                      strict=True)}
+    n_params = saved["n_params"]
+    print(f"{n} slots, head width {args.hidden_dim}, {n_params} parameters each ({n_params * 4 / MIB:.3f} MiB "
+          f"fp32); load average {os.getloadavg()[0]:.1f}; {wall:.0f} s")
+    print(f"{'MiB per slot':28s} " + " ".join(f"{ph:>8s}" for ph in phases))
+    for name, row in table.items():
+        indent = "" if name.startswith("RSS") else "  "
+        print(f"{indent + name:28s} " + " ".join(f"{row[ph]:8.3f}" for ph in phases))
+    Path(args.out).write_text(json.dumps({
+        "meta": {**vars(args), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                 "command": "python experiments/scale/slot_memory.py " + " ".join(sys.argv[1:]),
+                 "load_avg": os.getloadavg(), "wall_s": wall, "feat_dim": feat_dim},
+        "n_params": n_params, "mib_per_slot": table}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
