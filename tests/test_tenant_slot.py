@@ -167,8 +167,9 @@ def test_gradient_accumulation_sums_micro_batches(tiny_backbone, data):
 
 
 def test_fp32_master_is_a_view_of_the_weights_and_updates_are_unchanged(tiny_backbone, data, tmp_path, monkeypatch):
-    """ZeRO's fp32 master partition shares the weights' storage (no duplicate per tenant); every update,
-    a checkpoint's restore included, equals an engine that keeps the master as its own copy."""
+    """ZeRO's fp32 master partition shares the weights' storage (no duplicate per tenant) and its buckets are
+    the slot's size; every update, a checkpoint's restore included, equals an engine that keeps the master as
+    its own copy."""
     import nexus.services.tenant_slot as tenant_slot
 
     shared = TenantSlot(spec("lean", 8), SCHEMA_A, tiny_backbone.hidden_size)
@@ -183,6 +184,8 @@ def test_fp32_master_is_a_view_of_the_weights_and_updates_are_unchanged(tiny_bac
         p.untyped_storage().data_ptr() for p in copied.policy.parameters()}
     n = sum(p.numel() for p in shared.policy.parameters())
     assert shared.optimizer_bytes() == 0  # AdamW's moments come with the first step
+    # ZeRO's gradient / all-gather buckets hold this slot's parameters, not the 5e8-element defaults
+    assert n <= zero.reduce_bucket_size == zero.allgather_bucket_size < n + 128
     for slot in (shared, copied):
         for _ in range(2):
             slot.train_step(sft(data[0]))

@@ -43,13 +43,19 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-def rss(nx, resource: str) -> float:
-    """RSS (MiB) of the worker process holding ``resource``."""
+def rss(nx, resource: str, trim: bool = True) -> float:
+    """RSS (MiB) of the worker process holding ``resource``; ``trim``: after a garbage collection and glibc's
+    ``malloc_trim`` there (``nexus.services.slots.release_memory``), so that what the process holds is measured,
+    not the freed pages of transient buffers glibc keeps in its arenas until it is asked."""
     import psutil
+
+    from nexus.services.slots import release_memory
 
     pids = nx.client.run(os.getpid)
     workers = nx.client.scheduler_info()["workers"]
     addr = next(a for a, w in workers.items() if resource in w["resources"])
+    if trim:
+        nx.client.run(release_memory, workers=[addr])
     return psutil.Process(pids[addr]).memory_info().rss / MIB
 
 
@@ -138,6 +144,7 @@ def step(nx, http, op: dict, tokens: dict, target: int, args) -> dict:
     row["actor_rss_resident_mib"], row["infer_rss_mib"] = rss(nx, "ACTOR"), rss(nx, "INFER")
     trained = names[:args.trained]
     train_one_step(nx, trained)
+    row["actor_rss_trained_untrimmed_mib"] = rss(nx, "ACTOR", trim=False)  # + the steps' freed buffers glibc kept
     row["actor_rss_trained_mib"] = rss(nx, "ACTOR")
     row["trained"] = len(trained)
     row["decisions"] = nx.internal("nexus_status", limit=1)["decisions"]
@@ -198,20 +205,27 @@ def main() -> None:
                 # an active (trained) tenant adds its optimizer state: the growth per trained tenant
                 extra = row["actor_rss_trained_mib"] - row["actor_rss_resident_mib"]
                 row["actor_trained_extra_per_tenant_mib"] = extra / max(row["trained"], 1)
+                row["actor_trained_extra_per_tenant_untrimmed_mib"] = (
+                    row["actor_rss_trained_untrimmed_mib"] - row["actor_rss_resident_mib"]) / max(row["trained"], 1)
                 for k, b in (("actor_rss_resident_mib", "actor_rss_resident_mib"),
                              ("actor_rss_offloaded_mib", "actor_rss_resident_mib"), ("infer_rss_mib", "infer_rss_mib")):
                     added = n - first["tenants"]
                     row[k.replace("_mib", "_per_tenant_mib")] = (row[k] - first[b]) / added if added else float("nan")
+                # an active tenant: its slot resident and its optimizer state there (after a step)
+                row["actor_active_per_tenant_mib"] = (row["actor_rss_resident_per_tenant_mib"]
+                                                      + row["actor_trained_extra_per_tenant_mib"])
                 row["backbone_per_tenant_mib"] = base["backbone_mib"] * n
                 rows.append(row)
                 d = row["decisions"]
                 print(f"{n:5d} tenants  actor/tenant resident {row['actor_rss_resident_per_tenant_mib']:.2f} MiB, "
-                      f"after offload {row['actor_rss_offloaded_per_tenant_mib']:.2f} MiB; inference/tenant "
+                      f"active {row['actor_active_per_tenant_mib']:.2f} MiB, after offload "
+                      f"{row['actor_rss_offloaded_per_tenant_mib']:.2f} MiB; inference/tenant "
                       f"{row['infer_rss_per_tenant_mib']:.2f} MiB; decision p99 "
                       f"{max((v['p99_us'] for v in d.values()), default=0):.0f} us; status p50 "
                       f"{row['status_p50_ms']:.0f} ms {row['status_kib']:.0f} KiB; predict "
                       f"{row['predict']['predict_per_s']:.0f}/s  ({time.time() - t_all:.0f} s)", flush=True)
-    print(f"\n{'tenants':>8s} {'actor MiB/t':>12s} {'trained':>8s} {'offloaded':>10s} {'infer MiB/t':>12s} "
+    print(f"\n{'tenants':>8s} {'actor MiB/t':>12s} {'trained':>8s} {'active':>7s} {'offloaded':>10s} "
+          f"{'infer MiB/t':>12s} "
           f"{'backbones MiB':>14s} {'pop p99 us':>11s} {'pump p99 us':>12s} {'route p99 us':>13s} "
           f"{'create p50/p99 ms':>18s} {'status p50/p99 ms':>18s} {'status KiB':>11s} {'predict/s':>10s}")
     for r in rows:
@@ -221,7 +235,8 @@ def main() -> None:
             return f"{d[op]['p99_us']:.0f}" if op in d else "-"
 
         print(f"{r['tenants']:8d} {r['actor_rss_resident_per_tenant_mib']:12.2f} "
-              f"{r['actor_trained_extra_per_tenant_mib']:8.2f} {r['actor_rss_offloaded_per_tenant_mib']:10.2f} "
+              f"{r['actor_trained_extra_per_tenant_mib']:8.2f} {r['actor_active_per_tenant_mib']:7.2f} "
+              f"{r['actor_rss_offloaded_per_tenant_mib']:10.2f} "
               f"{r['infer_rss_per_tenant_mib']:12.2f} {r['backbone_per_tenant_mib']:14.1f} {p99('pop'):>11s} "
               f"{p99('pump'):>12s} {p99('route'):>13s} {r['create_p50_ms']:8.0f}/{r['create_p99_ms']:<9.0f} "
               f"{r['status_p50_ms']:8.0f}/{r['status_p99_ms']:<9.0f} {r['status_kib']:11.1f} "

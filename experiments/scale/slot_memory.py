@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -94,14 +95,9 @@ def components(slot) -> dict[str, int]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--slots", type=int, default=64)
-    ap.add_argument("--hidden-dim", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8, help="rows of each slot's SFT step")
-    ap.add_argument("--tracemalloc", action="store_true", help="also measure the Python heap per slot (slow)")
-    ap.add_argument("--out", default=str(HERE / "slot_memory.json"))
-    args = ap.parse_args()
+def bare_path(args, tmp: str):
+    """Slots built and stepped directly: ``TenantSlot`` + the SFT loss on fixed features, a checkpoint and a
+    weight export for the save (what ``save_weights`` does with ``checkpoint_every = 1``)."""
     import numpy as np
     import torch
 
@@ -111,7 +107,6 @@ def main() -> None:
     from nexus.services.tenant_slot import TenantSlot
     from nexus.validation import validate_tenant
 
-    torch.set_num_threads(1)
     feat_dim = SharedBackbone(BackboneConfig(**BackboneSettings().model_dump())).hidden_size  # the service's default
     _, schema = validate_tenant({"name": "probe", "env": ENV})
     rng = np.random.default_rng(0)
@@ -126,9 +121,73 @@ def main() -> None:
     def train(slot: TenantSlot) -> None:
         slot.train_step(lambda policy: sft_loss(policy, feats, proprio, actions))
 
-    # one-off costs (DeepSpeed's first engine, torch's first kernels) are paid before measuring
+    def save(slot: TenantSlot) -> None:
+        slot.bump_version()
+        slot.save_checkpoint(os.path.join(tmp, slot.name))
+        slot.export_weights()
+
+    return build, train, save, lambda slot: slot
+
+
+def actor_path(args, tmp: str):
+    """Tenants hosted by an ``ActorHost`` (this process plays the actor rank, no Dask): ``build_slot`` (its
+    version 0 written, the framework's registration), the low-level ``forward_backward`` op on a client's batch
+    through the backbone + ``optim_step``, and ``publish`` (checkpoint + weights file, no inference push)."""
+    import numpy as np
+
+    from nexus.config import ServiceConfig
+    from nexus.data.output_dir import TenantOutputDir
+    from nexus.features import Observation
+    from nexus.messages import SyncRule, TenantSetup
+    from nexus.services.actor_host import ActorHost
+    from nexus.services.ops import forward_backward
+    from nexus.services.slots import build_slot
+    from nexus.validation import validate_tenant
+
+    actor = ActorHost(ServiceConfig(root=os.path.join(tmp, "service")))
+    rng = np.random.default_rng(0)
+    _, schema = validate_tenant({"name": "probe", "env": ENV})
+    batch = {"observations": [Observation(state=rng.standard_normal(schema.proprio_dim).astype(np.float32))
+                              for _ in range(args.batch)],
+             "actions": rng.uniform(-1, 1, (args.batch, schema.action_dim)).astype(np.float32)}
+
+    def build(i: int) -> TenantSetup:
+        spec, schema = validate_tenant({"name": f"s{i:04d}", "env": ENV, "seed": i, "hidden_dim": args.hidden_dim})
+        setup = TenantSetup(spec.name, spec, schema, str(actor.config.tenants_dir / spec.name))
+        build_slot(actor, setup)
+        return setup
+
+    def train(setup: TenantSetup) -> None:
+        slot = actor.slot(setup.name)
+        forward_backward(actor, slot, "sft", batch)
+        slot.optim_step()
+
+    def save(setup: TenantSetup) -> None:
+        actor.publish(actor.slot(setup.name), TenantOutputDir(setup.output_dir), None, "save_weights",
+                      SyncRule(policy="lazy"))
+
+    return build, train, save, lambda setup: actor.slot(setup.name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--hidden-dim", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8, help="rows of each slot's SFT step")
+    ap.add_argument("--via", choices=("slot", "actor"), default="slot",
+                    help="slot: TenantSlot objects alone; actor: tenants hosted by the actor's own code (ActorHost)")
+    ap.add_argument("--tracemalloc", action="store_true", help="also measure the Python heap per slot (slow)")
+    ap.add_argument("--out", default=str(HERE / "slot_memory.json"))
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="nexus-slot-memory-")
+    build, train, save, slot_of = (actor_path if args.via == "actor" else bare_path)(args, tmp)
+    # one-off costs (DeepSpeed's first engine, torch's first kernels, the actor's backbone) are paid first
     warm = build(9999)
     train(warm)
+    save(warm)
     n = args.slots
     t0 = time.time()
     trim()
@@ -140,24 +199,21 @@ def main() -> None:
     r1_untrimmed = rss()
     trim()
     r1 = rss()
-    built = components(slots[0])
+    built = components(slot_of(slots[0]))
     for s in slots:
         train(s)
     py_trained = tracemalloc.get_traced_memory()[0] if args.tracemalloc else None
     r2_untrimmed = rss()
     trim()
     r2 = rss()
-    trained = components(slots[0])
-    with tempfile.TemporaryDirectory() as tmp:
-        for s in slots:  # what the service's save_weights does (checkpoint_every = 1)
-            s.bump_version()
-            s.save_checkpoint(os.path.join(tmp, s.name))
-            s.export_weights()
+    trained = components(slot_of(slots[0]))
+    for s in slots:
+        save(s)
     py_saved = tracemalloc.get_traced_memory()[0] if args.tracemalloc else None
     r3_untrimmed = rss()
     trim()
     r3 = rss()
-    saved = components(slots[0])
+    saved = components(slot_of(slots[0]))
     tracemalloc.stop()
     wall = time.time() - t0
 
@@ -181,8 +237,8 @@ def main() -> None:
         table["of which Python heap"] = {ph: per(py) for ph, py in zip(phases, (py_built, py_trained, py_saved),
                                                                       strict=True)}
     n_params = saved["n_params"]
-    print(f"{n} slots, head width {args.hidden_dim}, {n_params} parameters each ({n_params * 4 / MIB:.3f} MiB "
-          f"fp32); load average {os.getloadavg()[0]:.1f}; {wall:.0f} s")
+    print(f"{n} slots ({args.via}), head width {args.hidden_dim}, {n_params} parameters each "
+          f"({n_params * 4 / MIB:.3f} MiB fp32); load average {os.getloadavg()[0]:.1f}; {wall:.0f} s")
     print(f"{'MiB per slot':28s} " + " ".join(f"{ph:>8s}" for ph in phases))
     for name, row in table.items():
         indent = "" if name.startswith("RSS") else "  "
@@ -190,8 +246,9 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({
         "meta": {**vars(args), "cpu_count": os.cpu_count(), "python": platform.python_version(),
                  "command": "python experiments/scale/slot_memory.py " + " ".join(sys.argv[1:]),
-                 "load_avg": os.getloadavg(), "wall_s": wall, "feat_dim": feat_dim},
+                 "load_avg": os.getloadavg(), "wall_s": wall},
         "n_params": n_params, "mib_per_slot": table}, indent=1))
+    shutil.rmtree(tmp, ignore_errors=True)
     print(f"wrote {args.out}")
 
 

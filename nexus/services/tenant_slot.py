@@ -40,7 +40,7 @@ from nexus.services.process_group import (
     weighted,
     world,
 )
-from nexus.services.zero_memory import share_fp32_master
+from nexus.services.zero_memory import bucket_elements, share_fp32_master
 from nexus.spec import TenantSpec
 
 if TYPE_CHECKING:
@@ -75,11 +75,14 @@ class TenantSlot:
         policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk, lora_shapes=lora_shapes)
         if init_state is not None:
             policy.load_state_dict(init_state)
+        bucket = bucket_elements(list(policy.parameters()))
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,  # nominal: we call backward/step ourselves
             "gradient_accumulation_steps": 1,
             "managed_gradient_accumulation": False,  # caller owns the boundary: k backward()s, then step()
-            "zero_optimization": {"stage": zero_stage},
+            # buckets sized to this slot's parameters (one bucket, as with the defaults): zero_memory
+            "zero_optimization": {"stage": zero_stage, "reduce_bucket_size": bucket,
+                                  "allgather_bucket_size": bucket},
             # torch_adam: torch.optim.AdamW inside DeepSpeed, no C++ op compilation.
             "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "weight_decay": spec.weight_decay,
                                                       "torch_adam": True}},

@@ -9,6 +9,10 @@ A thousand tenants share one actor, so every byte an engine keeps per tenant cou
   every optimizer step). :func:`share_fp32_master` makes it a view of that partition instead: the optimizer
   updates the module's weights in place, the copy back becomes a copy onto itself, every update's result is
   the same, and a quarter of an active tenant's memory is gone.
+* **Gradient buckets.** ZeRO-2's defaults (``reduce_bucket_size``, ``allgather_bucket_size``: 5e8 elements) are
+  sized for billion-parameter models: every backward maps a 1.9 GB gradient bucket (virtual; only what the
+  gradients fill is touched). :func:`bucket_elements` sizes both to the slot's own parameters: one bucket holds
+  all of them, as before, so the reduction and the all-gather run exactly as with the defaults.
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ import torch
 
 from nexus.services.process_group import deepspeed
 
-__all__ = ["share_fp32_master"]
+__all__ = ["bucket_elements", "share_fp32_master"]
+
+
+def bucket_elements(params: list[torch.nn.Parameter]) -> int:
+    """ZeRO's gradient and all-gather bucket size for a slot: all its trainable parameters in one bucket
+    (rounded up to a multiple of 128 elements: ZeRO wants the all-gather bucket aligned)."""
+    n = sum(p.numel() for p in params if p.requires_grad)
+    return max(1, -(-n // 128)) * 128
 
 
 def share_fp32_master(engine: Any) -> int:
