@@ -5,9 +5,11 @@ the gateway's HTTP API (operator token) in steps up to each count of ``--tenants
 
 * memory: the actor's and the inference worker's RSS growth per tenant added past the first count (the first
   tenant pays one-off costs: the engine builds its backbone, DeepSpeed its first engine), with every slot
-  resident, after one training step of ``--trained`` tenants (their optimizer state), and after every idle
-  slot was offloaded to disk (``nexus_offload``; the actor's growth per tenant over the resident first count);
-  next to the memory one backbone per tenant would take (the paper's alternative: a model per tenant);
+  resident, after one training step of ``--trained`` tenants (their optimizer state; resident + this = an
+  active tenant), and after every idle slot was offloaded to disk (``nexus_offload``; the actor's growth per
+  tenant over the resident first count); each RSS read after a gc + ``malloc_trim`` in that worker (the
+  trained one also before it: what glibc kept of the steps' freed buffers); next to the memory one backbone per
+  tenant would take (the paper's alternative: a model per tenant);
 * the plugin's decision latency per queue operation, timed inside the plugin (``status()["decisions"]``:
   reserve / put / pop / done / pump / route, p50 and p99 over the step's operations);
 * gateway latency: create (each tenant of the step), status (``GET /v1/status``, the default page) and
