@@ -5,9 +5,10 @@ the gateway's HTTP API (operator token) in steps up to each count of ``--tenants
 
 * memory: the actor's and the inference worker's RSS growth per tenant added past the first count (the first
   tenant pays one-off costs: the engine builds its backbone, DeepSpeed its first engine), with every slot
-  resident, after one training step of ``--trained`` tenants (their optimizer state; resident + this = an
-  active tenant), and after every idle slot was offloaded to disk (``nexus_offload``; the actor's growth per
-  tenant over the resident first count); each RSS read after a gc + ``malloc_trim`` in that worker (the
+  resident (the growth per tenant created at this count: the earlier ones are offloaded), after one training
+  step of ``--trained`` of the new tenants (their optimizer state; resident + this = an active tenant), and
+  after every idle slot was offloaded to disk (``nexus_offload``; the actor's growth per tenant over the
+  resident first count); each RSS read after a gc + ``malloc_trim`` in that worker (the
   trained one also before it: what glibc kept of the steps' freed buffers); next to the memory one backbone per
   tenant would take (the paper's alternative: a model per tenant);
 * the plugin's decision latency per queue operation, timed inside the plugin (``status()["decisions"]``:
@@ -132,6 +133,8 @@ def step(nx, http, op: dict, tokens: dict, target: int, args) -> dict:
     from nexus.spec import TenantSpec
 
     creates = []
+    start = rss(nx, "ACTOR")  # every earlier tenant offloaded but the one restored at the end of the last step
+    before = len(tokens)
     for i in range(len(tokens), target):
         spec = TenantSpec(name=f"s{i:04d}", env=ENV, seed=i % 500, hidden_dim=args.hidden_dim).model_dump()
         t0 = time.perf_counter()
@@ -143,8 +146,9 @@ def step(nx, http, op: dict, tokens: dict, target: int, args) -> dict:
     row: dict = {"tenants": target, "create_p50_ms": 1e3 * pct(creates, 0.5), "create_p99_ms": 1e3 * pct(creates, 0.99),
                  "create_max_ms": 1e3 * max(creates) if creates else float("nan")}
     time.sleep(2)
+    row["actor_rss_start_mib"], row["created"] = start, target - before
     row["actor_rss_resident_mib"], row["infer_rss_mib"] = rss(nx, "ACTOR"), rss(nx, "INFER")
-    trained = names[:args.trained]
+    trained = sorted(tokens)[before:][-args.trained:]  # tenants created in this step: resident, never stepped
     train_one_step(nx, trained)
     row["actor_rss_trained_untrimmed_mib"] = rss(nx, "ACTOR", trim=False)  # + the steps' freed buffers glibc kept
     row["actor_rss_trained_mib"] = rss(nx, "ACTOR")
@@ -203,16 +207,18 @@ def main() -> None:
             for n in sorted(args.tenants):
                 row = step(nx, http, op, tokens, n, args)
                 first = first or row  # the first tenant pays one-off costs (the engine's backbone, DeepSpeed's
-                # first engine): per-tenant memory is the growth past the first count, per tenant added
-                # an active (trained) tenant adds its optimizer state: the growth per trained tenant
+                # first engine): its count gives no per-tenant memory
+                # a tenant's first step adds its optimizer state: the growth per trained tenant
                 extra = row["actor_rss_trained_mib"] - row["actor_rss_resident_mib"]
                 row["actor_trained_extra_per_tenant_mib"] = extra / max(row["trained"], 1)
                 row["actor_trained_extra_per_tenant_untrimmed_mib"] = (
                     row["actor_rss_trained_untrimmed_mib"] - row["actor_rss_resident_mib"]) / max(row["trained"], 1)
-                for k, b in (("actor_rss_resident_mib", "actor_rss_resident_mib"),
-                             ("actor_rss_offloaded_mib", "actor_rss_resident_mib"), ("infer_rss_mib", "infer_rss_mib")):
+                for k, b in (("actor_rss_offloaded_mib", "actor_rss_resident_mib"), ("infer_rss_mib", "infer_rss_mib")):
                     added = n - first["tenants"]
                     row[k.replace("_mib", "_per_tenant_mib")] = (row[k] - first[b]) / added if added else float("nan")
+                # resident: the growth per tenant created in this step (the earlier ones are offloaded)
+                row["actor_rss_resident_per_tenant_mib"] = float("nan") if row is first else (
+                    (row["actor_rss_resident_mib"] - row["actor_rss_start_mib"]) / row["created"])
                 # an active tenant: its slot resident and its optimizer state there (after a step)
                 row["actor_active_per_tenant_mib"] = (row["actor_rss_resident_per_tenant_mib"]
                                                       + row["actor_trained_extra_per_tenant_mib"])

@@ -12,7 +12,11 @@ engine). Measured per slot, after building all of them and again after one SFT s
 * the rest (RSS minus tensors): Python objects of the engine, the policy module, autograd hooks, allocator slack;
   ``--tracemalloc`` measures the Python heap's share of it (slow).
 
+Each variant runs in a fresh process of its own, one after the other: ``before`` (ZeRO's defaults: the fp32
+master its own copy, 5e8-element gradient buckets) and ``now`` (the service's slots, ``nexus.services.zero_memory``).
+
     python experiments/scale/slot_memory.py                     # 64 slots of width 256, table + JSON
+    python experiments/scale/slot_memory.py --via actor         # through the actor's own code (ActorHost)
     python experiments/scale/slot_memory.py --hidden-dim 128 --slots 32
 """
 
@@ -25,6 +29,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -169,6 +174,77 @@ def actor_path(args, tmp: str):
     return build, train, save, lambda setup: actor.slot(setup.name)
 
 
+VARIANTS = {
+    "before": "ZeRO's defaults: the fp32 master its own copy, 5e8-element buckets",
+    "now": "the service's slots: the master a view of the weights, buckets of the slot's size",
+}
+
+
+def as_before() -> None:
+    """The slot as it was built before ``nexus.services.zero_memory`` (for the side-by-side baseline)."""
+    import nexus.services.tenant_slot as tenant_slot
+
+    tenant_slot.share_fp32_master = lambda engine: 0
+    tenant_slot.bucket_elements = lambda params: 500_000_000
+
+
+def measure(args) -> dict:
+    """One variant in this process -> MiB per slot by component and phase."""
+    import torch
+
+    torch.set_num_threads(1)
+    if args.variant == "before":
+        as_before()
+    tmp = tempfile.mkdtemp(prefix="nexus-slot-memory-")
+    build, train, save, slot_of = (actor_path if args.via == "actor" else bare_path)(args, tmp)
+    # one-off costs (DeepSpeed's first engine, torch's first kernels, the actor's backbone) are paid first
+    warm = build(9999)
+    train(warm)
+    save(warm)
+    n, phases = args.slots, ("built", "stepped", "saved")
+    t0 = time.time()
+    trim()
+    r0 = rss()
+    if args.tracemalloc:
+        tracemalloc.start()
+    slots = [build(i) for i in range(n)]
+    comps, trimmed, untrimmed, py = {}, {}, {}, {}
+    for phase in phases:
+        if phase == "stepped":
+            t_step = time.perf_counter()
+            for s in slots:
+                train(s)
+            t_step = (time.perf_counter() - t_step) / n
+        elif phase == "saved":
+            for s in slots:
+                save(s)
+        py[phase] = tracemalloc.get_traced_memory()[0] if args.tracemalloc else 0
+        untrimmed[phase] = rss() - r0
+        trim()
+        trimmed[phase] = rss() - r0
+        comps[phase] = components(slot_of(slots[0]))
+    tracemalloc.stop()
+    wall = time.time() - t0
+    shutil.rmtree(tmp, ignore_errors=True)
+    keys = [k for k in comps["built"] if k != "n_params"]
+    tensors = {ph: sum(comps[ph][k] for k in keys) for ph in phases}
+    table: dict[str, dict[str, float]] = {
+        "RSS per slot (trimmed)": {ph: trimmed[ph] / n / MIB for ph in phases},
+        "RSS per slot (untrimmed)": {ph: untrimmed[ph] / n / MIB for ph in phases},
+        **{k: {ph: comps[ph][k] / MIB for ph in phases} for k in keys},
+        "tensors, all": {ph: tensors[ph] / MIB for ph in phases},
+        "rest (RSS - tensors)": {ph: (trimmed[ph] / n - tensors[ph]) / MIB for ph in phases},
+    }
+    if args.tracemalloc:
+        table["of which Python heap"] = {ph: py[ph] / n / MIB for ph in phases}
+    zero = slot_of(slots[0]).engine.optimizer
+    buckets = 2 if zero.overlap_comm else 1
+    return {"n_params": comps["saved"]["n_params"], "wall_s": wall, "load_avg": os.getloadavg(),
+            "first_step_ms": 1e3 * t_step, "mib_per_slot": table,
+            # virtual: only what a backward's gradients fill is touched, the rest is mapped and unmapped each time
+            "gradient_bucket_mib_per_backward": buckets * zero.reduce_bucket_size * 4 / MIB}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--slots", type=int, default=64)
@@ -176,79 +252,39 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="rows of each slot's SFT step")
     ap.add_argument("--via", choices=("slot", "actor"), default="slot",
                     help="slot: TenantSlot objects alone; actor: tenants hosted by the actor's own code (ActorHost)")
+    ap.add_argument("--variant", choices=tuple(VARIANTS), help="measure one variant in this process (internal: "
+                    "by default each runs in a fresh process of its own, one after the other)")
     ap.add_argument("--tracemalloc", action="store_true", help="also measure the Python heap per slot (slow)")
     ap.add_argument("--out", default=str(HERE / "slot_memory.json"))
     args = ap.parse_args()
-    import torch
-
-    torch.set_num_threads(1)
-    tmp = tempfile.mkdtemp(prefix="nexus-slot-memory-")
-    build, train, save, slot_of = (actor_path if args.via == "actor" else bare_path)(args, tmp)
-    # one-off costs (DeepSpeed's first engine, torch's first kernels, the actor's backbone) are paid first
-    warm = build(9999)
-    train(warm)
-    save(warm)
-    n = args.slots
+    if args.variant:
+        Path(args.out).write_text(json.dumps(measure(args)))
+        return
     t0 = time.time()
-    trim()
-    r0, r0_untrimmed = rss(), rss()
-    if args.tracemalloc:
-        tracemalloc.start()
-    slots = [build(i) for i in range(n)]
-    py_built = tracemalloc.get_traced_memory()[0] if args.tracemalloc else None
-    r1_untrimmed = rss()
-    trim()
-    r1 = rss()
-    built = components(slot_of(slots[0]))
-    for s in slots:
-        train(s)
-    py_trained = tracemalloc.get_traced_memory()[0] if args.tracemalloc else None
-    r2_untrimmed = rss()
-    trim()
-    r2 = rss()
-    trained = components(slot_of(slots[0]))
-    for s in slots:
-        save(s)
-    py_saved = tracemalloc.get_traced_memory()[0] if args.tracemalloc else None
-    r3_untrimmed = rss()
-    trim()
-    r3 = rss()
-    saved = components(slot_of(slots[0]))
-    tracemalloc.stop()
-    wall = time.time() - t0
-
-    def per(x: float) -> float:
-        return x / n / MIB
-
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in VARIANTS:
+            out = os.path.join(tmp, f"{variant}.json")
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant, "--out", out]
+            subprocess.run(cmd, check=True)
+            results[variant] = json.loads(Path(out).read_text())
+    n_params = results["now"]["n_params"]
     phases = ("built", "stepped", "saved")
-    comps = dict(zip(phases, (built, trained, saved), strict=True))
-    trimmed = dict(zip(phases, (r1 - r0, r2 - r0, r3 - r0), strict=True))
-    untrimmed = dict(zip(phases, (r1_untrimmed - r0_untrimmed, r2_untrimmed - r0_untrimmed,
-                                  r3_untrimmed - r0_untrimmed), strict=True))
-    tensors = {ph: sum(v for k, v in c.items() if k != "n_params") for ph, c in comps.items()}
-    table: dict[str, dict[str, float]] = {
-        "RSS per slot (trimmed)": {ph: per(trimmed[ph]) for ph in phases},
-        "RSS per slot (untrimmed)": {ph: per(untrimmed[ph]) for ph in phases},
-        **{k: {ph: comps[ph][k] / MIB for ph in phases} for k in built if k != "n_params"},
-        "tensors, all": {ph: tensors[ph] / MIB for ph in phases},
-        "rest (RSS - tensors)": {ph: per(trimmed[ph]) - tensors[ph] / MIB for ph in phases},
-    }
-    if args.tracemalloc:
-        table["of which Python heap"] = {ph: per(py) for ph, py in zip(phases, (py_built, py_trained, py_saved),
-                                                                      strict=True)}
-    n_params = saved["n_params"]
-    print(f"{n} slots ({args.via}), head width {args.hidden_dim}, {n_params} parameters each "
-          f"({n_params * 4 / MIB:.3f} MiB fp32); load average {os.getloadavg()[0]:.1f}; {wall:.0f} s")
-    print(f"{'MiB per slot':28s} " + " ".join(f"{ph:>8s}" for ph in phases))
-    for name, row in table.items():
+    print(f"{args.slots} slots ({args.via}), head width {args.hidden_dim}, {n_params} parameters each "
+          f"({n_params * 4 / MIB:.3f} MiB fp32); load average {os.getloadavg()[0]:.1f}; {time.time() - t0:.0f} s")
+    print(f"{'MiB per slot':28s} " + " ".join(f"{v + ' ' + ph:>15s}" for v in VARIANTS for ph in phases))
+    for name in results["now"]["mib_per_slot"]:
+        cells = [results[v]["mib_per_slot"][name][ph] for v in VARIANTS for ph in phases]
         indent = "" if name.startswith("RSS") else "  "
-        print(f"{indent + name:28s} " + " ".join(f"{row[ph]:8.3f}" for ph in phases))
+        print(f"{indent + name:28s} " + " ".join(f"{c:15.3f}" for c in cells))
+    for v in VARIANTS:
+        print(f"{v}: gradient bucket mapped per backward {results[v]['gradient_bucket_mib_per_backward']:.1f} MiB "
+              f"(virtual), first SFT step {results[v]['first_step_ms']:.1f} ms per slot")
     Path(args.out).write_text(json.dumps({
         "meta": {**vars(args), "cpu_count": os.cpu_count(), "python": platform.python_version(),
                  "command": "python experiments/scale/slot_memory.py " + " ".join(sys.argv[1:]),
-                 "load_avg": os.getloadavg(), "wall_s": wall},
-        "n_params": n_params, "mib_per_slot": table}, indent=1))
-    shutil.rmtree(tmp, ignore_errors=True)
+                 "load_avg": os.getloadavg(), "wall_s": time.time() - t0, "variants": VARIANTS},
+        "n_params": n_params, **results}, indent=1))
     print(f"wrote {args.out}")
 
 
