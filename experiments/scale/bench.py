@@ -5,9 +5,12 @@ the gateway's HTTP API (operator token) in steps up to each count of ``--tenants
 
 * memory: the actor's and the inference worker's RSS growth per tenant added past the first count (the first
   tenant pays one-off costs: the engine builds its backbone, DeepSpeed its first engine), with every slot
-  resident, after one training step of ``--trained`` tenants (their optimizer state), and after every idle
-  slot was offloaded to disk (``nexus_offload``; the actor's growth per tenant over the resident first count);
-  next to the memory one backbone per tenant would take (the paper's alternative: a model per tenant);
+  resident (the growth per tenant created at this count: the earlier ones are offloaded), after one training
+  step of ``--trained`` of the new tenants (their optimizer state; resident + this = an active tenant), and
+  after every idle slot was offloaded to disk (``nexus_offload``; the actor's growth per tenant over the
+  resident first count); each RSS read after a gc + ``malloc_trim`` in that worker (the
+  trained one also before it: what glibc kept of the steps' freed buffers); next to the memory one backbone per
+  tenant would take (the paper's alternative: a model per tenant);
 * the plugin's decision latency per queue operation, timed inside the plugin (``status()["decisions"]``:
   reserve / put / pop / done / pump / route, p50 and p99 over the step's operations);
 * gateway latency: create (each tenant of the step), status (``GET /v1/status``, the default page) and
@@ -43,13 +46,19 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-def rss(nx, resource: str) -> float:
-    """RSS (MiB) of the worker process holding ``resource``."""
+def rss(nx, resource: str, trim: bool = True) -> float:
+    """RSS (MiB) of the worker process holding ``resource``; ``trim``: after a garbage collection and glibc's
+    ``malloc_trim`` there (``nexus.services.slots.release_memory``), so that what the process holds is measured,
+    not the freed pages of transient buffers glibc keeps in its arenas until it is asked."""
     import psutil
+
+    from nexus.services.slots import release_memory
 
     pids = nx.client.run(os.getpid)
     workers = nx.client.scheduler_info()["workers"]
     addr = next(a for a, w in workers.items() if resource in w["resources"])
+    if trim:
+        nx.client.run(release_memory, workers=[addr])
     return psutil.Process(pids[addr]).memory_info().rss / MIB
 
 
@@ -124,6 +133,8 @@ def step(nx, http, op: dict, tokens: dict, target: int, args) -> dict:
     from nexus.spec import TenantSpec
 
     creates = []
+    start = rss(nx, "ACTOR")  # every earlier tenant offloaded but the one restored at the end of the last step
+    before = len(tokens)
     for i in range(len(tokens), target):
         spec = TenantSpec(name=f"s{i:04d}", env=ENV, seed=i % 500, hidden_dim=args.hidden_dim).model_dump()
         t0 = time.perf_counter()
@@ -135,9 +146,11 @@ def step(nx, http, op: dict, tokens: dict, target: int, args) -> dict:
     row: dict = {"tenants": target, "create_p50_ms": 1e3 * pct(creates, 0.5), "create_p99_ms": 1e3 * pct(creates, 0.99),
                  "create_max_ms": 1e3 * max(creates) if creates else float("nan")}
     time.sleep(2)
+    row["actor_rss_start_mib"], row["created"] = start, target - before
     row["actor_rss_resident_mib"], row["infer_rss_mib"] = rss(nx, "ACTOR"), rss(nx, "INFER")
-    trained = names[:args.trained]
+    trained = sorted(tokens)[before:][-args.trained:]  # tenants created in this step: resident, never stepped
     train_one_step(nx, trained)
+    row["actor_rss_trained_untrimmed_mib"] = rss(nx, "ACTOR", trim=False)  # + the steps' freed buffers glibc kept
     row["actor_rss_trained_mib"] = rss(nx, "ACTOR")
     row["trained"] = len(trained)
     row["decisions"] = nx.internal("nexus_status", limit=1)["decisions"]
@@ -194,24 +207,33 @@ def main() -> None:
             for n in sorted(args.tenants):
                 row = step(nx, http, op, tokens, n, args)
                 first = first or row  # the first tenant pays one-off costs (the engine's backbone, DeepSpeed's
-                # first engine): per-tenant memory is the growth past the first count, per tenant added
-                # an active (trained) tenant adds its optimizer state: the growth per trained tenant
+                # first engine): its count gives no per-tenant memory
+                # a tenant's first step adds its optimizer state: the growth per trained tenant
                 extra = row["actor_rss_trained_mib"] - row["actor_rss_resident_mib"]
                 row["actor_trained_extra_per_tenant_mib"] = extra / max(row["trained"], 1)
-                for k, b in (("actor_rss_resident_mib", "actor_rss_resident_mib"),
-                             ("actor_rss_offloaded_mib", "actor_rss_resident_mib"), ("infer_rss_mib", "infer_rss_mib")):
+                row["actor_trained_extra_per_tenant_untrimmed_mib"] = (
+                    row["actor_rss_trained_untrimmed_mib"] - row["actor_rss_resident_mib"]) / max(row["trained"], 1)
+                for k, b in (("actor_rss_offloaded_mib", "actor_rss_resident_mib"), ("infer_rss_mib", "infer_rss_mib")):
                     added = n - first["tenants"]
                     row[k.replace("_mib", "_per_tenant_mib")] = (row[k] - first[b]) / added if added else float("nan")
+                # resident: the growth per tenant created in this step (the earlier ones are offloaded)
+                row["actor_rss_resident_per_tenant_mib"] = float("nan") if row is first else (
+                    (row["actor_rss_resident_mib"] - row["actor_rss_start_mib"]) / row["created"])
+                # an active tenant: its slot resident and its optimizer state there (after a step)
+                row["actor_active_per_tenant_mib"] = (row["actor_rss_resident_per_tenant_mib"]
+                                                      + row["actor_trained_extra_per_tenant_mib"])
                 row["backbone_per_tenant_mib"] = base["backbone_mib"] * n
                 rows.append(row)
                 d = row["decisions"]
                 print(f"{n:5d} tenants  actor/tenant resident {row['actor_rss_resident_per_tenant_mib']:.2f} MiB, "
-                      f"after offload {row['actor_rss_offloaded_per_tenant_mib']:.2f} MiB; inference/tenant "
+                      f"active {row['actor_active_per_tenant_mib']:.2f} MiB, after offload "
+                      f"{row['actor_rss_offloaded_per_tenant_mib']:.2f} MiB; inference/tenant "
                       f"{row['infer_rss_per_tenant_mib']:.2f} MiB; decision p99 "
                       f"{max((v['p99_us'] for v in d.values()), default=0):.0f} us; status p50 "
                       f"{row['status_p50_ms']:.0f} ms {row['status_kib']:.0f} KiB; predict "
                       f"{row['predict']['predict_per_s']:.0f}/s  ({time.time() - t_all:.0f} s)", flush=True)
-    print(f"\n{'tenants':>8s} {'actor MiB/t':>12s} {'trained':>8s} {'offloaded':>10s} {'infer MiB/t':>12s} "
+    print(f"\n{'tenants':>8s} {'actor MiB/t':>12s} {'trained':>8s} {'active':>7s} {'offloaded':>10s} "
+          f"{'infer MiB/t':>12s} "
           f"{'backbones MiB':>14s} {'pop p99 us':>11s} {'pump p99 us':>12s} {'route p99 us':>13s} "
           f"{'create p50/p99 ms':>18s} {'status p50/p99 ms':>18s} {'status KiB':>11s} {'predict/s':>10s}")
     for r in rows:
@@ -221,7 +243,8 @@ def main() -> None:
             return f"{d[op]['p99_us']:.0f}" if op in d else "-"
 
         print(f"{r['tenants']:8d} {r['actor_rss_resident_per_tenant_mib']:12.2f} "
-              f"{r['actor_trained_extra_per_tenant_mib']:8.2f} {r['actor_rss_offloaded_per_tenant_mib']:10.2f} "
+              f"{r['actor_trained_extra_per_tenant_mib']:8.2f} {r['actor_active_per_tenant_mib']:7.2f} "
+              f"{r['actor_rss_offloaded_per_tenant_mib']:10.2f} "
               f"{r['infer_rss_per_tenant_mib']:12.2f} {r['backbone_per_tenant_mib']:14.1f} {p99('pop'):>11s} "
               f"{p99('pump'):>12s} {p99('route'):>13s} {r['create_p50_ms']:8.0f}/{r['create_p99_ms']:<9.0f} "
               f"{r['status_p50_ms']:8.0f}/{r['status_p99_ms']:<9.0f} {r['status_kib']:11.1f} "

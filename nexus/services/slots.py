@@ -40,10 +40,10 @@ from nexus.services.process_group import agreed_error, gather_objects, portable
 from nexus.services.tenant_slot import TenantSlot
 from nexus.spec import TenantSpec
 
-# Actor bytes per trainable parameter of a slot: fp32 weights, gradients, Adam's two moments, ZeRO's
-# flat fp32 partition and gradient buffers, and the transient copies of a weight export (state_dict
-# clone + torch.save bytes): 8 x 4 bytes.
-ACTOR_BYTES_PER_PARAM = 32
+# Actor bytes per trainable parameter of a slot at its peak: fp32 weights, gradients, Adam's two moments,
+# ZeRO's gradient buffers, and the transient copies of a weight export (state_dict clone + torch.save
+# bytes): 7 x 4 bytes (ZeRO's fp32 master is a view of the weights: nexus.services.zero_memory).
+ACTOR_BYTES_PER_PARAM = 28
 
 
 def build_slot(actor: ActorHost, setup: TenantSetup) -> SlotInfo:

@@ -40,6 +40,7 @@ from nexus.services.process_group import (
     weighted,
     world,
 )
+from nexus.services.zero_memory import bucket_elements, share_fp32_master
 from nexus.spec import TenantSpec
 
 if TYPE_CHECKING:
@@ -74,11 +75,14 @@ class TenantSlot:
         policy = TenantPolicy.from_spec(spec, schema, feat_dim, chunk=chunk, lora_shapes=lora_shapes)
         if init_state is not None:
             policy.load_state_dict(init_state)
+        bucket = bucket_elements(list(policy.parameters()))
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,  # nominal: we call backward/step ourselves
             "gradient_accumulation_steps": 1,
             "managed_gradient_accumulation": False,  # caller owns the boundary: k backward()s, then step()
-            "zero_optimization": {"stage": zero_stage},
+            # buckets sized to this slot's parameters (one bucket, as with the defaults): zero_memory
+            "zero_optimization": {"stage": zero_stage, "reduce_bucket_size": bucket,
+                                  "allgather_bucket_size": bucket},
             # torch_adam: torch.optim.AdamW inside DeepSpeed, no C++ op compilation.
             "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "weight_decay": spec.weight_decay,
                                                       "torch_adam": True}},
@@ -89,6 +93,7 @@ class TenantSlot:
         self.engine, _, _, _ = deepspeed.initialize(model=policy, config=config,
                                                     model_parameters=list(policy.parameters()),
                                                     dist_init_required=False)
+        share_fp32_master(self.engine)  # fp32 weights: ZeRO's master partition is a view of them, not a copy
         self.policy: TenantPolicy = self.engine.module
         self.rank, self.world_size = world()
         self.version: int = 0
@@ -185,11 +190,14 @@ class TenantSlot:
 
     def optimizer_bytes(self) -> int:
         """Bytes of optimizer state this rank holds for the tenant, measured from the tensors: AdamW's
-        moments and ZeRO's fp32 master partition (ZeRO 1-2 partition both across the ranks)."""
+        moments and ZeRO's fp32 master partition where it has storage of its own (ZeRO 1-2 partition both
+        across the ranks; an fp32 head's master is a view of its weights, ``share_fp32_master``)."""
         zero = self.engine.optimizer
         inner = getattr(zero, "optimizer", zero)
         tensors = [t for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-        tensors += list(getattr(zero, "single_partition_of_fp32_groups", []))
+        weights = {p.untyped_storage().data_ptr() for p in self.policy.parameters()}
+        tensors += [t for t in getattr(zero, "single_partition_of_fp32_groups", [])
+                    if t.untyped_storage().data_ptr() not in weights]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def bump_version(self) -> int:
