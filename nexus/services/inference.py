@@ -99,7 +99,7 @@ class InferenceEngine:
 
     # -- statistics and settings ------------------------------------------------------------------------
     def engine_stats(self) -> dict[str, Any]:
-        return self.stats.view()
+        return {**self.stats.view(), "prefix_cache": self.heads.prefix_cache_stats()}
 
     def reset_stats(self) -> bool:
         """Start the engine's counters afresh (benchmarks measure one phase at a time)."""
