@@ -215,7 +215,8 @@ def main() -> None:
     print("|---|---:|" + "---:|" * (len(names) + 2))
     for r in results:
         cols = " | ".join(f"{r[n]['ms_per_group']:.2f} ({r[n]['ms_per_row']:.3f})" for n in names)
-        print(f"| {r['case']} ({r['tenants']}) | {r['rows']} | {cols} | {r['speedup']}x | {r['speedup_cache_alone']}x |")
+        print(f"| {r['case']} ({r['tenants']}) | {r['rows']} | {cols} | {r['speedup']}x "
+              f"| {r['speedup_cache_alone']}x |")
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.out}")
