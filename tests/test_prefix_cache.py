@@ -117,6 +117,8 @@ def test_state_only_rows_skip_the_backbone_and_answer_as_before(tiny_backbone, t
     assert_same(got, uncached(engine, rows))
     assert len(cache) == 2
     assert engine.engine_stats()["prefix_cache"] == cache.stats() and cache.stats()["hits"] == cache.hits
+    engine.reset_stats()
+    assert engine.engine_stats()["prefix_cache"] == {**cache.stats(), "hits": 0, "misses": 0} and len(cache) == 2
 
     off = make_engine(tiny_backbone, tmp_path, prefix_cache_mb=0)
     assert off.heads.framework.prefix_cache is None

@@ -88,6 +88,10 @@ class PrefixCache:
             self._entries.clear()
             self.bytes = 0
 
+    def reset_counters(self) -> None:
+        """Hits, misses and evictions from zero (the entries stay)."""
+        self.hits = self.misses = self.evictions = 0
+
     def stats(self) -> dict[str, int]:
         return {"entries": len(self._entries), "bytes": self.bytes, "hits": self.hits, "misses": self.misses,
                 "evictions": self.evictions}

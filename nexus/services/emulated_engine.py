@@ -55,7 +55,7 @@ class EmulatedHeads:
             return False
         return version is None or (tenant, version) in self.pinned or self.live[tenant][0] == version
 
-    def prefix_cache_stats(self) -> dict[str, int]:
+    def prefix_cache_stats(self, reset: bool = False) -> dict[str, int]:
         return {}  # no backbone, nothing cached
 
     def versions(self) -> dict[str, object]:

@@ -104,6 +104,7 @@ class InferenceEngine:
     def reset_stats(self) -> bool:
         """Start the engine's counters afresh (benchmarks measure one phase at a time)."""
         self.stats = EngineStats()
+        self.heads.prefix_cache_stats(reset=True)
         return True
 
     def set_batching(self, max_wait_s: float, max_batch: int) -> dict[str, Any]:

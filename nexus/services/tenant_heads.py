@@ -94,10 +94,16 @@ class TenantHeads:
         live_version, live = self.live[tenant]
         return live if version is None or version == live_version else self.pinned[(tenant, version)][0]
 
-    def prefix_cache_stats(self) -> dict[str, int]:
-        """The prefix cache's counters (empty before the backbone is built or with the cache off)."""
+    def prefix_cache_stats(self, reset: bool = False) -> dict[str, int]:
+        """The prefix cache's counters (empty before the backbone is built or with the cache off); ``reset``:
+        then from zero."""
         cache = self._framework.prefix_cache if self._framework is not None else None
-        return cache.stats() if cache is not None else {}
+        if cache is None:
+            return {}
+        stats = cache.stats()
+        if reset:
+            cache.reset_counters()
+        return stats
 
     def versions(self) -> dict[str, object]:
         return {"live": {t: v for t, (v, _) in self.live.items()},
