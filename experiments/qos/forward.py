@@ -5,6 +5,7 @@ the shared backbone forward, each tenant's head) on groups of R rows spread roun
 one case, on the service's default engine (tiny offline Qwen3-VL, fp32, one torch thread):
 
 * ``state``: 16 ``maniskill/pushcube-state`` tenants (no camera: the backbone sees the instruction only);
+* ``lora``: 4 ``maniskill/pushcube-state`` tenants, each with its own LoRA adapter (rank 8, q/v projections);
 * ``rgb``: 4 ``maniskill/pickcube-rgb`` tenants (a 64 px camera: every row's image differs).
 
 Variants, each in its own child process (its own ``nexus`` package), measured in turns (ABC CBA ...) so all
@@ -38,7 +39,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-CASES = {"state": ("maniskill/pushcube-state", 16), "rgb": ("maniskill/pickcube-rgb", 4)}
+CASES = {"state": ("maniskill/pushcube-state", 16), "lora": ("maniskill/pushcube-state", 4),
+         "rgb": ("maniskill/pickcube-rgb", 4)}
 
 
 # -- the child: one engine of one checkout ----------------------------------------------------------
@@ -51,7 +53,7 @@ class Child:
         from nexus.config import ServiceConfig
         from nexus.model.policy import TenantPolicy
         from nexus.services.inference import InferenceEngine, _Request
-        from nexus.spec import TenantSpec
+        from nexus.spec import LoraConfig, TenantSpec
 
         self.np, self.Request = np, _Request
         cfg = {"root": os.environ.get("TMPDIR", "/tmp")}
@@ -65,9 +67,16 @@ class Child:
             schema = self.schemas[case] = env(name).schema
             self.tenants[case] = [f"{case}{i}" for i in range(n)]
             for i, tenant in enumerate(self.tenants[case]):
-                spec = TenantSpec(name=tenant, env=name, seed=i)
+                lora = LoraConfig(rank=8, alpha=16) if case == "lora" else None
+                spec = TenantSpec(name=tenant, env=name, seed=i, lora=lora)
+                policy = TenantPolicy.from_spec(spec, schema, hidden,
+                                                lora_shapes=heads.framework.backbone.lora_shapes(lora))
+                if lora is not None:  # a trained-looking adapter (a fresh one adds nothing: B = 0)
+                    with torch.no_grad():
+                        for p in policy.lora.parameters():
+                            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.1)
                 buf = io.BytesIO()
-                torch.save(TenantPolicy.from_spec(spec, schema, hidden).state_dict(), buf)
+                torch.save(policy.state_dict(), buf)
                 heads.register(spec, schema, 0, buf.getvalue())
 
     def group(self, case: str, rows: int, seed: int) -> list:
@@ -158,6 +167,7 @@ def main() -> None:
     ap.add_argument("--no-cache", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--baseline", type=Path, help="another checkout measured as 'before'")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 20, 64], help="rows per group (state case)")
+    ap.add_argument("--lora-rows", type=int, nargs="+", default=[1, 8], help="rows per group (lora case)")
     ap.add_argument("--rgb-rows", type=int, nargs="+", default=[1, 8], help="rows per group (rgb case)")
     ap.add_argument("--rounds", type=int, default=6, help="turns of every variant per cell")
     ap.add_argument("--reps", type=int, default=20, help="forwards per variant and turn")
@@ -173,9 +183,10 @@ def main() -> None:
     try:
         for v in variants:
             v.wait_ready()
-        cells = [("state", r) for r in args.rows] + [("rgb", r) for r in args.rgb_rows]
+        cells = ([("state", r) for r in args.rows] + [("lora", r) for r in args.lora_rows]
+                 + [("rgb", r) for r in args.rgb_rows])
         answers_equal: dict[str, bool] = {}
-        for case, rows in {("state", 20), ("rgb", 8)}:
+        for case, rows in (("state", 20), ("lora", 8), ("rgb", 8)):
             got = {v.name: v.ask(op="answers", case=case, rows=rows) for v in variants}
             ref = got[variants[0].name]
             answers_equal[case] = all(
