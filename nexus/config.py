@@ -217,6 +217,9 @@ class QosSettings(BaseModel):
                                  "several wait (False: Dask's order, first come first served)")
     sim_task_episodes: int = Field(8, ge=1, description="an evaluation's rollout tasks run at most this many "
                                    "episodes each, so simulator slots can change hands between them")
+    prefix_cache_mb: float = Field(64.0, ge=0, description="an inference engine keeps the backbone features of "
+                                   "image-free prefixes (a state-only tenant's instruction) up to this size, so "
+                                   "their predicts run the tenant's head only (0: off; nexus.model.prefix_cache)")
 
 
 # Dask settings of the embedded deployment's processes (scheduler, nannies, workers, gateway), under

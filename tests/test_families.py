@@ -75,6 +75,12 @@ def test_shapes_and_deterministic_init(family, framework):
     if family == "oft":
         lp, ent, v = a.evaluate(cond, proprio, action)
         torch.testing.assert_close(lp, logprob)
+        # act's log-probability (the Normal's arithmetic, no distribution object) is evaluate()'s, also at the mean
+        torch.testing.assert_close(a.evaluate(cond, proprio, det)[0], a.act(cond, proprio, deterministic=True)[1])
+        # plain (an engine's functional layers): the same answers as the modules'
+        for kw in ({"deterministic": True}, {"noise": torch.randn(6, CHUNK * 7)}):
+            for x, y in zip(a.act(cond, proprio, plain=True, **kw), a.act(cond, proprio, **kw), strict=True):
+                torch.testing.assert_close(x, y)
         assert lp.requires_grad and ent.shape == v.shape == (6,)
     else:
         assert torch.equal(logprob, torch.zeros(6)) and torch.equal(value, torch.zeros(6))

@@ -5,7 +5,8 @@ Phases (each bounded in time and in requests):
 
 * ``predict``: C closed-loop clients (1 / 16 / 64 / 256) spread over T tenants (1 client: 1 tenant,
   otherwise 16), each sending its next predict when the last is answered: predict/s, p50/p95/p99/max,
-  errors by status; each answer's ``Server-Timing`` hops (mean and p50 per hop: the latency breakdown).
+  errors by status; each answer's ``Server-Timing`` hops (mean and p50 per hop: the latency breakdown); the CPU
+  time of each of the service's processes (and the load generator's) per answered predict.
 * ``noisy``: open loop: 15 quiet tenants at ``--quiet-rate`` predicts/s each, alone, then with a 16th tenant
   at 10x that rate: the quiet tenants' p50/p99 both times, the noisy tenant's answers and 429s.
 * ``ops``: 16 tenants at once, each looping ``forward_backward`` (8 rows) + ``optim_step``: ops/s, p50/p99.
@@ -350,7 +351,21 @@ def engine_phase(eng, start: bool) -> dict | None:
     rows, groups = int(s["requests"]), max(1, int(s["groups"]))
     return {"groups": s["groups"], "rows": rows, "busy_s": round(s["busy_s"], 2),
             "rows_per_group": round(rows / groups, 1),
-            "busy_ms_per_row": round(1e3 * s["busy_s"] / rows, 2) if rows else None}
+            "busy_ms_per_row": round(1e3 * s["busy_s"] / rows, 2) if rows else None,
+            "prefix_cache": s.get("prefix_cache")}  # (none before this cache existed)
+
+
+def cpu_now(service) -> dict[str, float]:
+    """CPU seconds so far of the service's processes by name, and of this process (the load generator)."""
+    return {**service.cpu_seconds(), "generator": time.process_time()}
+
+
+def cpu_per_predict(before: dict[str, float], after: dict[str, float], answered: int) -> dict[str, float]:
+    """CPU ms per answered predict of each process kind over a phase (where the 2 cores went)."""
+    spent = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    out = {k: round(1e3 * v / max(1, answered), 3) for k, v in sorted(spent.items()) if v > 0.005}
+    out["all"] = round(1e3 * sum(spent.values()) / max(1, answered), 3)
+    return out
 
 
 # -- the service (a child process per checkout: its own nexus package, also in its service's processes) --
@@ -383,8 +398,10 @@ def serve(args) -> None:
                 if ask["phase"] == "predict":
                     c = ask["clients"]
                     engine_phase(eng, True)
+                    cpu0 = cpu_now(nx.service)
                     res = asyncio.run(closed_loop(host, int(port), tokens, names[:1] if c == 1 else names, c,
                                                   args.seconds))
+                    res["cpu_ms_per_predict"] = cpu_per_predict(cpu0, cpu_now(nx.service), res["answered"])
                     res["engine"] = engine_phase(eng, False)
                 elif ask["phase"] == "noisy":
                     res = asyncio.run(noisy(host, int(port), tokens, names, args.quiet_rate, args.seconds,
@@ -495,6 +512,11 @@ def print_tables(out: dict) -> None:
                 print("|---|" + "---:|" * len(rows))
                 for k in (*HOPS, "total", "client"):
                     print(f"| {k} | " + " | ".join(str(x["breakdown"].get(k, {}).get("mean_ms")) for x in rows) + " |")
+                kinds = sorted({k for x in rows for k in x.get("cpu_ms_per_predict", {})} - {"all"}) + ["all"]
+                print("\n| CPU ms per predict | " + " | ".join(f"{x['clients']} clients" for x in rows) + " |")
+                print("|---|" + "---:|" * len(rows))
+                for k in kinds:
+                    print(f"| {k} | " + " | ".join(str(x.get("cpu_ms_per_predict", {}).get(k)) for x in rows) + " |")
         for key in ("noisy", "ops", "sim"):
             if key in r:
                 print(f"\n{key}: {json.dumps(r[key])}")

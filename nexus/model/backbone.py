@@ -31,6 +31,7 @@ import torch
 from nexus.features import VLAFeature
 from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.lora import AdapterRouter, TenantAdapter, lora_shapes
+from nexus.model.prefix_cache import PrefixCache
 
 __all__ = ["BackboneConfig", "SharedBackbone", "compatible", "family", "model_key_of"]
 
@@ -176,7 +177,8 @@ class SharedBackbone:
         return self.encode_prefix(features).pooled
 
     def encode_prefix(self, features: list[VLAFeature], layers: Sequence[int] = (),
-                      adapters: Sequence[TenantAdapter | None] | None = None, grad: bool = False) -> BackboneFeatures:
+                      adapters: Sequence[TenantAdapter | None] | None = None, grad: bool = False,
+                      cache: PrefixCache | None = None) -> BackboneFeatures:
         """One grouped forward for all features (equal compat keys) -> :class:`BackboneFeatures`.
 
         ``adapters`` names each sample's LoRA adapter (None: the base model); ``grad`` keeps the autograd
@@ -187,7 +189,8 @@ class SharedBackbone:
         Identical samples (same prompt and same image bytes) are computed once. Left padding and
         per-sample positions make each row independent of the rest of the group (equal to a
         single-sample forward up to float noise, ~1e-7 in fp32). Samples with and without images,
-        and with different numbers of images, mix in one forward.
+        and with different numbers of images, mix in one forward. With a ``cache`` (an inference engine's,
+        whose adapters never change in place; ignored with ``grad``) samples it holds are not computed again.
         """
         layers = self.normalize_layers(layers)
         if not features:
@@ -233,14 +236,40 @@ class SharedBackbone:
             todo, todo_adapters = [todo[i] for i in order], [todo_adapters[i] for i in order]
             rows = [position[r] for r in rows]
 
-        batch = self.family.prepare(todo)  # tokenization + image patching: outside the lock
-        with self._lock, self.router.route(todo_adapters, self.device):
-            out = self._forward(batch, layers, grad)
-            self.forward_calls += 1
-            self.samples_encoded += len(todo)
+        if cache is not None and not grad:
+            out = self._cached(todo, todo_adapters, layers, cache)
+        else:
+            out = self._run(todo, todo_adapters, layers, grad)
         if rows != list(range(len(todo))):
             out = out[rows]
         return out
+
+    def _run(self, todo: list[VLAFeature], adapters: list[TenantAdapter | None], layers: tuple[int, ...],
+             grad: bool) -> BackboneFeatures:
+        batch = self.family.prepare(todo)  # tokenization + image patching: outside the lock
+        with self._lock, self.router.route(adapters, self.device):
+            out = self._forward(batch, layers, grad)
+            self.forward_calls += 1
+            self.samples_encoded += len(todo)
+        return out
+
+    def _cached(self, todo: list[VLAFeature], adapters: list[TenantAdapter | None], layers: tuple[int, ...],
+                cache: PrefixCache) -> BackboneFeatures:
+        """The rows the cache holds from it, the others from one forward (then kept)."""
+        keys = [cache.key(f.compat_key, f.prompt, len(f.images), a) for f, a in zip(todo, adapters, strict=True)]
+        found = [None if k is None else cache.get(k, layers) for k in keys]
+        miss = [i for i, f in enumerate(found) if f is None]
+        if not miss:
+            return found[0] if len(found) == 1 else BackboneFeatures.cat(found)  # type: ignore[arg-type]
+        computed = self._run([todo[i] for i in miss], [adapters[i] for i in miss], layers, False)
+        for j, i in enumerate(miss):
+            if keys[i] is not None:
+                cache.put(keys[i], computed[j])
+        if len(miss) == len(todo):
+            return computed
+        for j, i in enumerate(miss):
+            found[i] = computed[j]
+        return BackboneFeatures.cat(found)  # type: ignore[arg-type]
 
     def _forward(self, batch: dict[str, Any], layers: tuple[int, ...], grad: bool = False) -> BackboneFeatures:
         with torch.set_grad_enabled(grad):

@@ -21,6 +21,7 @@ from nexus.features import Observation, VLAFeature
 from nexus.model.backbone import SharedBackbone
 from nexus.model.backbone_features import BackboneFeatures, DeferredFeatures
 from nexus.model.policy import TenantPolicy
+from nexus.model.prefix_cache import PrefixCache
 from nexus.model.preprocessor import TenantPreprocessor
 
 TenantRows = tuple[list[int], BackboneFeatures]  # request indices of one tenant, its features in that order
@@ -40,6 +41,8 @@ class VLAFramework:
             self.add_backbone(bb)
         self.policies: dict[str, TenantPolicy] = {}
         self.preprocessors: dict[str, TenantPreprocessor] = {}
+        # an inference engine's (its policies are replaced, never changed in place); never a training process's
+        self.prefix_cache: PrefixCache | None = None
 
     @property
     def tenants(self) -> list[str]:
@@ -117,7 +120,7 @@ class VLAFramework:
             adapters = [getattr(row_pol[i], "lora", None) for i in idx]
             encoded = bb.encode_prefix([requests[i][1] for i in idx], layers=union,
                                        adapters=adapters if any(a is not None for a in adapters) else None,
-                                       grad=grad)
+                                       grad=grad, cache=self.prefix_cache)
             for t in tenants:
                 rows = [r for r, i in enumerate(idx) if requests[i][0] == t]
                 parts.setdefault(t, []).append(([idx[r] for r in rows], encoded[rows].with_layers(wanted[t])))

@@ -14,10 +14,11 @@ the environment and keeps the unclipped sample for training.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nexus.model.backbone_features import BackboneFeatures
-from nexus.model.layers import mlp, normalize_proprio
+from nexus.model.layers import mlp, mlp_plain, normalize_proprio
 
 
 class OFTActionHead(nn.Module):
@@ -37,9 +38,16 @@ class OFTActionHead(nn.Module):
         # state-independent exploration noise, one per action dimension of the chunk
         self.log_std = nn.Parameter(torch.full((chunk * action_dim,), float(init_log_std)))
 
-    def forward(self, feat: torch.Tensor | BackboneFeatures, proprio: torch.Tensor) -> torch.Tensor:
-        """The Gaussian mean, [N, chunk*action_dim]."""
+    def forward(self, feat: torch.Tensor | BackboneFeatures, proprio: torch.Tensor,
+                plain: bool = False) -> torch.Tensor:
+        """The Gaussian mean, [N, chunk*action_dim]. ``plain``: the same ops without a module call per layer
+        (inference on a plain module: see :func:`~nexus.model.layers.mlp_plain`)."""
         pooled = feat.pooled if isinstance(feat, BackboneFeatures) else feat
+        if plain:
+            ctx = F.linear(pooled, self.feat_proj.weight, self.feat_proj.bias)
+            if self.proprio_proj is not None:
+                ctx = ctx + F.linear(normalize_proprio(proprio), self.proprio_proj.weight, self.proprio_proj.bias)
+            return mlp_plain(self.decoder, ctx.unsqueeze(1) + self.action_queries.unsqueeze(0)).flatten(1)
         ctx = self.feat_proj(pooled)
         if self.proprio_proj is not None:
             ctx = ctx + self.proprio_proj(normalize_proprio(proprio))

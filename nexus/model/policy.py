@@ -16,6 +16,7 @@ noise; a stochastic one from Gaussian noise.
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -26,7 +27,7 @@ from nexus.features import TenantSchema
 from nexus.model.backbone_features import BackboneFeatures, DeferredFeatures
 from nexus.model.flow_matching import FlowConfig, integrate
 from nexus.model.groot_head import GR00TActionHead
-from nexus.model.layers import mlp, normalize_proprio
+from nexus.model.layers import mlp, mlp_plain, normalize_proprio
 from nexus.model.lora import TenantAdapter
 from nexus.model.oft_head import OFTActionHead
 from nexus.model.pi_head import PiActionExpert
@@ -34,6 +35,7 @@ from nexus.spec import RL_ACTION_HEADS, TenantSpec
 
 FAMILIES = ("oft", "groot", "pi")
 GAUSSIAN_FAMILIES = RL_ACTION_HEADS  # the families that support RL (exact log-probabilities)
+_LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))  # as torch.distributions.Normal.log_prob has it
 
 
 @dataclass(frozen=True)
@@ -86,9 +88,11 @@ class ValueHead(nn.Module):
         super().__init__()
         self.net = mlp(feat_dim + proprio_dim, hidden_dim, 1, out_std=0.01)
 
-    def forward(self, feat: torch.Tensor | BackboneFeatures, proprio: torch.Tensor) -> torch.Tensor:
+    def forward(self, feat: torch.Tensor | BackboneFeatures, proprio: torch.Tensor,
+                plain: bool = False) -> torch.Tensor:
         pooled = feat.pooled if isinstance(feat, BackboneFeatures) else feat
-        return self.net(torch.cat([pooled, normalize_proprio(proprio)], dim=-1)).squeeze(-1)
+        x = torch.cat([pooled, normalize_proprio(proprio)], dim=-1)
+        return (mlp_plain(self.net, x) if plain else self.net(x)).squeeze(-1)
 
 
 class TenantPolicy(nn.Module):
@@ -218,27 +222,32 @@ class TenantPolicy(nn.Module):
 
     @torch.no_grad()
     def act(self, feat: BackboneFeatures | torch.Tensor, proprio: torch.Tensor, deterministic: bool = False,
-            generator: torch.Generator | None = None, noise: torch.Tensor | None = None
+            generator: torch.Generator | None = None, noise: torch.Tensor | None = None, plain: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sample (or take the deterministic action) -> (unclipped action [N, A], logprob [N], value [N]).
 
         ``noise``: a Gaussian head's standard-normal draws [N, chunk * A] (each row's own; else from ``generator``).
-        Flow families return logprob and value 0 (they have neither; RL is refused for them).
+        Flow families return logprob and value 0 (they have neither; RL is refused for them). ``plain``: a
+        Gaussian head's layers as functional ops (the same numbers, a fraction of the calls' cost for a row or
+        two), for a policy that is a plain module (an inference engine's, an exported one), never a ZeRO-3 one.
         """
         feats, proprio = self._inputs(feat, proprio)
         if not self.gaussian:
             action = self._sample_flow(feats, proprio, generator, deterministic)
             zeros = action.new_zeros(action.shape[0])
             return action, zeros, zeros
-        dist = self._dist(feats, proprio)
+        # the Normal's own arithmetic, without building a torch.distributions object per call (its argument
+        # checks cost more than the head's matmuls for a row or two): the same numbers as evaluate()'s
+        mean = self.head(feats, proprio, plain=plain)
+        scale = self.head.log_std.exp().expand_as(mean)
         if deterministic:
-            action = dist.mean
+            action = mean
         else:
             if noise is None:
-                noise = torch.randn(dist.mean.shape, generator=generator, device=dist.mean.device,
-                                    dtype=dist.mean.dtype)
-            action = dist.mean + dist.stddev * noise.to(dist.mean.device, dist.mean.dtype).reshape(dist.mean.shape)
-        return action, dist.log_prob(action).sum(-1), self.value(feats, proprio)  # type: ignore[misc]
+                noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+            action = mean + scale * noise.to(mean.device, mean.dtype).reshape(mean.shape)
+        logprob = -((action - mean) ** 2) / (2 * scale**2) - scale.log() - _LOG_SQRT_2PI
+        return action, logprob.sum(-1), self.value(feats, proprio, plain=plain)  # type: ignore[misc]
 
     def evaluate(self, feat: BackboneFeatures | torch.Tensor, proprio: torch.Tensor,
                  action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -55,6 +55,9 @@ class EmulatedHeads:
             return False
         return version is None or (tenant, version) in self.pinned or self.live[tenant][0] == version
 
+    def prefix_cache_stats(self, reset: bool = False) -> dict[str, int]:
+        return {}  # no backbone, nothing cached
+
     def versions(self) -> dict[str, object]:
         return {"live": {t: v for t, (v, _) in self.live.items()},
                 "pinned": sorted(f"{t}@{v}" for t, v in self.pinned)}

@@ -99,11 +99,12 @@ class InferenceEngine:
 
     # -- statistics and settings ------------------------------------------------------------------------
     def engine_stats(self) -> dict[str, Any]:
-        return self.stats.view()
+        return {**self.stats.view(), "prefix_cache": self.heads.prefix_cache_stats()}
 
     def reset_stats(self) -> bool:
         """Start the engine's counters afresh (benchmarks measure one phase at a time)."""
         self.stats = EngineStats()
+        self.heads.prefix_cache_stats(reset=True)
         return True
 
     def set_batching(self, max_wait_s: float, max_batch: int) -> dict[str, Any]:
@@ -201,6 +202,7 @@ class InferenceEngine:
     async def _forward_group(self, group: list[_Request]) -> list[dict[str, Any]]:
         return await self._in_model_thread(self._forward, group)
 
+    @torch.inference_mode()  # no autograd bookkeeping at all (~8 % of a 20-row group on CPU, vs no_grad)
     def _forward(self, group: list[_Request]) -> list[dict[str, Any]]:
         """One grouped backbone forward per compatible group, then each tenant's own head (live or
         pinned version). A chunked policy returns its first action (receding horizon) and the chunk."""
@@ -221,8 +223,7 @@ class InferenceEngine:
                 policy = self.heads.policy_of(tenant, version)
                 proprio = torch.as_tensor(np.stack([feats[idx[row]].proprio for row in rows]))
                 seeds = [group[idx[row]].seed for row in rows]
-                with torch.no_grad():
-                    action, logprob, value = _act(policy, cond[rows], proprio, det, seeds)
+                action, logprob, value = _act(policy, cond[rows], proprio, det, seeds)
                 action = action.float().cpu().numpy()  # unclipped sample: its logprob is PPO's
                 for j, row in enumerate(rows):
                     out = {"action": action[j][:policy.action_dim], "logprob": float(logprob[j]),
@@ -259,13 +260,13 @@ def _one_reply(outputs: list[dict[str, Any]]) -> dict[str, Any]:
 def _act(policy, cond, proprio: torch.Tensor, deterministic: bool, seeds: list[int | None]):
     """The head's actions of some rows; a row with a seed draws its sample from its own generator, so the same
     request gives the same sample in any group."""
-    if deterministic or all(s is None for s in seeds):
-        return policy.act(cond, proprio, deterministic=deterministic)
+    if deterministic or all(s is None for s in seeds):  # plain: the engine's policies are plain modules
+        return policy.act(cond, proprio, deterministic=deterministic, plain=True)
     if policy.gaussian:
         width = policy.chunk * policy.action_dim
         noise = torch.stack([torch.randn(width) if s is None else
                              torch.randn(width, generator=torch.Generator().manual_seed(s)) for s in seeds])
-        return policy.act(cond, proprio, noise=noise)
+        return policy.act(cond, proprio, noise=noise, plain=True)
     parts = [policy.act(cond[[r]], proprio[r:r + 1], generator=None if s is None else
                         torch.Generator().manual_seed(s)) for r, s in enumerate(seeds)]
     return tuple(torch.cat([p[k] for p in parts]) for k in range(3))

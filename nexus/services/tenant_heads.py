@@ -15,6 +15,7 @@ from nexus.features import TenantSchema
 from nexus.model.backbone import BackboneConfig, SharedBackbone
 from nexus.model.framework import VLAFramework
 from nexus.model.policy import TenantPolicy
+from nexus.model.prefix_cache import PrefixCache
 from nexus.model.preprocessor import TenantPreprocessor
 from nexus.spec import TenantSpec
 
@@ -32,11 +33,15 @@ class TenantHeads:
     def framework(self) -> VLAFramework:
         if self._framework is None:
             torch.set_num_threads(1)
-            self._framework = VLAFramework(SharedBackbone(BackboneConfig(**self.config.backbone.model_dump())))
-        return self._framework
+            self.framework = VLAFramework(SharedBackbone(BackboneConfig(**self.config.backbone.model_dump())))
+        return self._framework  # type: ignore[return-value]  # set just above
 
     @framework.setter
     def framework(self, framework: VLAFramework) -> None:  # tests and benchmarks bring their own backbones
+        """The engine's framework, with its prefix cache: the policies it serves are replaced at each weight
+        sync, never changed in place (what makes the cache's keys by adapter object sound)."""
+        mb = self.config.qos.prefix_cache_mb
+        framework.prefix_cache = PrefixCache(int(mb * 2**20)) if mb > 0 else None
         self._framework = framework
 
     def policy_from_bytes(self, tenant: str, weights: bytes) -> TenantPolicy:
@@ -88,6 +93,17 @@ class TenantHeads:
     def policy_of(self, tenant: str, version: int | None) -> TenantPolicy:
         live_version, live = self.live[tenant]
         return live if version is None or version == live_version else self.pinned[(tenant, version)][0]
+
+    def prefix_cache_stats(self, reset: bool = False) -> dict[str, int]:
+        """The prefix cache's counters (empty before the backbone is built or with the cache off); ``reset``:
+        then from zero."""
+        cache = self._framework.prefix_cache if self._framework is not None else None
+        if cache is None:
+            return {}
+        stats = cache.stats()
+        if reset:
+            cache.reset_counters()
+        return stats
 
     def versions(self) -> dict[str, object]:
         return {"live": {t: v for t, (v, _) in self.live.items()},
