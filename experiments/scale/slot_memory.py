@@ -17,7 +17,7 @@ master its own copy, 5e8-element gradient buckets), then each cut of ``nexus.ser
 up to ``now`` (the service's slots). The rest is split into what glibc's malloc holds beyond the tensors (C++
 objects: tensor and autograd structures, hooks; large Python objects) and the remainder (Python's small-object
 arenas, page slack), and the Python objects are attributed to their owners (engine config, ZeRO optimizer,
-parameters' attributes, the engine's rest, the policy's modules).
+parameters' attributes, the policy's modules, the engine's rest).
 
     python experiments/scale/slot_memory.py                     # 64 slots of width 256, table + JSON
     python experiments/scale/slot_memory.py --via actor         # through the actor's own code (ActorHost)
@@ -183,18 +183,23 @@ VARIANTS = {
     "before": "ZeRO's defaults: the fp32 master its own copy, 5e8-element buckets",
     "round1": "+ the master a view of the weights, buckets of the slot's size (the first round)",
     "unlinked": "+ no per-parameter links into the master and the moments (zero_memory.drop_hp_links)",
-    "now": "+ one parsed config shared by equal engines (zero_memory.share_config): the service's slots",
+    "config": "+ one parsed config shared by equal engines (zero_memory.share_config)",
+    "now": "+ one stateless GELU module shared by every head (model.layers.gelu_module): the service's slots",
 }
 
 
 def as_variant(variant: str) -> None:
-    """Build the slots as ``variant`` does (for the side-by-side baselines): the service's ``slim_engine`` with
-    the later cuts left out."""
+    """Build the slots as ``variant`` does (for the side-by-side baselines): the service's slots with the later
+    cuts left out."""
+    import torch
+
     import nexus.services.tenant_slot as tenant_slot
+    from nexus.model import layers
     from nexus.services import zero_memory
 
     if variant == "now":
         return
+    layers.gelu_module = torch.nn.GELU  # a GELU module of its own in every place, as before
     if variant in ("before", "round1"):
         tenant_slot.drop_hp_links = lambda engine: 0  # DeepSpeed re-links at every load, as it does
     if variant == "before":
@@ -205,6 +210,8 @@ def as_variant(variant: str) -> None:
             zero_memory.share_fp32_master(engine)
             engine.optimizer._link_all_hp_params()  # what the first round did: re-linked to the view
         tenant_slot.slim_engine = round1
+    elif variant == "config":
+        return
     elif variant == "unlinked":
         tenant_slot.slim_engine = lambda engine: (zero_memory.share_fp32_master(engine),
                                                   zero_memory.drop_hp_links(engine))
@@ -265,8 +272,8 @@ def python_objects(slots, pre: set[int]) -> dict[str, int]:
     out["ZeRO optimizer (+ AdamW)"] = walk(v for e in engines for v in vars(e.optimizer).values())
     out["parameters' attributes"] = walk(v for p in params for v in vars(p).values()) + sum(
         sys.getsizeof(p) for p in params)
-    out["engine, the rest"] = walk(v for e in engines for k, v in vars(e).items() if k not in ("module", "optimizer"))
     out["policy modules"] = walk(s.policy for s in slots)
+    out["engine, the rest"] = walk(v for e in engines for k, v in vars(e).items() if k not in ("module", "optimizer"))
     out["slot"] = walk(v for s in slots for v in vars(s).values())
     return out
 
