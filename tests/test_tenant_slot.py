@@ -179,6 +179,7 @@ def test_fp32_master_is_a_view_of_the_weights_and_updates_are_unchanged(tiny_bac
     copied = TenantSlot(spec("lean", 8), SCHEMA_A, tiny_backbone.hidden_size)
     monkeypatch.undo()
     assert twin.engine._config is shared.engine._config is not copied.engine._config
+    assert twin.engine.monitor is shared.engine.monitor and not shared.engine.monitor.enabled
     assert shared.engine.gradient_clipping() == copied.engine.gradient_clipping() == 1.0
     zero = shared.engine.optimizer
     (master,) = zero.single_partition_of_fp32_groups

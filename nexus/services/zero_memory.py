@@ -20,8 +20,9 @@ A thousand tenants share one actor, so every byte an engine keeps per tenant cou
   parameter slice map is computed once at construction, before they are dropped. :func:`drop_hp_links`
   drops them after construction and after every checkpoint load (which re-creates them).
 * **The parsed configuration.** Every engine parses its config dict into its own ``DeepSpeedConfig`` (a tree of
-  pydantic models); engines built from equal dicts share one (:func:`share_config`). A slot never calls the
-  engine's setters that write into it (``set_train_batch_size``, ``communication_data_type``).
+  pydantic models) and a ``MonitorMaster`` from it; engines built from equal dicts share one of each
+  (:func:`share_config`; the monitor while it is disabled, the service's case). A slot never calls the
+  engine's setters that write into the config (``set_train_batch_size``, ``communication_data_type``).
 
 :func:`slim_engine` applies all of them to a new engine; ``experiments/scale/slot_memory.py`` measures each.
 """
@@ -40,6 +41,7 @@ __all__ = ["bucket_elements", "drop_hp_links", "share_config", "share_fp32_maste
 
 # one parsed config per distinct config dict, alive while an engine uses it
 _CONFIGS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_MONITORS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()  # disabled ones, likewise
 # what DeepSpeed's link_hp_params / enable_universal_checkpoint bind on every parameter
 _HP_METHODS = ("get_full_hp_param", "get_full_hp_grad", "set_full_hp_param", "set_full_hp_grad",
                "load_hp_checkpoint_state")
@@ -94,11 +96,14 @@ def drop_hp_links(engine: Any) -> int:
 
 
 def share_config(engine: Any) -> bool:
-    """Let ``engine`` use the parsed config of an engine built from an equal config dict, if there is one
-    alive (its own is freed). Returns whether it now shares one."""
+    """Let ``engine`` use the parsed config (and the disabled monitor) of an engine built from an equal config
+    dict, if there is one alive (its own are freed). Returns whether it now shares the config."""
     own = engine._config
-    shared = _CONFIGS.setdefault(json.dumps(own._param_dict, sort_keys=True, default=repr), own)
+    key = json.dumps(own._param_dict, sort_keys=True, default=repr)
+    shared = _CONFIGS.setdefault(key, own)
     engine._config = shared
+    if not engine.monitor.enabled:  # built from the config, holds nothing else while disabled: share it too
+        engine.monitor = _MONITORS.setdefault(key, engine.monitor)
     return shared is not own
 
 
