@@ -167,15 +167,20 @@ def test_gradient_accumulation_sums_micro_batches(tiny_backbone, data):
 
 
 def test_fp32_master_is_a_view_of_the_weights_and_updates_are_unchanged(tiny_backbone, data, tmp_path, monkeypatch):
-    """ZeRO's fp32 master partition shares the weights' storage (no duplicate per tenant) and its buckets are
-    the slot's size; every update, a checkpoint's restore included, equals an engine that keeps the master as
-    its own copy."""
+    """ZeRO's fp32 master partition shares the weights' storage (no duplicate per tenant), its buckets are the
+    slot's size, no per-parameter links into the master are kept and equal engines share one parsed config;
+    every update, a checkpoint's restore included, equals a plain DeepSpeed engine (the master its own copy)."""
     import nexus.services.tenant_slot as tenant_slot
 
     shared = TenantSlot(spec("lean", 8), SCHEMA_A, tiny_backbone.hidden_size)
-    monkeypatch.setattr(tenant_slot, "share_fp32_master", lambda engine: 0)
+    twin = TenantSlot(spec("lean", 8), SCHEMA_A, tiny_backbone.hidden_size)
+    monkeypatch.setattr(tenant_slot, "slim_engine", lambda engine: None)
+    monkeypatch.setattr(tenant_slot, "drop_hp_links", lambda engine: 0)
     copied = TenantSlot(spec("lean", 8), SCHEMA_A, tiny_backbone.hidden_size)
     monkeypatch.undo()
+    assert twin.engine._config is shared.engine._config is not copied.engine._config
+    assert twin.engine.monitor is shared.engine.monitor and not shared.engine.monitor.enabled
+    assert shared.engine.gradient_clipping() == copied.engine.gradient_clipping() == 1.0
     zero = shared.engine.optimizer
     (master,) = zero.single_partition_of_fp32_groups
     weights = {p.untyped_storage().data_ptr() for p in shared.policy.parameters()}
@@ -186,17 +191,24 @@ def test_fp32_master_is_a_view_of_the_weights_and_updates_are_unchanged(tiny_bac
     assert shared.optimizer_bytes() == 0  # AdamW's moments come with the first step
     # ZeRO's gradient / all-gather buckets hold this slot's parameters, not the 5e8-element defaults
     assert n <= zero.reduce_bucket_size == zero.allgather_bucket_size < n + 128
-    for slot in (shared, copied):
-        for _ in range(2):
+    assert any(p._hp_mapping is not None for p in copied.policy.parameters())
+    for slot in (shared, twin, copied):
+        with monkeypatch.context() as m:
+            if slot is copied:  # a plain engine: DeepSpeed re-links every parameter at a load
+                m.setattr(tenant_slot, "drop_hp_links", lambda engine: 0)
+            for _ in range(2):
+                slot.train_step(sft(data[0]))
+            slot.save_checkpoint(str(tmp_path / slot.name / str(id(slot))))
+            slot.train_step(sft(data[0]))  # undone by the restore
+            slot.load_checkpoint(str(tmp_path / slot.name / str(id(slot))))
             slot.train_step(sft(data[0]))
-        slot.save_checkpoint(str(tmp_path / slot.name / str(id(slot))))
-        slot.train_step(sft(data[0]))  # undone by the restore
-        slot.load_checkpoint(str(tmp_path / slot.name / str(id(slot))))
-        slot.train_step(sft(data[0]))
-    assert all_equal(params(shared), params(copied))
+    assert all_equal(params(shared), params(copied)) and all_equal(params(twin), params(copied))
     assert all_equal(opt_state(shared)[:-1], opt_state(copied)[:-1])  # the moments (the last: the master)
     assert master.untyped_storage().data_ptr() in {p.untyped_storage().data_ptr()
                                                    for p in shared.policy.parameters()}, "still a view after a restore"
+    # the load re-linked them; the slot drops them again
+    assert any(p._hp_mapping is not None for p in copied.policy.parameters())
+    assert all(p._hp_mapping is None and "get_full_hp_param" not in vars(p) for p in shared.policy.parameters())
     # AdamW's two fp32 moments (+ its step counter): no master copy counted
     assert 8 * n <= shared.optimizer_bytes() <= 8 * n + 64
     assert copied.optimizer_bytes() >= 12 * n

@@ -13,7 +13,11 @@ engine). Measured per slot, after building all of them and again after one SFT s
   ``--tracemalloc`` measures the Python heap's share of it (slow).
 
 Each variant runs in a fresh process of its own, one after the other: ``before`` (ZeRO's defaults: the fp32
-master its own copy, 5e8-element gradient buckets) and ``now`` (the service's slots, ``nexus.services.zero_memory``).
+master its own copy, 5e8-element gradient buckets), then each cut of ``nexus.services.zero_memory`` added in turn,
+up to ``now`` (the service's slots). The rest is split into what glibc's malloc holds beyond the tensors (C++
+objects: tensor and autograd structures, hooks; large Python objects) and the remainder (Python's small-object
+arenas, page slack), and the Python objects are attributed to their owners (engine config, ZeRO optimizer,
+parameters' attributes, the policy's modules, the engine's rest).
 
     python experiments/scale/slot_memory.py                     # 64 slots of width 256, table + JSON
     python experiments/scale/slot_memory.py --via actor         # through the actor's own code (ActorHost)
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+import types
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -176,16 +181,101 @@ def actor_path(args, tmp: str):
 
 VARIANTS = {
     "before": "ZeRO's defaults: the fp32 master its own copy, 5e8-element buckets",
-    "now": "the service's slots: the master a view of the weights, buckets of the slot's size",
+    "round1": "+ the master a view of the weights, buckets of the slot's size (the first round)",
+    "unlinked": "+ no per-parameter links into the master and the moments (zero_memory.drop_hp_links)",
+    "config": "+ one parsed config shared by equal engines (zero_memory.share_config)",
+    "now": "+ one stateless GELU module shared by every head (model.layers.gelu_module): the service's slots",
 }
 
 
-def as_before() -> None:
-    """The slot as it was built before ``nexus.services.zero_memory`` (for the side-by-side baseline)."""
-    import nexus.services.tenant_slot as tenant_slot
+def as_variant(variant: str) -> None:
+    """Build the slots as ``variant`` does (for the side-by-side baselines): the service's slots with the later
+    cuts left out."""
+    import torch
 
-    tenant_slot.share_fp32_master = lambda engine: 0
-    tenant_slot.bucket_elements = lambda params: 500_000_000
+    import nexus.services.tenant_slot as tenant_slot
+    from nexus.model import layers
+    from nexus.services import zero_memory
+
+    if variant == "now":
+        return
+    layers.gelu_module = torch.nn.GELU  # a GELU module of its own in every place, as before
+    if variant in ("before", "round1"):
+        tenant_slot.drop_hp_links = lambda engine: 0  # DeepSpeed re-links at every load, as it does
+    if variant == "before":
+        tenant_slot.slim_engine = lambda engine: None
+        tenant_slot.bucket_elements = lambda params: 500_000_000
+    elif variant == "round1":
+        def round1(engine) -> None:
+            zero_memory.share_fp32_master(engine)
+            engine.optimizer._link_all_hp_params()  # what the first round did: re-linked to the view
+        tenant_slot.slim_engine = round1
+    elif variant == "config":
+        return
+    elif variant == "unlinked":
+        tenant_slot.slim_engine = lambda engine: (zero_memory.share_fp32_master(engine),
+                                                  zero_memory.drop_hp_links(engine))
+
+
+def fill_flight_recorder() -> None:
+    """torch.distributed's flight recorder keeps the last 2000 collectives of the process (about 0.85 KiB each,
+    tracebacks included): a fixed ring, not a slot's. Filled first, so that the slots' collectives replace
+    entries instead of growing it (a thousand tenants fill it long before the last one)."""
+    import torch
+
+    t = torch.zeros(1)
+    for _ in range(2048):
+        torch.distributed.all_reduce(t)
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_in_use() -> int:
+    """Bytes glibc's malloc has handed out and not got back (tensors' data, C++ objects, large Python objects;
+    not Python's small-object arenas, which are mmapped)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def python_objects(slots, pre: set[int]) -> dict[str, int]:
+    """Bytes (``sys.getsizeof``) of the Python objects the slots hold that did not exist before them, each
+    counted once, by owner: walked in this order, an object goes to the first owner that reaches it (shared
+    ones, like a config shared by equal engines, count once for all slots). Tensors count their Python object
+    only (their data are the components above)."""
+    import torch
+
+    seen: set[int] = set()
+
+    def walk(roots) -> int:
+        total, stack = 0, list(roots)
+        while stack:
+            o = stack.pop()
+            if id(o) in seen or id(o) in pre or isinstance(o, type | types.ModuleType):
+                continue
+            seen.add(id(o))
+            total += sys.getsizeof(o)
+            stack.extend(gc.get_referents(o))
+            if isinstance(o, torch.Tensor) and getattr(o, "__dict__", None):
+                stack.append(o.__dict__)
+        return total
+
+    slots = list(slots)
+    engines = [s.engine for s in slots]
+    params = [p for s in slots for p in s.policy.parameters()]
+    seen.update(id(x) for x in [*slots, *engines, *params, *(e.optimizer for e in engines)])
+    out = {"engine config": walk(e._config for e in engines)}
+    out["ZeRO optimizer (+ AdamW)"] = walk(v for e in engines for v in vars(e.optimizer).values())
+    out["parameters' attributes"] = walk(v for p in params for v in vars(p).values()) + sum(
+        sys.getsizeof(p) for p in params)
+    out["policy modules"] = walk(s.policy for s in slots)
+    out["engine, the rest"] = walk(v for e in engines for k, v in vars(e).items() if k not in ("module", "optimizer"))
+    out["slot"] = walk(v for s in slots for v in vars(s).values())
+    return out
 
 
 def measure(args) -> dict:
@@ -193,22 +283,24 @@ def measure(args) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    if args.variant == "before":
-        as_before()
+    as_variant(args.variant)
     tmp = tempfile.mkdtemp(prefix="nexus-slot-memory-")
     build, train, save, slot_of = (actor_path if args.via == "actor" else bare_path)(args, tmp)
     # one-off costs (DeepSpeed's first engine, torch's first kernels, the actor's backbone) are paid first
     warm = build(9999)
     train(warm)
     save(warm)
+    fill_flight_recorder()
     n, phases = args.slots, ("built", "stepped", "saved")
     t0 = time.time()
+    gc.collect()
+    pre = {id(o) for o in gc.get_objects()}
     trim()
-    r0 = rss()
+    r0, m0 = rss(), malloc_in_use()
     if args.tracemalloc:
         tracemalloc.start()
     slots = [build(i) for i in range(n)]
-    comps, trimmed, untrimmed, py = {}, {}, {}, {}
+    comps, trimmed, untrimmed, py, heap = {}, {}, {}, {}, {}
     for phase in phases:
         if phase == "stepped":
             t_step = time.perf_counter()
@@ -222,8 +314,10 @@ def measure(args) -> dict:
         untrimmed[phase] = rss() - r0
         trim()
         trimmed[phase] = rss() - r0
+        heap[phase] = malloc_in_use() - m0
         comps[phase] = components(slot_of(slots[0]))
     tracemalloc.stop()
+    objects = python_objects((slot_of(s) for s in slots), pre)
     wall = time.time() - t0
     shutil.rmtree(tmp, ignore_errors=True)
     keys = [k for k in comps["built"] if k != "n_params"]
@@ -234,6 +328,8 @@ def measure(args) -> dict:
         **{k: {ph: comps[ph][k] / MIB for ph in phases} for k in keys},
         "tensors, all": {ph: tensors[ph] / MIB for ph in phases},
         "rest (RSS - tensors)": {ph: (trimmed[ph] / n - tensors[ph]) / MIB for ph in phases},
+        "of which malloc, not tensors": {ph: (heap[ph] / n - tensors[ph]) / MIB for ph in phases},
+        "of which Python arenas, slack": {ph: (trimmed[ph] - heap[ph]) / n / MIB for ph in phases},
     }
     if args.tracemalloc:
         table["of which Python heap"] = {ph: py[ph] / n / MIB for ph in phases}
@@ -241,6 +337,8 @@ def measure(args) -> dict:
     buckets = 2 if zero.overlap_comm else 1
     return {"n_params": comps["saved"]["n_params"], "wall_s": wall, "load_avg": os.getloadavg(),
             "first_step_ms": 1e3 * t_step, "mib_per_slot": table,
+            # after the saves, sys.getsizeof of the objects each owner holds (a lower bound: no allocator headers)
+            "python_objects_kib_per_slot": {k: v / n / 1024 for k, v in objects.items()},
             # virtual: only what a backward's gradients fill is touched, the rest is mapped and unmapped each time
             "gradient_bucket_mib_per_backward": buckets * zero.reduce_bucket_size * 4 / MIB}
 
@@ -269,14 +367,18 @@ def main() -> None:
             subprocess.run(cmd, check=True)
             results[variant] = json.loads(Path(out).read_text())
     n_params = results["now"]["n_params"]
-    phases = ("built", "stepped", "saved")
+    phases = ("built", "stepped")  # "saved" too in the JSON
     print(f"{args.slots} slots ({args.via}), head width {args.hidden_dim}, {n_params} parameters each "
           f"({n_params * 4 / MIB:.3f} MiB fp32); load average {os.getloadavg()[0]:.1f}; {time.time() - t0:.0f} s")
-    print(f"{'MiB per slot':28s} " + " ".join(f"{v + ' ' + ph:>15s}" for v in VARIANTS for ph in phases))
+    print(f"{'MiB per slot':30s} " + " ".join(f"{v + ' ' + ph:>16s}" for v in VARIANTS for ph in phases))
     for name in results["now"]["mib_per_slot"]:
         cells = [results[v]["mib_per_slot"][name][ph] for v in VARIANTS for ph in phases]
-        indent = "" if name.startswith("RSS") else "  "
-        print(f"{indent + name:28s} " + " ".join(f"{c:15.3f}" for c in cells))
+        indent = "" if name.startswith("RSS") else "    " if name.startswith("of which") else "  "
+        print(f"{indent + name:30s} " + " ".join(f"{c:16.3f}" for c in cells))
+    print(f"{'Python objects, KiB per slot':30s} " + " ".join(f"{v:>16s}" for v in VARIANTS))
+    for name in results["now"]["python_objects_kib_per_slot"]:
+        print(f"{'  ' + name:30s} " + " ".join(f"{results[v]['python_objects_kib_per_slot'][name]:16.1f}"
+                                                for v in VARIANTS))
     for v in VARIANTS:
         print(f"{v}: gradient bucket mapped per backward {results[v]['gradient_bucket_mib_per_backward']:.1f} MiB "
               f"(virtual), first SFT step {results[v]['first_step_ms']:.1f} ms per slot")

@@ -9,6 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 
 PROPRIO_SCALE = 3.0  # tanh(x / 3): ~linear for |x| < 1.5, saturating for large joint velocities etc.
+# One GELU module for every mlp of the process: it holds no state (no parameters, buffers or hooks), and a
+# module's bookkeeping (~2.2 KiB of dicts) counts when a thousand tenants each hold several
+# (experiments/scale/slot_memory.py). Never register hooks on it: they would run for every tenant.
+_GELU = nn.GELU()
+
+
+def gelu_module() -> nn.Module:
+    """The process's shared stateless GELU module."""
+    return _GELU
 
 
 def normalize_proprio(proprio: torch.Tensor) -> torch.Tensor:
@@ -18,7 +27,7 @@ def normalize_proprio(proprio: torch.Tensor) -> torch.Tensor:
 
 def mlp(d_in: int, hidden: int, d_out: int, out_std: float | None = None) -> nn.Sequential:
     """Two hidden GELU layers; ``out_std`` shrinks the last layer (outputs start near 0)."""
-    net = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+    net = nn.Sequential(nn.Linear(d_in, hidden), gelu_module(), nn.Linear(hidden, hidden), gelu_module(),
                         nn.Linear(hidden, d_out))
     if out_std is not None:
         nn.init.normal_(net[-1].weight, std=out_std)

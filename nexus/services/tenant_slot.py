@@ -40,7 +40,7 @@ from nexus.services.process_group import (
     weighted,
     world,
 )
-from nexus.services.zero_memory import bucket_elements, share_fp32_master
+from nexus.services.zero_memory import bucket_elements, drop_hp_links, slim_engine
 from nexus.spec import TenantSpec
 
 if TYPE_CHECKING:
@@ -93,7 +93,8 @@ class TenantSlot:
         self.engine, _, _, _ = deepspeed.initialize(model=policy, config=config,
                                                     model_parameters=list(policy.parameters()),
                                                     dist_init_required=False)
-        share_fp32_master(self.engine)  # fp32 weights: ZeRO's master partition is a view of them, not a copy
+        # ZeRO's fp32 master a view of the fp32 weights, no per-parameter links, one parsed config: zero_memory
+        slim_engine(self.engine)
         self.policy: TenantPolicy = self.engine.module
         self.rank, self.world_size = world()
         self.version: int = 0
@@ -191,7 +192,7 @@ class TenantSlot:
     def optimizer_bytes(self) -> int:
         """Bytes of optimizer state this rank holds for the tenant, measured from the tensors: AdamW's
         moments and ZeRO's fp32 master partition where it has storage of its own (ZeRO 1-2 partition both
-        across the ranks; an fp32 head's master is a view of its weights, ``share_fp32_master``)."""
+        across the ranks; an fp32 head's master is a view of its weights, ``zero_memory.share_fp32_master``)."""
         zero = self.engine.optimizer
         inner = getattr(zero, "optimizer", zero)
         tensors = [t for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
@@ -232,6 +233,7 @@ class TenantSlot:
         (versions are never re-used): the next ``save_weights`` publishes the loaded weights as a new version."""
         path, _ = self.engine.load_checkpoint(directory, tag=name, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
+        drop_hp_links(self.engine)  # the load re-creates them
         if path is None:
             raise FileNotFoundError(f"no saved state {name!r} in {directory!r}")
 
@@ -239,6 +241,7 @@ class TenantSlot:
         """Restore params, optimizer state and version (``tag=None``: DeepSpeed's ``latest``)."""
         path, client_state = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
                                                          load_lr_scheduler_states=True)
+        drop_hp_links(self.engine)  # the load re-creates them
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory!r} (tag={tag!r})")
         self.version = int((client_state or {}).get("version", 0))
