@@ -220,6 +220,10 @@ class QosSettings(BaseModel):
     prefix_cache_mb: float = Field(64.0, ge=0, description="an inference engine keeps the backbone features of "
                                    "image-free prefixes (a state-only tenant's instruction) up to this size, so "
                                    "their predicts run the tenant's head only (0: off; nexus.model.prefix_cache)")
+    gateway_http: Literal["httptools", "h11"] = Field("httptools", description="the gateway's HTTP/1.1 parser "
+                                                      "(uvicorn's; httptools: C, h11: pure Python)")
+    gateway_loop: Literal["uvloop", "asyncio"] = Field("uvloop", description="the gateway's event loop "
+                                                     "(uvloop: libuv's, asyncio: the standard library's)")
 
 
 # Dask settings of the embedded deployment's processes (scheduler, nannies, workers, gateway), under

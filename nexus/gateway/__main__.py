@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                 ready()
 
     app = create_app(config, Backend(address, security(config)), tokens)
-    server = Server(uvicorn.Config(app, loop="asyncio", log_level="warning", access_log=False,
-                                   timeout_graceful_shutdown=5, ssl_certfile=a.certfile, ssl_keyfile=a.keyfile))
+    server = Server(uvicorn.Config(app, loop=config.qos.gateway_loop, http=config.qos.gateway_http,
+                                   log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                                   ssl_certfile=a.certfile, ssl_keyfile=a.keyfile))
     server.run(sockets=[sock])
     return 0
 
