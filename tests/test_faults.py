@@ -176,6 +176,7 @@ def test_kill_sim_worker_mid_run(nx):
 
 
 def test_kill_inference_worker_mid_run(nx):
+    nx.scale_inference(2)  # each tenant on its own engine (already so after the test above; alone, not yet)
     st = nx.status()
     hit_engine = st["inference"]["routes"]["fa"]
     hit_role = next(f"engine/{e['slot']}" for e in st["inference"]["engines"] if e["engine"] == hit_engine)

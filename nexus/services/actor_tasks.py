@@ -36,6 +36,7 @@ from nexus.messages import (
 )
 from nexus.services import export, ops
 from nexus.services.actor_host import ActorHost, metered
+from nexus.services.slot_rebuild import rebuild_each
 from nexus.services.slots import build_slot, drop_slot, release_memory
 from nexus.services.tenant_slot import TenantSlot
 
@@ -53,13 +54,7 @@ def rebuild_slots(actor: ActorHost, setups: list[TenantSetup], offloaded: list[s
     """A restarted actor rank: rebuild every tenant's slot (a tenant that fails does not stop the others);
     the ``offloaded`` tenants' slots stay on disk until their next item."""
     actor.offloaded.update(dict.fromkeys(offloaded, 0))
-    slots, errors = [], {}
-    for s in setups:
-        try:
-            slots.append(init_tenant(actor, s))
-        except Exception as e:
-            errors[s.name] = f"{type(e).__name__}: {e}"
-    return {"slots": slots, "errors": errors}
+    return rebuild_each(setups, lambda s: init_tenant(actor, s))
 
 
 def drop_tenant(actor: ActorHost, tenant: str) -> bool:

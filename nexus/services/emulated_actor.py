@@ -23,6 +23,7 @@ from nexus.engine_client import EngineSet
 from nexus.errors import SpecError, Unavailable
 from nexus.messages import EngineEndpoint, OpWork, RLWork, SlotInfo, TenantSetup, UpdateRequest, UpdateResult
 from nexus.services.lanes import Lanes, lane_label
+from nexus.services.slot_rebuild import rebuild_each
 from nexus.signals import emit
 
 TOKEN_WEIGHTS = b"emulated-head"  # what a weight-sync message carries instead of a head
@@ -77,13 +78,7 @@ def init_tenant(actor: EmulatedActorHost, setup: TenantSetup) -> SlotInfo:
 
 
 def rebuild_slots(actor: EmulatedActorHost, setups: list[TenantSetup], offloaded: list[str] = ()) -> dict[str, Any]:
-    slots, errors = [], {}
-    for s in setups:
-        try:
-            slots.append(init_tenant(actor, s))
-        except Exception as e:
-            errors[s.name] = f"{type(e).__name__}: {e}"
-    return {"slots": slots, "errors": errors}
+    return rebuild_each(setups, lambda s: init_tenant(actor, s))
 
 
 def drop_tenant(actor: EmulatedActorHost, tenant: str) -> bool:

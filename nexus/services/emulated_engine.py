@@ -16,19 +16,14 @@ import numpy as np
 from nexus.config import ServiceConfig
 from nexus.features import TenantSchema
 from nexus.services.engine_stats import EngineMeter
+from nexus.services.head_versions import HeadVersions
 from nexus.services.inference import InferenceEngine
 from nexus.services.inference_queue import Group
 from nexus.spec import TenantSpec
 
 
-class EmulatedHeads:
+class EmulatedHeads(HeadVersions[None]):
     """The :class:`~nexus.services.tenant_heads.TenantHeads` interface without weights."""
-
-    def __init__(self) -> None:
-        self.specs: dict[str, tuple[TenantSpec, TenantSchema]] = {}
-        self.live: dict[str, tuple[int, None]] = {}
-        self.pinned: dict[tuple[str, int], list] = {}
-        self.feature_keys: dict[str, str] = {}
 
     def register(self, spec: TenantSpec, schema: TenantSchema, version: int, weights: bytes) -> None:
         self.specs[spec.name] = (spec, schema)
@@ -38,29 +33,13 @@ class EmulatedHeads:
         self.live[tenant] = (version, None)
 
     def unregister(self, tenant: str) -> None:
-        self.specs.pop(tenant, None)
-        self.live.pop(tenant, None)
-        for key in [k for k in self.pinned if k[0] == tenant]:
-            del self.pinned[key]
+        self.forget(tenant)
 
     def load_pinned(self, tenant: str, version: int, output_dir: str) -> None:
         return None
 
-    def live_version(self, tenant: str) -> int | None:
-        entry = self.live.get(tenant)
-        return None if entry is None else entry[0]
-
-    def serves(self, tenant: str, version: int | None) -> bool:
-        if tenant not in self.live:
-            return False
-        return version is None or (tenant, version) in self.pinned or self.live[tenant][0] == version
-
     def prefix_cache_stats(self, reset: bool = False) -> dict[str, int]:
         return {}  # no backbone, nothing cached
-
-    def versions(self) -> dict[str, object]:
-        return {"live": {t: v for t, (v, _) in self.live.items()},
-                "pinned": sorted(f"{t}@{v}" for t, v in self.pinned)}
 
 
 class EmulatedEngine(InferenceEngine):

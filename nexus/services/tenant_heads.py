@@ -17,17 +17,15 @@ from nexus.model.framework import VLAFramework
 from nexus.model.policy import TenantPolicy
 from nexus.model.prefix_cache import PrefixCache
 from nexus.model.preprocessor import TenantPreprocessor
+from nexus.services.head_versions import HeadVersions
 from nexus.spec import TenantSpec
 
 
-class TenantHeads:
+class TenantHeads(HeadVersions[TenantPolicy]):
     def __init__(self, config: ServiceConfig) -> None:
+        super().__init__()
         self.config = config
         self._framework: VLAFramework | None = None
-        self.specs: dict[str, tuple[TenantSpec, TenantSchema]] = {}
-        self.live: dict[str, tuple[int, TenantPolicy]] = {}  # tenant -> (version, policy)
-        self.pinned: dict[tuple[str, int], list] = {}  # (tenant, version) -> [policy, refcount]
-        self.feature_keys: dict[str, str] = {}  # tenant -> compat key of the forward its rows run in
 
     @property
     def framework(self) -> VLAFramework:
@@ -66,10 +64,7 @@ class TenantHeads:
 
     def unregister(self, tenant: str) -> None:
         """Forget a deleted tenant (its live head and pinned versions)."""
-        self.specs.pop(tenant, None)
-        self.live.pop(tenant, None)
-        for key in [k for k in self.pinned if k[0] == tenant]:
-            del self.pinned[key]
+        self.forget(tenant)
         self.framework.remove_tenant(tenant)
 
     def load_pinned(self, tenant: str, version: int, output_dir: str) -> TenantPolicy:
@@ -78,17 +73,6 @@ class TenantHeads:
         if live_version == version:
             return live
         return self.policy_from_bytes(tenant, TenantOutputDir(output_dir).weights_path(version).read_bytes())
-
-    # -- lookups (any thread) -----------------------------------------------------------------------
-    def live_version(self, tenant: str) -> int | None:
-        entry = self.live.get(tenant)
-        return None if entry is None else entry[0]
-
-    def serves(self, tenant: str, version: int | None) -> bool:
-        """The tenant is registered and ``version`` (None: the live one) is live or pinned."""
-        if tenant not in self.live:
-            return False
-        return version is None or (tenant, version) in self.pinned or self.live[tenant][0] == version
 
     def policy_of(self, tenant: str, version: int | None) -> TenantPolicy:
         live_version, live = self.live[tenant]
@@ -104,7 +88,3 @@ class TenantHeads:
         if reset:
             cache.reset_counters()
         return stats
-
-    def versions(self) -> dict[str, object]:
-        return {"live": {t: v for t, (v, _) in self.live.items()},
-                "pinned": sorted(f"{t}@{v}" for t, v in self.pinned)}
