@@ -78,9 +78,9 @@ def episodes(tenant, seeds: list[int], deterministic: bool, buffer: EpisodeBuffe
     return returns
 
 
-def run(nx: Nexus, tenant: str = "robot", updates: int = 8, episodes_per_update: int = 16,
+def run(nx: Nexus, tenant: str = "robot", updates: int = 16, episodes_per_update: int = 16,
         eval_seeds: int = 16) -> dict:
-    t = nx.create_tenant(TenantSpec(name=tenant, external=SCHEMA, hidden_dim=64, lr=3e-3, seed=1))
+    t = nx.create_tenant(TenantSpec(name=tenant, external=SCHEMA, hidden_dim=64, lr=1e-3, seed=1))
     test = list(range(10_000, 10_000 + eval_seeds))  # fixed goals, never trained on
     before = float(np.mean(episodes(t, test, deterministic=True)))
     job = t.submit(RLJob(updates=updates, episodes_per_batch=episodes_per_update, rollouts="external",
@@ -102,7 +102,7 @@ def main() -> None:
     p.add_argument("--url", help="a running service's gateway (default: start a local service)")
     p.add_argument("--token", help="the operator's or the tenant's token (none needed to create a tenant)")
     p.add_argument("--tenant", default="robot")
-    p.add_argument("--updates", type=int, default=8)
+    p.add_argument("--updates", type=int, default=16)
     p.add_argument("--episodes", type=int, default=16)
     a = p.parse_args()
     with (Nexus(a.url, token=a.token) if a.url else Nexus.local("runs/examples")) as nx:

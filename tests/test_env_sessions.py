@@ -181,13 +181,13 @@ def test_sb3_ppo_trains_on_a_service_vector_env_and_an_exported_policy_predicts(
 
 def test_external_rollouts_improve_a_client_side_env(svc):
     robot = load_example("external_robot")
-    out = robot.run(svc["nx"], "robot", updates=10, episodes_per_update=16)
+    out = robot.run(svc["nx"], "robot", updates=16, episodes_per_update=16)
     # deterministic returns on 16 fixed goals: standing still scores about -8, heading for the goal about -2
-    assert out["updates"] == 10 and out["dropped_stale"] == 0, out
+    assert out["updates"] == 16 and out["dropped_stale"] == 0, out
     assert out["after"] > out["before"] + 2.0, out
     t = svc["nx"].tenant("robot")
     stored = [f for f in t.files() if f["path"].startswith("trajectories/")]
-    assert len(stored) == 10  # every upload in the tenant's trajectory store
+    assert len(stored) == 16  # every upload in the tenant's trajectory store
 
 
 def test_external_uploads_follow_the_staleness_filter_and_bad_ones_are_refused(svc):
