@@ -49,6 +49,7 @@ class JobState:
     t_start: float | None = None  # admitted (isolated mode: later than t_submit)
     t_end: float | None = None
     cancel_requested: bool = False
+    run_started: bool = False  # its tracker run was asked for (an evaluation may nest under it only then)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # ended and recorded (checkpoint, MLflow)
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # in its final state (recording may follow)
     task: asyncio.Task | None = None

@@ -180,10 +180,13 @@ class JobManager:
         try:
             await self._record_start(js, t)
             params = {**t.spec.model_dump(), **{f"job.{k}": v for k, v in js.spec.model_dump().items()}}
-            # an evaluation is a nested run under the tenant's latest training job
-            parent = next((j for j in reversed(t.jobs) if j in self.jobs and self.jobs[j].spec.kind != "eval"), None)
+            # an evaluation is a nested run under the tenant's latest training job whose run exists already
+            # (one submitted just before may start after it: the tracker would not know its run yet)
+            parent = next((j for j in reversed(t.jobs) if j in self.jobs and self.jobs[j].spec.kind != "eval"
+                           and self.jobs[j].run_started), None)
             self.tracker.start_run(js.job_id, js.tenant, js.spec.kind, params,
                                    parent if js.spec.kind == "eval" else None, js.t_submit)
+            js.run_started = True
             runner = {"sft": flows.run_sft, "rl": flows.run_rl, "eval": flows.run_eval}[js.spec.kind]
             if js.spec.kind == "rl" and js.spec.rollouts == "external":
                 runner = self.external.run
