@@ -430,13 +430,16 @@ def test_quotas_versions_kept_storage_and_queued_calls(env):
         keep2.evaluate(episodes=1, version=1)
     with pytest.raises(LimitExceeded, match="max_storage_bytes=1"):
         env["t"]["store1"].rl(updates=1)
-    # max_queued_ops=1: of concurrent calls, the ones beyond the first are refused (optim_step without a
-    # forward_backward is itself refused, so nothing changes either way)
+    # max_queued_ops=1: of concurrent calls, the ones beyond the first are refused with 429 + Retry-After, a
+    # budget of calls at once, not a quota (optim_step without a forward_backward is itself refused, so nothing
+    # changes either way)
     with ThreadPoolExecutor(8) as pool:
         codes = list(pool.map(lambda _: api("POST", "/v1/tenants/q1/optim_step", "q1"), range(8)))
     classes = {_error(r)[0] for r in codes}
-    assert "LimitExceeded" in classes and classes <= {"LimitExceeded", "Conflict"}
-    assert any("max_queued_ops=1" in _error(r)[1] for r in codes)
+    assert "Overloaded" in classes and classes <= {"Overloaded", "Conflict"}
+    refused = [r for r in codes if _error(r)[0] == "Overloaded"]
+    assert all(r.status_code == 429 and int(r.headers["Retry-After"]) >= 1 for r in refused)
+    assert any("max_queued_ops=1" in _error(r)[1] for r in refused)
 
 
 def test_reconnect_with_a_tenant_token(env):

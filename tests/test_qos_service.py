@@ -100,8 +100,12 @@ def test_hops_refusals_client_retries_and_latency_on_metrics(svc):
         client.close()
 
         doc = http.get("/openapi.json").json()
-        r429 = doc["paths"]["/v1/tenants/{tenant}/predict"]["post"]["responses"]["429"]
-        assert "Retry-After" in r429["headers"]
+        # every route behind a budget of calls at once documents its 429 (predicts, and the low-level calls
+        # counted by max_queued_ops)
+        for route in ("predict", "predict_batch", "forward_backward", "forward", "optim_step", "save_state",
+                      "load_state", "save_weights"):
+            r429 = doc["paths"][f"/v1/tenants/{{tenant}}/{route}"]["post"]["responses"]["429"]
+            assert "Retry-After" in r429["headers"], route
         qos = http.get("/v1/admin/qos", headers={"Authorization": f"Bearer {nx.service.operator_token}"}).json()
         assert set(qos["hops_mean_ms"]) == set(HOPS) and qos["inflight_total"] == 0
         assert http.get("/v1/admin/qos", headers={"Authorization": f"Bearer {t['q'].token}"}).status_code == 403

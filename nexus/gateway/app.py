@@ -47,7 +47,7 @@ from nexus.gateway.auth import Principal, TokenStore
 from nexus.gateway.backend import Backend
 from nexus.gateway.backend import plain as jsonable
 from nexus.gateway.body_limit import BodyLimit
-from nexus.gateway.contract import document, relative_paths
+from nexus.gateway.contract import OVERLOADED_RESPONSE, document, relative_paths
 from nexus.gateway.envs import add_env_routes
 from nexus.gateway.serving import PredictServer
 from nexus.gateway.timing import PredictTiming, spans_of
@@ -71,19 +71,6 @@ MAX_WAIT_S = 60.0  # one result / stream poll holds a request at most this long
 PageLimit = Annotated[int | None, Query(ge=1, le=MAX_PAGE, description="tenants (and jobs) per page")]
 PageCursor = Annotated[str | None, Query(max_length=512, description="page.next_cursor of the previous page")]
 FILE_CHUNK = 1 << 20  # bytes per chunk when a file is streamed to a client
-
-
-OVERLOADED_RESPONSE: dict[str, Any] = {
-    "description": "Overloaded: a concurrent-predict budget (the tenant's or the gateway's) is spent; nothing "
-                   "was done. Send again after Retry-After seconds (the body's retry_after_s is finer).",
-    "headers": {"Retry-After": {"description": "seconds to wait before sending again",
-                                "schema": {"type": "integer", "minimum": 1}}},
-    "content": {"application/json": {"schema": {
-        "type": "object", "required": ["error", "retry_after_s"],
-        "properties": {"error": {"type": "object", "properties": {
-            "class": {"type": "string", "enum": ["Overloaded"]}, "code": {"type": "string", "enum": ["overloaded"]},
-            "message": {"type": "string"}}}, "retry_after_s": {"type": "number"}}}}},
-}
 
 
 class NexusJSON(JSONResponse):
@@ -252,8 +239,9 @@ class Gateway:
         """Count a low-level call of ``tenant`` while it waits and runs (max_queued_ops)."""
         limit = self.limits(tenant).max_queued_ops
         if self.pending[tenant] >= limit:
-            raise LimitExceeded(f"queued calls of tenant {tenant!r}: {self.pending[tenant] + 1} is over the limit "
-                                f"max_queued_ops={limit}")
+            retry = self.config.qos.retry_after_s  # a budget of calls at once, not a quota: 429, send again later
+            raise Overloaded(f"queued calls of tenant {tenant!r}: {self.pending[tenant] + 1} at once is over the "
+                             f"limit max_queued_ops={limit}; retry after {retry:g} s", retry)
         self.pending[tenant] += 1
         try:
             yield
@@ -476,7 +464,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         return await gw.shown(who, view["tenant"], await backend.cancel(job_id))
 
     # -- low level (Tinker-style) -------------------------------------------------------------
-    @app.post("/v1/tenants/{tenant}/forward_backward", tags=["low level"])
+    @app.post("/v1/tenants/{tenant}/forward_backward", tags=["low level"], responses={429: OVERLOADED_RESPONSE})
     async def forward_backward(tenant: str, body: ForwardBackwardBody, who: Who,
                                session: OpSession) -> dict[str, Any]:
         """Accumulate gradients of ``loss`` on a self-contained batch (goes to the actor worker directly)."""
@@ -492,7 +480,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         async with gw.queued(tenant):
             return await backend.op(tenant, "forward_backward", batch, body.loss, session)
 
-    @app.post("/v1/tenants/{tenant}/forward", tags=["low level"])
+    @app.post("/v1/tenants/{tenant}/forward", tags=["low level"], responses={429: OVERLOADED_RESPONSE})
     async def forward(tenant: str, body: ForwardBody, who: Who, session: OpSession) -> dict[str, Any]:
         """Without a gradient, ordered with the tenant's training calls: each row's log-probability of its action
         (``outputs.logprobs``), the policy's entropy and value there (Gaussian heads)."""
@@ -510,7 +498,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         async with gw.queued(tenant):
             return await backend.op(tenant, "forward", batch, session=session)
 
-    @app.post("/v1/tenants/{tenant}/optim_step", tags=["low level"])
+    @app.post("/v1/tenants/{tenant}/optim_step", tags=["low level"], responses={429: OVERLOADED_RESPONSE})
     async def optim_step(tenant: str, who: Who, session: OpSession, body: OptimStepBody | None = None
                          ) -> dict[str, Any]:
         """Apply the accumulated gradients; ``adam``: this step's Adam settings (Tinker's ``AdamParams``)."""
@@ -519,7 +507,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         async with gw.queued(tenant):
             return await backend.op(tenant, "optim_step", session=session, **({"adam": adam} if adam else {}))
 
-    @app.post("/v1/tenants/{tenant}/save_state", tags=["low level"])
+    @app.post("/v1/tenants/{tenant}/save_state", tags=["low level"], responses={429: OVERLOADED_RESPONSE})
     async def save_state(tenant: str, body: StateBody, who: Who, session: OpSession) -> dict[str, Any]:
         """Save the training state (head, adapter, optimizer state) under ``name`` in the tenant's ``states/``
         (a state of that name is replaced); it is not a policy version."""
@@ -529,7 +517,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         async with gw.queued(tenant):
             return await backend.op(tenant, "save_state", session=session, name=name)
 
-    @app.post("/v1/tenants/{tenant}/load_state", tags=["low level"])
+    @app.post("/v1/tenants/{tenant}/load_state", tags=["low level"], responses={429: OVERLOADED_RESPONSE})
     async def load_state(tenant: str, body: StateBody, who: Who, session: OpSession) -> dict[str, Any]:
         """Back to a saved training state; the version does not move back (``save_weights`` publishes the loaded
         weights as a new version)."""
@@ -538,7 +526,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         async with gw.queued(tenant):
             return await backend.op(tenant, "load_state", session=session, name=name)
 
-    @app.post("/v1/tenants/{tenant}/save_weights", tags=["low level"])
+    @app.post("/v1/tenants/{tenant}/save_weights", tags=["low level"], responses={429: OVERLOADED_RESPONSE})
     async def save_weights(tenant: str, who: Who, session: OpSession) -> dict[str, Any]:
         """Publish the current head as a new policy version."""
         who.may_act_on(tenant)

@@ -54,6 +54,21 @@ ERRORS: dict[int, ErrorResponse] = {
 }
 
 
+# a route with a concurrency budget adds it: responses={429: OVERLOADED_RESPONSE}
+OVERLOADED_RESPONSE: dict[str, Any] = {
+    "description": "Overloaded: a concurrency budget is spent (the tenant's predicts, max_inflight_predicts, or "
+                   "low-level calls, max_queued_ops; the gateway's predicts, qos.max_inflight_predicts); nothing "
+                   "was done. Send again after Retry-After seconds (the body's retry_after_s is finer).",
+    "headers": {"Retry-After": {"description": "seconds to wait before sending again",
+                                "schema": {"type": "integer", "minimum": 1}}},
+    "content": {"application/json": {"schema": {
+        "type": "object", "required": ["error", "retry_after_s"],
+        "properties": {"error": {"type": "object", "properties": {
+            "class": {"type": "string", "enum": ["Overloaded"]}, "code": {"type": "string", "enum": ["overloaded"]},
+            "message": {"type": "string"}}}, "retry_after_s": {"type": "number"}}}}},
+}
+
+
 def document(app: FastAPI) -> None:
     """Make ``app.openapi()`` list :data:`ERRORS` (with :class:`ErrorBody`) on every route that takes a bearer
     token, in place of FastAPI's own validation-error schema (the gateway answers those with :class:`ErrorBody`)."""

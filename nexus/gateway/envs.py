@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from nexus.episodes import check_episodes
 from nexus.errors import NexusError, NotFound, SpecError, Unavailable
 from nexus.gateway.auth import Principal
+from nexus.gateway.contract import OVERLOADED_RESPONSE
 from nexus.inputs import check_observation, decode_array, encode_array
 from nexus.sim_client import call_sim
 
@@ -213,7 +214,7 @@ async def close_env(tenant: str, session: str, who: Who, request: Request) -> di
     return await _envs(request).close(tenant, session)
 
 
-@router.post("/v1/tenants/{tenant}/predict_batch", tags=["low level"])
+@router.post("/v1/tenants/{tenant}/predict_batch", tags=["low level"], responses={429: OVERLOADED_RESPONSE})
 async def predict_batch(tenant: str, body: PredictBatchBody, who: Who, request: Request) -> dict[str, Any]:
     """Actions for several observations of the tenant (one request, grouped with other tenants' requests):
     ``outputs``, one per observation: ``action`` (the policy's sample, unclipped), ``logprob``, ``value`` and
