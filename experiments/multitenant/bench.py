@@ -325,9 +325,10 @@ def main() -> None:
     order_idx = sorted(range(len(rounds)), key=lambda i: eff[winner][i])[len(rounds) // 2]
     suffix = args.device + ("" if args.tenants == 4 else f"_{args.tenants}t") + (
         "" if args.mix == "equal-time" else f"_{args.mix}")
-    png = HERE / f"timeline_{suffix}.png"
-    draw_timelines([rounds[order_idx]["isolated"], rounds[order_idx][winner]], png)
     out = Path(args.out) if args.out else HERE / f"results_{suffix}.json"
+    # the picture goes beside its JSON: a run with --out elsewhere leaves the committed picture alone
+    png = out.with_name(f"timeline_{suffix}.png" if not args.out else f"{out.stem}_timeline.png")
+    draw_timelines([rounds[order_idx]["isolated"], rounds[order_idx][winner]], png)
     summary = {"efficiency": {m: {"median": statistics.median(eff[m]), "min": min(eff[m]), "max": max(eff[m]),
                                   "rounds": eff[m]} for m in shared},
                "efficiency_vs_used_slots": {m: {"median": statistics.median(eff_used[m]), "rounds": eff_used[m]}
