@@ -64,6 +64,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--minibatch", type=int, default=200)
     ap.add_argument("--target-kl", type=float, default=0.1, help="PPO early stop per update (CleanRL / ManiSkill)")
+    ap.add_argument("--updates", type=int, default=0, help="stop after this many updates (0: the budget decides)")
+    ap.add_argument("--init-log-std", type=float, default=-0.5, help="the Gaussian head's initial log std")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default: ppo_<task>.json next to this file)")
     ap.add_argument("--terminate-on-success", action="store_true",
                     help="end episodes at success (the catalog default); off: fixed-length episodes, as ManiSkill's "
                          "PPO baseline trains — with termination and a dense reward, succeeding early forfeits the "
@@ -91,7 +94,8 @@ def main() -> None:
     svc = ActorHost(ServiceConfig(root=str(work)))  # tiny Qwen3-VL, 64 px
     entry = dataclasses.replace(catalog.env(args.env), terminate_on_success=args.terminate_on_success)
     name = "ppo"
-    spec = TenantSpec(name=name, env=args.env, action_head="oft", lr=args.lr, grad_clip=0.5, seed=args.seed)
+    spec = TenantSpec(name=name, env=args.env, action_head="oft", lr=args.lr, grad_clip=0.5, seed=args.seed,
+                      init_log_std=args.init_log_std)
     slot = svc.slots[name] = TenantSlot(spec, entry.schema, svc.feat_dim, grad_clip=spec.grad_clip)
     svc.framework.add_tenant(name, slot.policy, TenantPreprocessor(entry.schema, svc.backbone_cfg))
     store = TrajectoryStore(work / "trajectories", name, entry.schema)
@@ -110,7 +114,7 @@ def main() -> None:
     evals.append({"update": 0, "env_steps": 0, "time_s": time.time() - t_start, **evaluate()})
     print(f"eval   update {0:4d}  success {evals[-1]['success_rate']:.2f}  return {evals[-1]['mean_return']:.2f}",
           flush=True)
-    while time.time() - t_start < budget_s:
+    while time.time() - t_start < budget_s and not (args.updates and update >= args.updates):
         slot.policy.eval()
         cols = collect_episodes(env, Policy(svc.framework, name, False, slot.version), args.episodes,
                                 seed=args.seed * 7919, tenant=name, episode_offset=update * args.episodes)
@@ -154,14 +158,15 @@ def main() -> None:
           f"({os.cpu_count()} cores, torch threads {torch.get_num_threads()})")
 
     slug = args.env.split("/")[-1]
-    plot_path = HERE / f"ppo_{slug}.png"
+    out = args.out or HERE / f"ppo_{slug}.json"
+    plot_path = out.with_suffix(".png")
     plot(curve, evals, args.env, plot_path)
-    out = HERE / f"ppo_{slug}.json"
     out.write_text(json.dumps({
-        "meta": {**vars(args), "backbone": svc.backbone_cfg.compat_key(), "ppo": ppo.model_dump(),
+        "meta": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                 "backbone": svc.backbone_cfg.compat_key(), "ppo": ppo.model_dump(),
                  "wall_s": round(time.time() - t_start, 1), "cpu_count": os.cpu_count(),
                  "python": platform.python_version(),
-                 "torch": torch.__version__, "plot": plot_path.name,
+                 "torch": torch.__version__, "plot": plot_path.name, "out": str(out),
                  "command": "python experiments/rl_learning/ppo_maniskill.py " + " ".join(sys.argv[1:]),
                  "mode": "one process: model + environment service + actor update function (no cluster)"},
         "start": first, "end": last, "end_mean_last3": tail, "best": best, "train_last10": train_tail,

@@ -32,7 +32,7 @@ DEMO_CHECKPOINT_EVERY = 50
 FILES = {"pick-sft": "pick-sft.toml", "push-rl": "push-rl.toml", "pick-rgb": "pick-rgb.toml"}
 EVAL_EPISODES = 20  # the trained versions
 BEFORE_EPISODES = 10  # the untrained head (its success is 0: fewer episodes leave the cores to training)
-RL_EVAL_EVERY = 20  # push-rl's versions evaluated while it trains (v0, v20, v40, ...), each with
+RL_EVAL_EVERY = 30  # push-rl's versions evaluated while it trains (v0, v30, v60, ...), each with
 RL_EVAL_EPISODES = 10  # ... this many deterministic episodes
 
 
