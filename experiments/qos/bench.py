@@ -395,7 +395,26 @@ def engine_phase(eng, start: bool) -> dict | None:
     return {"groups": s["groups"], "rows": rows, "busy_s": round(s["busy_s"], 2),
             "rows_per_group": round(rows / groups, 1),
             "busy_ms_per_row": round(1e3 * s["busy_s"] / rows, 2) if rows else None,
-            "prefix_cache": s.get("prefix_cache")}  # (none before this cache existed)
+            "prefix_cache": s.get("prefix_cache"),  # (none before this cache existed)
+            "gc": s.get("gc")}  # the engine worker's collections in the phase (none before round 3)
+
+
+def gateway_gc(http, token: str) -> dict | None:
+    """The gateway's collections and fair-share refusals so far (``GET /v1/admin/qos``; none before round 3)."""
+    r = http.get("/v1/admin/qos", headers={"Authorization": f"Bearer {token}"})
+    view = r.json() if r.status_code == 200 else {}
+    return {**view["gc"], "shed": view.get("shed", 0)} if "gc" in view else None
+
+
+def gc_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Collections per generation over a phase: how many and their total ms (max_ms: since start-up); the
+    predicts refused for being over a fair share (``shed``)."""
+    if not before or not after:
+        return None
+    return {"shed": after["shed"] - before["shed"],
+            "count": [b - a for a, b in zip(before["count"], after["count"], strict=True)],
+            "total_ms": [round(b - a, 2) for a, b in zip(before["total_ms"], after["total_ms"], strict=True)],
+            "max_ms_since_start": after["max_ms"], "frozen": after["frozen"], "threshold": after["threshold"]}
 
 
 def cpu_now(service) -> dict[str, float]:
@@ -441,11 +460,13 @@ def serve(args) -> None:
                 if ask["phase"] == "predict":
                     c = ask["clients"]
                     engine_phase(eng, True)
+                    gc0 = gateway_gc(http, nx.service.operator_token)
                     cpu0 = cpu_now(nx.service)
                     res = asyncio.run(closed_loop(host, int(port), tokens, names[:1] if c == 1 else names, c,
                                                   args.seconds))
                     res["cpu_ms_per_predict"] = cpu_per_predict(cpu0, cpu_now(nx.service), res["answered"])
                     res["engine"] = engine_phase(eng, False)
+                    res["gateway_gc"] = gc_delta(gc0, gateway_gc(http, nx.service.operator_token))
                 elif ask["phase"] == "noisy":
                     res = asyncio.run(noisy(host, int(port), tokens, names, args.quiet_rate, args.noisy_seconds,
                                             args.noisy_rounds, lambda start: engine_phase(eng, start)))
