@@ -213,6 +213,17 @@ class QosSettings(BaseModel):
                                         "requests arriving meanwhile gather into the next call")
     report_every_s: float = Field(2.0, gt=0, description="the gateway sends its per-tenant latency histograms "
                                   "to the control plane this often (/metrics, /nexus)")
+    fair_share_factor: float = Field(2.0, ge=0, description="while predicts wait for an engine, a tenant "
+                                     "admitting more than this many times the active tenants' mean rate is "
+                                     "refused (429 + Retry-After; 0: off; nexus.gateway.fair_share)")
+    fair_share_window_s: float = Field(1.0, gt=0, description="the time constant of each tenant's admitted "
+                                       "predict rate (qos.fair_share_factor)")
+    gc_freeze: bool = Field(True, description="the gateway and each inference engine's worker freeze the "
+                            "objects alive after start-up (gc.freeze): full collections no longer walk them "
+                            "(nexus.gc_tuning)")
+    gc_gen0_threshold: int = Field(10_000, ge=0, description="the young generation's collection threshold in the "
+                                   "gateway and the engines' workers (0: Python's, 700); a request's objects are "
+                                   "mostly freed by reference counting, so collections become rare")
     sim_fair_share: bool = Field(True, description="simulator slots go to the tenant holding the fewest when "
                                  "several wait (False: Dask's order, first come first served)")
     sim_task_episodes: int = Field(8, ge=1, description="an evaluation's rollout tasks run at most this many "

@@ -15,7 +15,10 @@ from nexus.control.predict_latency import PredictLatency
 from nexus.control.sim_slots import SimSlots
 from nexus.errors import Draining, NotFound, Overloaded, SpecError, Unavailable
 from nexus.gateway.__main__ import listen_socket
+from nexus.gateway.fair_share import FairShare
 from nexus.gateway.serving import Budgets, EngineLane, Pending, PredictServer
+from nexus.gc_tuning import GcPauses
+from nexus.gc_tuning import apply as apply_gc
 from nexus.messages import EngineEndpoint
 from nexus.qos import BUCKETS_S, LatencyHistogram, parse_server_timing, server_timing
 from nexus.services.sim_host import SimHost
@@ -200,6 +203,71 @@ def test_predict_server_reroutes_refused_requests_refuses_past_budget_and_report
         assert server.budgets.held_total == 0
 
     asyncio.run(main())
+
+
+def test_fair_share_rates_decay_and_only_a_tenant_far_above_the_mean_is_over():
+    f = FairShare(factor=2.0, window_s=1.0)
+    for i in range(100):  # one second: 15 tenants at 8/s, one at 80/s
+        now = i / 100
+        if i % 12 == 0:
+            for q in range(15):
+                f.admitted(f"q{q}", now)
+        f.admitted("loud", now + 0.001)
+    assert f.over("loud", 1.0) and not f.over("q0", 1.0)
+    assert 40 < f.rate("loud", 1.0) < 80 and f.rate("loud", 4.0) < 0.1 * f.rate("loud", 1.0)
+    alone = FairShare(factor=2.0)
+    for i in range(50):
+        alone.admitted("solo", i / 50)
+    assert not alone.over("solo", 1.0)  # alone, a tenant has the whole engine
+    assert not FairShare(factor=0).over("loud", 1.0)  # off
+
+
+def test_predict_server_sheds_a_tenant_over_its_fair_share_only_while_requests_wait():
+    routes = Engines(delay_s=0.02)
+    server = PredictServer(routes, QosSettings(max_inflight_predicts=64, engine_calls_in_flight=1,
+                                               fair_share_factor=2.0), lambda t: 64)
+
+    routes.draining = set()
+
+    async def main() -> None:
+        for _ in range(20):  # nothing waits: a tenant far above the others is still admitted
+            await server.predict("loud", None, None, True, {})
+        await server.predict("q", None, None, True, {})
+        assert server.shed_count == 0 and server.fair.over("loud")
+        first = asyncio.ensure_future(server.predict("q", None, None, True, {}))  # the one call in flight
+        await asyncio.sleep(0.005)
+        waiting = asyncio.ensure_future(server.predict("q", None, None, True, {}))  # waits for it
+        await asyncio.sleep(0)
+        assert server.contended()
+        with pytest.raises(Overloaded, match="fair_share_factor") as e:
+            await server.predict("loud", None, None, True, {})
+        assert e.value.retry_after_s == server.settings.retry_after_s and server.shed_count == 1
+        await server.predict("q", None, None, True, {})  # the quiet tenant is admitted meanwhile
+        await asyncio.gather(first, waiting)
+        assert not server.contended() and server.budgets.held_total == 0
+        await server.predict("loud", None, None, True, {})  # uncontended again: admitted
+
+    asyncio.run(main())
+
+
+def test_gc_apply_freezes_sets_the_threshold_and_pauses_are_counted():
+    import gc
+
+    before = gc.get_threshold()
+    pauses = GcPauses()
+    try:
+        done = apply_gc(freeze=True, gen0_threshold=5000)
+        assert done["frozen"] > 0 and gc.get_threshold()[0] == 5000
+        gc.collect()
+        view = pauses.view()
+        assert view["count"][2] >= 2 and view["total_ms"][2] >= 0 and view["frozen"] == gc.get_freeze_count()
+        pauses.reset()
+        assert pauses.view()["count"] == [0, 0, 0]
+    finally:
+        pauses.close()
+        gc.unfreeze()
+        gc.set_threshold(*before)
+    assert pauses._callback not in gc.callbacks
 
 
 # -- simulators' fair share -------------------------------------------------------------------------

@@ -8,7 +8,8 @@ Phases (each bounded in time and in requests):
   errors by status; each answer's ``Server-Timing`` hops (mean and p50 per hop: the latency breakdown); the CPU
   time of each of the service's processes (and the load generator's) per answered predict.
 * ``noisy``: open loop: 15 quiet tenants at ``--quiet-rate`` predicts/s each, alone, then with a 16th tenant
-  at 10x that rate: the quiet tenants' p50/p99 both times, the noisy tenant's answers and 429s.
+  at 10x that rate, in ``--noisy-rounds`` alternating pairs of windows (alone, with, alone, with, ...): each
+  window's quiet p50/p99, the median of each case's p99s and their ratio, the noisy tenant's answers and 429s.
 * ``ops``: 16 tenants at once, each looping ``forward_backward`` (8 rows) + ``optim_step``: ops/s, p50/p99.
 * ``sim``: tenant B's short RL job (2 updates) alone; then tenant A's two 500-episode evaluations, and B's
   same job again while they run (bounded by ``--sim-wait-s``); then A's cancel, timed per call.
@@ -248,24 +249,66 @@ async def open_loop(host: str, port: int, tokens: dict[str, str], rates: dict[st
     return load
 
 
+def quiet_round(load: Load, quiet: list[str], loud: str | None, engine: dict | None) -> dict:
+    """One window's (or the pooled windows') quiet latencies; the noisy tenant's answers when it ran."""
+    q = load.all_lat(quiet)
+    out = {"quiet_answered": len(q), **{f"quiet_{k}": v for k, v in summary(q).items()},
+           "status": {str(k): v for k, v in sorted(load.status.items())}, "transport_errors": load.errors,
+           "engine": engine}
+    if loud is not None:
+        n = load.all_lat([loud])
+        out.update(noisy_answered=len(n), noisy_p50_ms=ms(pct(n, 0.5)), noisy_p99_ms=ms(pct(n, 0.99)))
+    return out
+
+
+def median(xs: list[float]) -> float | None:
+    s = sorted(x for x in xs if x is not None)
+    if not s:
+        return None
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else round((s[m - 1] + s[m]) / 2, 2)
+
+
 async def noisy(host: str, port: int, tokens: dict[str, str], tenants: list[str], rate: float,
-                seconds: float, engine=lambda start: None) -> dict:
+                seconds: float, rounds: int = 1, engine=lambda start: None) -> dict:
+    """Open loop: 15 quiet tenants at ``rate``, in ``rounds`` alternating pairs of windows of ``seconds``
+    (alone, then with a 16th tenant at 10x; alone, with, ...), so both cases see the same moments of the shared
+    box. ``quiet_p99_increase``: the median of the "with" windows' quiet p99 over the median of the "alone"
+    ones, minus 1 (with ``rounds=1``: round 1/2's one 10-s window each, the old measure); every window is listed
+    (``rounds``), with the pooled percentiles of all windows of a case (``alone``, ``with_noisy``) and each
+    pair's own increase."""
     quiet, loud = tenants[:15], tenants[15]
-    out = {"quiet_tenants": len(quiet), "quiet_rate_per_s": rate, "noisy_rate_per_s": 10 * rate}
-    for case, rates in (("alone", dict.fromkeys(quiet, rate)), ("with_noisy", {**dict.fromkeys(quiet, rate),
-                                                                              loud: 10 * rate})):
-        await asyncio.to_thread(engine, True)
-        load = await open_loop(host, port, tokens, rates, seconds)
-        q = load.all_lat(quiet)
-        out[case] = {"quiet_answered": len(q), **{f"quiet_{k}": v for k, v in summary(q).items()},
-                     "status": {str(k): v for k, v in sorted(load.status.items())},
-                     "transport_errors": load.errors, "engine": await asyncio.to_thread(engine, False),
-                     "breakdown": load.breakdown(load.all_lat()) if load.all_lat() else {}}
-        if case == "with_noisy":
-            n = load.all_lat([loud])
-            out[case].update(noisy_answered=len(n), noisy_p50_ms=ms(pct(n, 0.5)), noisy_p99_ms=ms(pct(n, 0.99)))
-    a, b = out["alone"]["quiet_p99_ms"], out["with_noisy"]["quiet_p99_ms"]
+    out: dict = {"quiet_tenants": len(quiet), "quiet_rate_per_s": rate, "noisy_rate_per_s": 10 * rate,
+                 "rounds": [], "round_seconds": seconds}
+    pooled: dict[str, Load] = {"alone": Load(), "with_noisy": Load()}
+    for i in range(rounds):
+        for case, rates in (("alone", dict.fromkeys(quiet, rate)),
+                            ("with_noisy", {**dict.fromkeys(quiet, rate), loud: 10 * rate})):
+            await asyncio.to_thread(engine, True)
+            load = await open_loop(host, port, tokens, rates, seconds)
+            out["rounds"].append({"round": i, "case": case,
+                                  **quiet_round(load, quiet, loud if case == "with_noisy" else None,
+                                                await asyncio.to_thread(engine, False))})
+            acc = pooled[case]
+            for t, xs in load.lat.items():
+                acc.lat.setdefault(t, []).extend(xs)
+            for k, v in load.status.items():
+                acc.status[k] = acc.status.get(k, 0) + v
+            acc.errors += load.errors
+            acc.hops += load.hops
+    for case, load in pooled.items():
+        out[case] = quiet_round(load, quiet, loud if case == "with_noisy" else None, None)
+        out[case].pop("engine")
+        out[case]["breakdown"] = load.breakdown(load.all_lat()) if load.all_lat() else {}
+        out[case]["quiet_p99_ms_median_of_rounds"] = median(
+            [r["quiet_p99_ms"] for r in out["rounds"] if r["case"] == case])
+    a, b = out["alone"]["quiet_p99_ms_median_of_rounds"], out["with_noisy"]["quiet_p99_ms_median_of_rounds"]
     out["quiet_p99_increase"] = round(b / a - 1, 3) if a and b else None
+    pa, pb = out["alone"]["quiet_p99_ms"], out["with_noisy"]["quiet_p99_ms"]
+    out["quiet_p99_increase_pooled"] = round(pb / pa - 1, 3) if pa and pb else None
+    p99s = [r["quiet_p99_ms"] for r in out["rounds"]]
+    pairs = zip(p99s[::2], p99s[1::2], strict=True)
+    out["quiet_p99_increase_per_round"] = [round(y / x - 1, 3) if x and y else None for x, y in pairs]
     return out
 
 
@@ -352,7 +395,26 @@ def engine_phase(eng, start: bool) -> dict | None:
     return {"groups": s["groups"], "rows": rows, "busy_s": round(s["busy_s"], 2),
             "rows_per_group": round(rows / groups, 1),
             "busy_ms_per_row": round(1e3 * s["busy_s"] / rows, 2) if rows else None,
-            "prefix_cache": s.get("prefix_cache")}  # (none before this cache existed)
+            "prefix_cache": s.get("prefix_cache"),  # (none before this cache existed)
+            "gc": s.get("gc")}  # the engine worker's collections in the phase (none before round 3)
+
+
+def gateway_gc(http, token: str) -> dict | None:
+    """The gateway's collections and fair-share refusals so far (``GET /v1/admin/qos``; none before round 3)."""
+    r = http.get("/v1/admin/qos", headers={"Authorization": f"Bearer {token}"})
+    view = r.json() if r.status_code == 200 else {}
+    return {**view["gc"], "shed": view.get("shed", 0)} if "gc" in view else None
+
+
+def gc_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Collections per generation over a phase: how many and their total ms (max_ms: since start-up); the
+    predicts refused for being over a fair share (``shed``)."""
+    if not before or not after:
+        return None
+    return {"shed": after["shed"] - before["shed"],
+            "count": [b - a for a, b in zip(before["count"], after["count"], strict=True)],
+            "total_ms": [round(b - a, 2) for a, b in zip(before["total_ms"], after["total_ms"], strict=True)],
+            "max_ms_since_start": after["max_ms"], "frozen": after["frozen"], "threshold": after["threshold"]}
 
 
 def cpu_now(service) -> dict[str, float]:
@@ -379,7 +441,7 @@ def serve(args) -> None:
 
     root = Path(tempfile.mkdtemp(prefix="nexus-qos-")) / "service"
     names = [f"t{i:02d}" for i in range(16)]
-    with Nexus.local(root, n_sim=2, dashboard_address="127.0.0.1:0") as nx:
+    with Nexus.local(root, n_sim=2, dashboard_address="127.0.0.1:0", overrides=args.set) as nx:
         url = nx.service.gateway_url
         host, port = url.removeprefix("http://").rsplit(":", 1)
         tokens = {}
@@ -398,14 +460,16 @@ def serve(args) -> None:
                 if ask["phase"] == "predict":
                     c = ask["clients"]
                     engine_phase(eng, True)
+                    gc0 = gateway_gc(http, nx.service.operator_token)
                     cpu0 = cpu_now(nx.service)
                     res = asyncio.run(closed_loop(host, int(port), tokens, names[:1] if c == 1 else names, c,
                                                   args.seconds))
                     res["cpu_ms_per_predict"] = cpu_per_predict(cpu0, cpu_now(nx.service), res["answered"])
                     res["engine"] = engine_phase(eng, False)
+                    res["gateway_gc"] = gc_delta(gc0, gateway_gc(http, nx.service.operator_token))
                 elif ask["phase"] == "noisy":
-                    res = asyncio.run(noisy(host, int(port), tokens, names, args.quiet_rate, args.seconds,
-                                            lambda start: engine_phase(eng, start)))
+                    res = asyncio.run(noisy(host, int(port), tokens, names, args.quiet_rate, args.noisy_seconds,
+                                            args.noisy_rounds, lambda start: engine_phase(eng, start)))
                 elif ask["phase"] == "ops":
                     res = asyncio.run(ops(host, int(port), tokens, names, args.seconds))
                 else:
@@ -450,12 +514,19 @@ def main() -> None:
     p.add_argument("--clients", nargs="+", type=int, default=[1, 16, 64, 256])
     p.add_argument("--seconds", type=float, default=10.0, help="per load phase")
     p.add_argument("--quiet-rate", type=float, default=8.0, help="predicts/s of each quiet tenant (noisy: 10x)")
+    p.add_argument("--noisy-rounds", type=int, default=6, help="noisy: alternating pairs of windows (alone, with "
+                   "the 10x tenant), each --noisy-seconds; 1 with 10 s: rounds 1-2's single pair")
+    p.add_argument("--noisy-seconds", type=float, default=8.0, help="noisy: seconds per window")
     p.add_argument("--sim-wait-s", type=float, default=120.0, help="longest wait for B's RL job")
     p.add_argument("--code", default=None, help="(internal) serve this checkout's service to the parent")
     p.add_argument("--baseline", default=None, help="a checkout of the code before: each phase runs on it, then "
                                                     "on this checkout, one after the other (both services up)")
     p.add_argument("--new-first", action="store_true", help="each phase on this checkout first, then the baseline "
                    "(what one service leaves running after a phase, e.g. tracking writes, lands on the other)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="settings of this checkout's service "
+                   "(as `nexus up --set`, e.g. qos.gc_freeze=false)")
+    p.add_argument("--baseline-set", nargs="*", default=[], metavar="KEY=VALUE", help="settings of the baseline's "
+                   "service (with --baseline . : the same code under other settings)")
     p.add_argument("--out", default=None, help="JSON results")
     args = p.parse_args()
     import torch
@@ -464,14 +535,16 @@ def main() -> None:
     if args.code is not None:
         serve(args)
         return
-    argv = ["--seconds", str(args.seconds), "--quiet-rate", str(args.quiet_rate), "--sim-wait-s", str(args.sim_wait_s)]
+    argv = ["--seconds", str(args.seconds), "--quiet-rate", str(args.quiet_rate), "--sim-wait-s", str(args.sim_wait_s),
+            "--noisy-rounds", str(args.noisy_rounds), "--noisy-seconds", str(args.noisy_seconds)]
     order = (("baseline", args.baseline), ("new", str(REPO)))
-    children = [Child(label, code, argv) for label, code in (order[::-1] if args.new_first else order)
-                if code is not None]
+    sets = {"baseline": args.baseline_set, "new": args.set}
+    children = [Child(label, code, argv + ["--set", *sets[label]])
+                for label, code in (order[::-1] if args.new_first else order) if code is not None]
     asks = [{"phase": "predict", "clients": c} for c in args.clients] if "predict" in args.phases else []
     asks += [{"phase": ph} for ph in ("noisy", "ops", "sim") if ph in args.phases]
-    runs: dict[str, dict] = {c.label: {"code": args.baseline if c.label == "baseline" else str(REPO)}
-                             for c in children}
+    runs: dict[str, dict] = {c.label: {"code": args.baseline if c.label == "baseline" else str(REPO),
+                                       "set": sets[c.label]} for c in children}
     try:
         for ask in asks:
             for c in children:  # side by side: the same phase on each checkout, back to back
@@ -481,6 +554,12 @@ def main() -> None:
                     runs[c.label].setdefault("predict", []).append(res)
                     print(f"  {c.label:>8} predict {res['clients']:>3} clients: {res['predict_per_s']:>7}/s "
                           f"p50 {res['p50_ms']} p99 {res['p99_ms']} status {res['status']}", flush=True)
+                elif key == "noisy":
+                    runs[c.label][key] = res
+                    print(f"  {c.label:>8} noisy: quiet p99 per window {[r['quiet_p99_ms'] for r in res['rounds']]}; "
+                          f"medians {res['alone']['quiet_p99_ms_median_of_rounds']} -> "
+                          f"{res['with_noisy']['quiet_p99_ms_median_of_rounds']} ms "
+                          f"({res['quiet_p99_increase']}), noisy status {res['with_noisy']['status']}", flush=True)
                 else:
                     runs[c.label][key] = res
                     print(f"  {c.label:>8} {key}: {json.dumps(res)[:400]}", flush=True)

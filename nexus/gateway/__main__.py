@@ -22,6 +22,8 @@ from nexus.config import ServiceConfig
 from nexus.gateway.app import create_app
 from nexus.gateway.auth import TokenStore
 from nexus.gateway.backend import Backend
+from nexus.gc_tuning import apply as apply_gc
+from nexus.gc_tuning import pauses as gc_pauses
 from nexus.paths import harden_process, private_write_bytes
 from nexus.tls import security
 
@@ -78,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             await super().startup(sockets)
             if not self.should_exit:  # listening now: the URL may be handed out
                 ready()
+                gc_pauses()  # counted from now on (GET /v1/admin/qos)
+                logging.getLogger("nexus.gateway").info(
+                    "gc after start-up: %s", apply_gc(config.qos.gc_freeze, config.qos.gc_gen0_threshold))
 
     app = create_app(config, Backend(address, security(config)), tokens)
     server = Server(uvicorn.Config(app, loop=config.qos.gateway_loop, http=config.qos.gateway_http,

@@ -550,6 +550,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         who.may_act_on(tenant)
         if body.deterministic and (body.seed is not None or body.n > 1):
             raise SpecError("seed and n > 1 draw samples: set deterministic to false")
+        gw.serving.shed(tenant)  # over its fair share while the engine is busy: 429 before the checks' cost
         _, schema = await gw.spec_schema(tenant)
         lim = gw.limits(tenant)
         obs = check_observation(body.observation, schema, max_instruction_chars=lim.max_instruction_chars)

@@ -29,6 +29,8 @@ from typing import Any, Protocol
 from nexus.config import QosSettings
 from nexus.engine_client import retryable
 from nexus.errors import NexusError, NotSupported, Overloaded, Unavailable
+from nexus.gateway.fair_share import FairShare
+from nexus.gc_tuning import pauses as gc_pauses
 from nexus.messages import EngineEndpoint
 from nexus.qos import HOPS, LatencyHistogram
 
@@ -89,9 +91,10 @@ class EngineLane:
         self._queues: dict[str, deque[Pending]] = {}
         self._turns: deque[str] = deque()  # tenants with a request waiting, in round-robin order
         self._running: set[asyncio.Task] = set()
+        self.waiting = 0  # requests queued, not yet in a call
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return self.waiting
 
     @property
     def idle(self) -> bool:
@@ -103,6 +106,7 @@ class EngineLane:
             q = self._queues[p.tenant] = deque()
             self._turns.append(p.tenant)
         q.append(p)
+        self.waiting += 1
         self._pump()
 
     def discard(self, p: Pending) -> None:
@@ -110,6 +114,7 @@ class EngineLane:
         q = self._queues.get(p.tenant)
         if q is not None and p in q:
             q.remove(p)
+            self.waiting -= 1
             if not q:
                 del self._queues[p.tenant]
                 self._turns.remove(p.tenant)
@@ -125,6 +130,7 @@ class EngineLane:
                 self._turns.append(tenant)
             else:
                 del self._queues[tenant]
+        self.waiting -= len(batch)
         return batch
 
     def _pump(self) -> None:
@@ -187,6 +193,22 @@ class PredictServer:
         self.route_timeout_s = route_timeout_s
         self.lanes: dict[tuple[str, str], EngineLane] = {}
         self.stats = QosStats()
+        self.fair = FairShare(settings.fair_share_factor, settings.fair_share_window_s)
+        self.shed_count = 0  # predicts refused for being over the fair share
+
+    def contended(self) -> bool:
+        """Requests are waiting for a call to an engine (every call slot busy)."""
+        return any(lane.waiting for lane in self.lanes.values())
+
+    def shed(self, tenant: str) -> None:
+        """Refuse (429) a predict of a tenant over its fair share while the path is contended: called before the
+        observation is checked, so the refusal costs little (:mod:`nexus.gateway.fair_share`)."""
+        if self.fair.factor > 0 and self.contended() and self.fair.over(tenant):
+            self.stats.rejected(tenant)
+            self.shed_count += 1
+            raise Overloaded(f"tenant {tenant!r} sends predicts faster than {self.fair.factor:g}x the other "
+                             f"tenants' mean while the engine is busy (qos.fair_share_factor); retry after "
+                             f"{self.settings.retry_after_s:g} s", self.settings.retry_after_s)
 
     def _lane(self, ep: EngineEndpoint) -> EngineLane:
         key = (ep.engine, ep.address)
@@ -202,11 +224,13 @@ class PredictServer:
                       spans: dict[str, float], seed: int | None = None, n: int = 1) -> dict[str, Any]:
         """One predict (``n`` samples, reproducible with ``seed``): admitted (or :class:`Overloaded`), queued
         fairly, sent gathered, re-routed if refused. Fills ``spans`` with its hops from ``gateway_queue`` on."""
+        self.shed(tenant)
         try:
             self.budgets.acquire(tenant)
         except Overloaded:
             self.stats.rejected(tenant)
             raise
+        self.fair.admitted(tenant)
         try:
             deadline = time.monotonic() + self.route_timeout_s
             ep = await self.routes.endpoint(tenant)
@@ -263,8 +287,9 @@ class PredictServer:
         n = max(1, self.stats.timed)
         return {"inflight": dict(self.budgets.held), "inflight_total": self.budgets.held_total,
                 "queued": {f"{k[0]}@{k[1]}": len(lane) for k, lane in self.lanes.items()},
-                "timed": self.stats.timed, "hops_mean_ms": {k: 1e3 * v / n for k, v in self.stats.hop_s.items()},
-                "settings": self.settings.model_dump()}
+                "shed": self.shed_count, "timed": self.stats.timed,
+                "hops_mean_ms": {k: 1e3 * v / n for k, v in self.stats.hop_s.items()},
+                "gc": gc_pauses().view(), "settings": self.settings.model_dump()}
 
     async def report_once(self) -> bool:
         """Send the per-tenant histograms gathered since the last report; kept for the next one if refused."""

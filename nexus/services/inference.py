@@ -24,6 +24,7 @@ import torch
 
 from nexus.config import ServiceConfig
 from nexus.features import Observation, TenantSchema
+from nexus.gc_tuning import pauses as gc_pauses
 from nexus.services.batching import GroupBatcher
 from nexus.services.engine_stats import EngineMeter, EngineStats
 from nexus.services.inference_queue import Group, InferenceQueue
@@ -99,12 +100,13 @@ class InferenceEngine:
 
     # -- statistics and settings ------------------------------------------------------------------------
     def engine_stats(self) -> dict[str, Any]:
-        return {**self.stats.view(), "prefix_cache": self.heads.prefix_cache_stats()}
+        return {**self.stats.view(), "prefix_cache": self.heads.prefix_cache_stats(), "gc": gc_pauses().view()}
 
     def reset_stats(self) -> bool:
         """Start the engine's counters afresh (benchmarks measure one phase at a time)."""
         self.stats = EngineStats()
         self.heads.prefix_cache_stats(reset=True)
+        gc_pauses().reset()
         return True
 
     def set_batching(self, max_wait_s: float, max_batch: int) -> dict[str, Any]:

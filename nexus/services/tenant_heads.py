@@ -12,6 +12,7 @@ import torch
 from nexus.config import ServiceConfig
 from nexus.data.output_dir import TenantOutputDir
 from nexus.features import TenantSchema
+from nexus.gc_tuning import refreeze
 from nexus.model.backbone import BackboneConfig, SharedBackbone
 from nexus.model.framework import VLAFramework
 from nexus.model.policy import TenantPolicy
@@ -32,6 +33,7 @@ class TenantHeads(HeadVersions[TenantPolicy]):
         if self._framework is None:
             torch.set_num_threads(1)
             self.framework = VLAFramework(SharedBackbone(BackboneConfig(**self.config.backbone.model_dump())))
+            refreeze()  # the backbone lives as long as the engine: out of the collector's sight (qos.gc_freeze)
         return self._framework  # type: ignore[return-value]  # set just above
 
     @framework.setter

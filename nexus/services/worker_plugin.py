@@ -40,6 +40,7 @@ from distributed.utils import sync
 from distributed.worker import _worker_cvar  # Dask sets the same variable around tasks and actors
 from tornado.ioloop import PeriodicCallback
 
+from nexus import gc_tuning
 from nexus.data.output_dir import TenantOutputDir, unmark_evaluation
 from nexus.errors import Draining, Unavailable
 from nexus.messages import HEALTH_TOPIC, HEARTBEAT_S, Heartbeat, Rendezvous
@@ -292,6 +293,8 @@ def start_engine(plugin: NexusWorkerPlugin, engine_id: str, config: ServiceConfi
         plugin.engines[engine_id] = EngineHost(engine_id, config, plugin.served_log, device)
 
     sync(worker.loop, create)
+    gc_tuning.pauses()  # counted from now on (the engine's stats)
+    gc_tuning.apply(config.qos.gc_freeze, config.qos.gc_gen0_threshold)  # fewer, shorter GC pauses by the model
     return {"engine": engine_id, "address": worker.address, "worker": str(worker.name)}
 
 

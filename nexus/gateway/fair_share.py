@@ -1,0 +1,50 @@
+"""A tenant's fair share of the predict path while it is contended (``qos.fair_share_factor``).
+
+The budgets (:class:`nexus.gateway.serving.Budgets`) bound how many predicts a tenant has *at once*; a tenant
+sending ten times the others' rate with short answers stays inside them, and its extra predicts cost gateway
+and engine CPU that the other tenants share (measured on 2 cores: the quiet tenants' p99 rose 2-4x). So while
+requests wait for the engine (the path is contended), a tenant whose recent admitted rate is over
+``factor`` times the mean of the other tenants active meanwhile is refused with 429 + ``Retry-After`` before its
+observation is checked or queued; when nothing waits, everyone is admitted (a lone busy tenant keeps the
+whole engine).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+class FairShare:
+    """Each tenant's admitted predicts per second, a decaying average with time constant ``window_s``."""
+
+    def __init__(self, factor: float, window_s: float = 1.0) -> None:
+        self.factor, self.window_s = factor, window_s
+        self._rate: dict[str, tuple[float, float]] = {}  # tenant -> (rate at t, t)
+        self._pruned = 0.0
+
+    def rate(self, tenant: str, now: float | None = None) -> float:
+        r, t = self._rate.get(tenant, (0.0, 0.0))
+        now = time.monotonic() if now is None else now
+        return r * math.exp(-(now - t) / self.window_s)
+
+    def admitted(self, tenant: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._rate[tenant] = (self.rate(tenant, now) + 1.0 / self.window_s, now)
+
+    def over(self, tenant: str, now: float | None = None) -> bool:
+        """Whether ``tenant`` is above ``factor`` x the mean rate of the other tenants admitted in the last few
+        windows (alone, a tenant is never over)."""
+        if self.factor <= 0:
+            return False
+        now = time.monotonic() if now is None else now
+        own = self.rate(tenant, now)
+        if own <= 0.0:
+            return False
+        if now - self._pruned > self.window_s:  # tenants idle for 5 windows no longer count as active
+            self._pruned = now
+            self._rate = {k: v for k, v in self._rate.items() if now - v[1] < 5 * self.window_s}
+        if len(self._rate) < 2:
+            return False
+        others = sum(self.rate(t, now) for t in self._rate) - own
+        return own > self.factor * others / (len(self._rate) - 1)
