@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -44,6 +45,23 @@ def encode_array(a: Any) -> dict[str, Any]:
     if a.dtype.name not in WIRE_DTYPES:
         a = a.astype(np.float32)
     return {"dtype": a.dtype.name, "shape": list(a.shape), "b64": base64.b64encode(a.tobytes()).decode()}
+
+
+def wire(x: Any) -> Any:
+    """JSON-ready answer: arrays in their exact wire form (booleans as uint8), numpy scalars as numbers."""
+    if isinstance(x, np.ndarray):
+        return encode_array(x.astype(np.uint8) if x.dtype == np.bool_ else x)
+    if isinstance(x, dict):
+        return {k: wire(v) for k, v in x.items()}
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def wire_json(x: Any) -> bytes:
+    """:func:`wire`'s answer as JSON bytes: what a simulator worker sends back for an environment session's
+    call, so the gateway passes it on as is (one bytes frame through Dask, no re-encoding)."""
+    return json.dumps(wire(x), allow_nan=False, separators=(",", ":")).encode()
 
 
 def decode_array(value: Any) -> np.ndarray:

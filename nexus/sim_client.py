@@ -12,9 +12,11 @@ from nexus.engine_client import CONNECT_TIMEOUT_S
 SIM_OP = "nexus_env"
 
 
-async def call_sim(server, address: str, method: str, timeout: float | None = 120.0, **payload: Any) -> Any:
+async def call_sim(server, address: str, method: str, timeout: float | None = 120.0, plain: bool = False,
+                   **payload: Any) -> Any:
     """``method`` (reset, step, store_episodes) on the simulator worker at ``address``; the worker's
-    :class:`nexus.errors.NexusError` refusals arrive as such."""
+    :class:`nexus.errors.NexusError` refusals arrive as such. ``plain``: the payload is msgpack-ready (strings,
+    numbers, lists, bytes) and goes as it is, not pickled (a step's ~0.3 ms less CPU on each side)."""
     from distributed.core import send_recv
     from distributed.protocol import to_serialize
 
@@ -23,7 +25,8 @@ async def call_sim(server, address: str, method: str, timeout: float | None = 12
              if v is not None}
     comm = await pool.connect(address, timeout=CONNECT_TIMEOUT_S)
     try:
-        coro = send_recv(comm=comm, op=SIM_OP, method=method, payload=to_serialize(payload), **extra)
+        coro = send_recv(comm=comm, op=SIM_OP, method=method, payload=payload if plain else to_serialize(payload),
+                         **extra)
         reply = await (asyncio.wait_for(coro, timeout) if timeout else coro)
     finally:
         pool.reuse(address, comm)

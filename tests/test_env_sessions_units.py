@@ -135,3 +135,80 @@ def test_a_session_call_runs_on_the_workers_loop_only_when_short_and_alone():
     assert not s.inline
     s.inline_s, s.last_call_s = 0.0, 0.001  # the default: always the thread
     assert not s.inline
+
+
+def test_a_step_with_actions_as_bytes_is_checked_like_an_array():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from nexus import catalog
+    from nexus.services.env_sessions import EnvSession
+
+    s = EnvSession("s", "a", catalog.env(PUSH), SimpleNamespace(num_envs=2), autoreset=True, idle_s=60, seed=0)
+    with pytest.raises(SpecError, match="do not fill the shape"):
+        s.step(np.zeros(7, np.float32).tobytes(), shape=[2, 4])
+    with pytest.raises(SpecError, match=r"shape \(2, 3\)"):
+        s.step(np.zeros((2, 3), np.float32).tobytes(), shape=[2, 3])
+    with pytest.raises(SpecError, match="NaN"):
+        s.step(np.full((2, 4), np.nan, np.float32).tobytes(), shape=[2, 4])
+
+
+def test_the_kept_alive_connection_reconnects_backs_off_and_maps_errors():
+    """A real HTTP server: the connection it closed while idle is replaced (the call still goes once), a 429 is
+    sent again, a 4xx arrives as the gateway's error class, the token travels, and a gone server is Unavailable."""
+    import json
+    import select
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from nexus.client.http import Backoff, HttpTransport
+    from nexus.client.keepalive import KeepAlive, post_json
+    from nexus.errors import Conflict, Unavailable
+
+    seen: list[tuple[str, str, int]] = []  # (path, token, the client's port: its connection)
+    answers = [(200, {"n": 1}), (200, {"n": 2}), (429, {"retry_after_s": 0.01}), (200, {"n": 3}),
+               (409, {"error": {"class": "Conflict", "code": "conflict", "message": "reset first"}})]
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append((self.path, self.headers.get("Authorization"), self.client_address[1]))
+            status, body = answers[len(seen) - 1]
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            self.close_connection = len(seen) == 1  # closed after answering, as an idle keep-alive timeout does
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    transport = HttpTransport(f"http://127.0.0.1:{server.server_port}", token="tok",
+                              backoff=Backoff(retries=2, max_s=0.05))
+    keep = KeepAlive(transport)
+    try:
+        assert post_json(transport, keep, "/a", None, b"{}") == {"n": 1}
+        for _ in range(100):  # the server's close reaches the client
+            if select.select([keep.conn.sock], [], [], 0.01)[0]:
+                break
+        assert post_json(transport, keep, "/b", None, b"{}") == {"n": 2}
+        assert post_json(transport, keep, "/c", None, b"{}") == {"n": 3} and transport.refused == 1
+        with pytest.raises(Conflict, match="reset first"):
+            post_json(transport, keep, "/d", None, b"{}")
+        assert [p for p, _, _ in seen] == ["/a", "/b", "/c", "/c", "/d"]  # each call went once (plus the 429's)
+        assert {t for _, t, _ in seen} == {"Bearer tok"}
+        assert seen[0][2] != seen[1][2] and seen[1][2] == seen[4][2]  # a new connection, then kept
+    finally:
+        server.shutdown()
+        server.server_close()
+        keep.close()
+    with pytest.raises(Unavailable, match="unreachable"):
+        post_json(transport, keep, "/e", None, b"{}")
+    transport.close()

@@ -21,6 +21,8 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
+from nexus.client.http import json_bytes
+from nexus.client.keepalive import KeepAlive, post_json
 from nexus.errors import NotSupported
 from nexus.inputs import decode_array
 
@@ -47,6 +49,7 @@ class EnvSession:
         self.id: str = self.info["session"]
         self.num_envs: int = int(self.info["num_envs"])
         self.closed = False
+        self.keep = KeepAlive(transport)  # resets and steps: one kept-alive connection, not httpx (CPU per call)
 
     def spaces(self) -> tuple[spaces.Dict, spaces.Box]:
         """One env's observation and action spaces."""
@@ -59,7 +62,7 @@ class EnvSession:
         return spaces.Dict(obs), action
 
     def _post(self, verb: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self.transport.request("POST", f"{self.base}/{self.id}/{verb}", tenant=self.tenant, json_body=body)
+        return post_json(self.transport, self.keep, f"{self.base}/{self.id}/{verb}", self.tenant, json_bytes(body))
 
     def reset(self, seed: int | list[int | None] | None = None, mask: np.ndarray | None = None) -> dict[str, Any]:
         out = self._post("reset", {"seed": seed, "mask": None if mask is None else [bool(m) for m in mask]})
@@ -80,6 +83,7 @@ class EnvSession:
         if self.closed:
             return None
         self.closed = True
+        self.keep.close()
         return self.transport.request("DELETE", f"{self.base}/{self.id}", tenant=self.tenant)
 
 

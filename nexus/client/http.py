@@ -49,6 +49,11 @@ def _wire(x: Any) -> Any:
     return x
 
 
+def json_bytes(x: Any) -> bytes:
+    """A request body: ``x`` in JSON, arrays in their wire form."""
+    return json.dumps(_wire(x)).encode()
+
+
 def _q(s: str) -> str:
     return quote(str(s), safe="")
 
@@ -94,9 +99,10 @@ class HttpTransport:
         self.token = token
         self.tokens: dict[str, str] = {}
         # a low-level call waits its turn on the shared actor: reads may take long, connecting may not
-        verify = ssl.create_default_context(cafile=ca) if ca else True
-        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=min(timeout, 10),
-                                                                          read=max(timeout, 600)), verify=verify)
+        self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca) if ca else True
+        self.connect_s, self.read_s = min(timeout, 10), max(timeout, 600)
+        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=self.connect_s,
+                                                                          read=self.read_s), verify=self.verify)
 
     def close(self) -> None:
         self.http.close()
@@ -142,7 +148,7 @@ class HttpTransport:
             headers[SESSION_HEADER] = session
         content = None
         if json_body is not None:
-            content = json.dumps(_wire(json_body)).encode()
+            content = json_bytes(json_body)
             headers["Content-Type"] = "application/json"
         refusals = 0
         while True:

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,7 +27,7 @@ from nexus.episodes import check_episodes
 from nexus.errors import NexusError, NotFound, SpecError, Unavailable
 from nexus.gateway.auth import Principal
 from nexus.gateway.contract import OVERLOADED_RESPONSE
-from nexus.inputs import check_observation, decode_array, encode_array
+from nexus.inputs import check_observation, decode_array, wire
 from nexus.sim_client import call_sim
 
 MAX_SEED = 2**32 - 1
@@ -76,17 +77,6 @@ class EpisodesBody(_Body):
                                      "value, terminated, truncated, policy_version, optional success and images")
 
 
-def wire(x: Any) -> Any:
-    """JSON-ready answer: arrays in their exact wire form (booleans as uint8)."""
-    if isinstance(x, np.ndarray):
-        return encode_array(x.astype(np.uint8) if x.dtype == np.bool_ else x)
-    if isinstance(x, dict):
-        return {k: wire(v) for k, v in x.items()}
-    if isinstance(x, np.generic):
-        return x.item()
-    return x
-
-
 class EnvBackend:
     """The gateway's side of environment sessions: the control plane's handlers, and the simulator worker
     hosting each session (asked of the control plane once, then remembered)."""
@@ -117,10 +107,13 @@ class EnvBackend:
             hit = self.where[session] = (tenant, row["address"], int(row["num_envs"]))
         return hit[1], hit[2]
 
-    async def call(self, tenant: str, session: str, method: str, **payload: Any) -> dict[str, Any]:
+    async def call(self, tenant: str, session: str, method: str, **payload: Any) -> Response:
+        """A reset or step on the session's worker: its answer comes as JSON bytes, passed on as they are."""
         address, _ = await self.locate(tenant, session)
         try:
-            return await call_sim(self.backend.client, address, method, session=session, tenant=tenant, **payload)
+            body = await call_sim(self.backend.client, address, method, plain=True, session=session, tenant=tenant,
+                                  **payload)
+            return Response(body, media_type="application/json")
         except NotFound:
             self.where.pop(session, None)
             raise
@@ -171,9 +164,12 @@ async def list_envs(tenant: str, who: Who, request: Request) -> dict[str, Any]:
     return {"sessions": await _envs(request).sessions(tenant)}
 
 
-@router.post("/v1/tenants/{tenant}/envs/{session}/reset")
+JSON_ANSWER = {200: {"content": {"application/json": {}}, "description": "arrays in their wire form"}}
+
+
+@router.post("/v1/tenants/{tenant}/envs/{session}/reset", responses=JSON_ANSWER)
 async def reset_env(tenant: str, session: str, who: Who, request: Request,
-                    body: ResetBody | None = None) -> dict[str, Any]:
+                    body: ResetBody | None = None) -> Response:
     """Start new episodes (all envs, or those of ``mask``) -> ``obs`` (``state`` [N, P], ``image.<camera>``)."""
     who.may_act_on(tenant)
     body = body or ResetBody()
@@ -189,11 +185,11 @@ async def reset_env(tenant: str, session: str, who: Who, request: Request,
         seeds = [body.seed + i for i in range(n)]
     else:
         seeds = [None] * n
-    return wire(await envs.call(tenant, session, "reset", seeds=seeds, mask=body.mask))
+    return await envs.call(tenant, session, "reset", seeds=seeds, mask=body.mask)
 
 
-@router.post("/v1/tenants/{tenant}/envs/{session}/step")
-async def step_env(tenant: str, session: str, body: StepBody, who: Who, request: Request) -> dict[str, Any]:
+@router.post("/v1/tenants/{tenant}/envs/{session}/step", responses=JSON_ANSWER)
+async def step_env(tenant: str, session: str, body: StepBody, who: Who, request: Request) -> Response:
     """One step of every env -> ``obs``, ``reward``, ``terminated``, ``truncated`` (the catalog's episode length
     included), ``success``, ``episode_return`` / ``episode_length`` (of the envs whose episode ended) and, with
     autoreset, ``final`` (``mask`` + the last observations of the envs that were reset)."""
@@ -204,7 +200,8 @@ async def step_env(tenant: str, session: str, body: StepBody, who: Who, request:
         actions = np.asarray(decode_array(body.actions), np.float32)
     except (ValueError, TypeError):
         raise SpecError("actions: [num_envs, action_dim] numbers expected") from None
-    return wire(await envs.call(tenant, session, "step", actions=actions))
+    # msgpack-ready (not pickled): the float32 bytes and their shape, rebuilt on the simulator worker
+    return await envs.call(tenant, session, "step", actions=actions.tobytes(), shape=list(actions.shape))
 
 
 @router.delete("/v1/tenants/{tenant}/envs/{session}")

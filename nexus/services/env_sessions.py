@@ -99,8 +99,14 @@ class EnvSession:
         self._last.update(obs)
         return {"obs": stack_observations(self.entry, [self._last[i] for i in range(n)])}
 
-    def step(self, actions: np.ndarray) -> dict[str, Any]:
+    def step(self, actions: np.ndarray | bytes, shape: list[int] | None = None) -> dict[str, Any]:
+        """``actions`` [N, A], or their float32 bytes and ``shape`` (how the gateway sends them: msgpack, no pickle)."""
         n, a = self.num_envs, self.entry.schema.action_dim
+        if shape is not None:
+            try:
+                actions = np.frombuffer(actions, np.float32).reshape(shape)
+            except (TypeError, ValueError):
+                raise SpecError(f"step: actions do not fill the shape {shape}") from None
         actions = np.asarray(actions, np.float32)
         if actions.shape != (n, a):
             raise SpecError(f"step: actions of shape {tuple(actions.shape)}, expected ({n}, {a})")
