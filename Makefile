@@ -23,11 +23,11 @@ demo: $(STAMP)
 	$(BIN)/nexus demo
 
 test: $(STAMP)
-	$(BIN)/ruff check nexus tests experiments datasets examples
+	$(BIN)/ruff check nexus tests experiments datasets examples scripts
 	$(BIN)/pytest -q -ra
 
 lint: $(STAMP)
-	$(BIN)/ruff check nexus tests experiments datasets examples
+	$(BIN)/ruff check nexus tests experiments datasets examples scripts
 
 clean:
 	rm -rf runs test-artifacts .pytest_cache

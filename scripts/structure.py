@@ -1,5 +1,6 @@
 """The package's structure, measured from its own source: layer violations, import cycles, in-function
-imports, large classes. `python scripts/structure.py [--json] [--root CHECKOUT]`; `tests/test_layers.py` holds the rules.
+imports, large classes. `python scripts/structure.py [--json] [--root CHECKOUT]`;
+`tests/test_layers.py` holds the rules.
 
 Every `import nexus.…` / `from nexus… import …` counts, at module level, inside a function (a deferred
 import still ties the two modules) or under `if TYPE_CHECKING:` (an annotation still says one module
@@ -177,9 +178,10 @@ def report() -> dict:
         "in_function_imports": sorted(deferred),
         "classes_over_limit": dict(sorted(big.items(), key=lambda kv: -kv[1])),
         "largest_classes": dict(
-            sorted(((f"{m.name}.{c}", n) for m in modules.values() for c, n in m.classes.items()), key=lambda kv: -kv[1])[
-                :8
-            ]
+            sorted(
+                ((f"{m.name}.{c}", n) for m in modules.values() for c, n in m.classes.items()),
+                key=lambda kv: -kv[1],
+            )[:8]
         ),
     }
 

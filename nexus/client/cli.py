@@ -393,7 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("demo", parents=[common], help="run the four-tenant demo on a local cluster (~10 min on 2 cores)")
+    d = sub.add_parser(
+        "demo", parents=[common], help="run the four-tenant demo on a local cluster (~10 min on 2 cores)"
+    )
     d.add_argument("--root", default="runs/demo")
     d.add_argument("--sft-steps", type=int, default=None, help="SFT steps of pick-sft (default: the demo's budget)")
     d.add_argument("--rl-updates", type=int, default=None, help="PPO updates of push-rl")
