@@ -3,8 +3,6 @@ new status is one row), what a tenant sees of server paths, how much of a bad va
 
 from __future__ import annotations
 
-import tempfile
-
 from fastapi.testclient import TestClient
 
 from nexus.config import ServiceConfig
@@ -15,16 +13,15 @@ from nexus.gateway.auth import TokenStore, read_operator_token
 from nexus.gateway.backend import Backend
 
 
-def _app():
-    root = tempfile.mkdtemp(prefix="nexus-contract-")
+def _app(root: str):
     # never connected: the lifespan (which connects the backend) does not run without a context manager
     return create_app(ServiceConfig(root=root), Backend("tcp://127.0.0.1:9"), TokenStore(root + "/gateway")), root
 
 
-def test_a_new_error_row_is_documented_on_every_route_that_takes_a_token(monkeypatch):
+def test_a_new_error_row_is_documented_on_every_route_that_takes_a_token(monkeypatch, tmp_path):
     retry = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
     monkeypatch.setitem(contract.ERRORS, 429, contract.ErrorResponse("Too many requests", retry))
-    app, _ = _app()
+    app, _ = _app(str(tmp_path))
     doc = app.openapi()
     secured = [(p, op) for p, ops in doc["paths"].items() for op in ops.values() if op.get("security")]
     assert len(secured) >= 23
@@ -52,8 +49,8 @@ def test_errors_quote_a_short_prefix_of_a_bad_value():
     assert len(body["error"]["message"]) < MAX_MESSAGE + 100
 
 
-def test_an_empty_dataset_name_and_a_body_that_is_not_json_are_422_not_500():
-    app, root = _app()
+def test_an_empty_dataset_name_and_a_body_that_is_not_json_are_422_not_500(tmp_path):
+    app, root = _app(str(tmp_path))
     client = TestClient(app)
     auth = {"Authorization": f"Bearer {read_operator_token(root + '/gateway')}"}
     r = client.post("/v1/tenants", json={"name": "e", "dataset": ""}, headers=auth)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -153,6 +154,7 @@ def test_an_idle_session_closes_and_simulator_seconds_are_metered(svc):
 def test_sb3_ppo_trains_on_a_service_vector_env_and_an_exported_policy_predicts(svc, tmp_path):
     from stable_baselines3 import PPO
     from stable_baselines3.common.evaluation import evaluate_policy
+    from stable_baselines3.common.logger import Logger
 
     import nexus.policy
     from nexus.client.sb3 import SB3VecEnv
@@ -161,6 +163,7 @@ def test_sb3_ppo_trains_on_a_service_vector_env_and_an_exported_policy_predicts(
     before = metered_sim(nx, "b")
     with SB3VecEnv(t.vector_env(PUSH, num_envs=2, seed=0)) as venv:
         model = PPO("MultiInputPolicy", venv, n_steps=32, batch_size=32, n_epochs=2, seed=0, device="cpu")
+        model.set_logger(Logger(None, []))  # SB3's default logger makes a folder in /tmp per learn()
         model.learn(total_timesteps=64)
         assert model.num_timesteps >= 64
         assert len(model.ep_info_buffer) == 0 or "r" in model.ep_info_buffer[0]
@@ -228,10 +231,11 @@ def test_external_uploads_follow_the_staleness_filter_and_bad_ones_are_refused(s
     ("grpo_low_level", ["--iterations", "1"]),
     ("external_robot", ["--updates", "1", "--episodes", "2"]),
 ])
-def test_examples_run_against_a_shared_service(svc, example, args):
+def test_examples_run_against_a_shared_service(svc, example, args, tmp_path):
+    env = {**os.environ, "SB3_LOGDIR": str(tmp_path)}  # SB3's logger makes a folder per learn(), else in /tmp
     proc = subprocess.run([sys.executable, str(EXAMPLES / f"{example}.py"), "--url", svc["url"],
                            "--tenant", f"ex-{example.replace('_', '-')[:20]}", *args],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     assert out["tenant"].startswith("ex-")

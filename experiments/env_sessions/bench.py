@@ -36,9 +36,12 @@ HERE = Path(__file__).resolve().parent
 
 def ppo(env, args):
     from stable_baselines3 import PPO
+    from stable_baselines3.common.logger import Logger
 
-    return PPO("MultiInputPolicy", env, n_steps=args.n_steps, batch_size=args.batch_size, n_epochs=args.epochs,
-               seed=args.seed, device="cpu", verbose=0)
+    model = PPO("MultiInputPolicy", env, n_steps=args.n_steps, batch_size=args.batch_size, n_epochs=args.epochs,
+                seed=args.seed, device="cpu", verbose=0)
+    model.set_logger(Logger(None, []))  # SB3's default makes a folder in /tmp per learn()
+    return model
 
 
 def tree_cpu(pids: list[int]) -> float:

@@ -8,6 +8,7 @@ Used by ``bench.py`` (paper scale, 64 devices) and ``validate.py`` (the real CPU
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import tempfile
 import threading
@@ -73,6 +74,7 @@ class EmulatedService:
 
     def close(self) -> None:
         self.nx.close()
+        shutil.rmtree(self.root.parent, ignore_errors=True)  # a bench's service: nothing in it is kept
 
     def engines(self) -> list:
         return [self.nx.engine(i) for i in range(self.devices.inference)]

@@ -439,9 +439,10 @@ def serve(args) -> None:
     from nexus.client.api import Nexus
     from nexus.spec import TenantSpec
 
-    root = Path(tempfile.mkdtemp(prefix="nexus-qos-")) / "service"
+    tmp = tempfile.TemporaryDirectory(prefix="nexus-qos-")  # the bench's service: nothing in it is kept
+    root = Path(tmp.name) / "service"
     names = [f"t{i:02d}" for i in range(16)]
-    with Nexus.local(root, n_sim=2, dashboard_address="127.0.0.1:0", overrides=args.set) as nx:
+    with tmp, Nexus.local(root, n_sim=2, dashboard_address="127.0.0.1:0", overrides=args.set) as nx:
         url = nx.service.gateway_url
         host, port = url.removeprefix("http://").rsplit(":", 1)
         tokens = {}
