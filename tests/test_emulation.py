@@ -82,6 +82,30 @@ def test_lanes_hold_distinct_devices_and_wait_when_all_are_busy():
     assert got and got[0][0] in (0, 1)
 
 
+def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tmp_path):
+    from nexus.services.emulated_engine import EmulatedEngine
+
+    eng = EmulatedEngine(ServiceConfig(root=str(tmp_path), emulation={**EMU, "time_scale": 10}))
+    # the group wait T is a device time: divided by k inside, reported in emulated seconds
+    assert eng.queue.batcher.max_wait_s == pytest.approx(ServiceConfig(root="/x").infer_max_wait_s / 10)
+    assert eng.set_batching(0.02, 4) == {"max_wait_s": pytest.approx(0.02), "max_batch": 4}
+    assert eng.queue.batcher.max_wait_s == pytest.approx(0.002)
+    # a request's wait: behind the device's forwards plus at most T; the host's lateness beyond is not the device's
+    eng._free_at = 100.0
+    assert eng.queue.wait_of(101.0, 101.5) == pytest.approx(0.002)  # the device was idle: T at most
+    assert eng.queue.wait_of(99.0, 101.5) == pytest.approx(1.002)  # it arrived during a forward
+    assert eng.queue.wait_of(99.9, 100.0005) == pytest.approx(0.1005)  # fired before T was up
+    # a forward that overslept is paid back by the next ones, so forwards average their calibrated time
+    eng._busy = 0.004
+    eng._owe(0.003)
+    assert eng._ask() == pytest.approx(0.001) and eng._ask() == pytest.approx(0.004)
+    eng._owe(0.010)
+    assert eng._ask() == 0.0 and eng._ask() == 0.0 and eng._ask() == pytest.approx(0.002)
+    eng._owe(60.0)  # a stall of the host is not the device's to pay back
+    assert eng._late == 1.0
+    eng.close()
+
+
 def test_critical_order_puts_unblocking_work_first_then_the_longest_remaining_chain():
     left = {"a": 3.0, "b": 30.0, "s": 100.0}
     q = TrainingQueue("critical", remaining=lambda t: left[t])

@@ -50,7 +50,8 @@ def observation(schema: TenantSchema) -> Observation:
 
 
 class _Clock:
-    """Sleeps the calibrated time, less the host's messaging time owed from earlier requests."""
+    """Sleeps the calibrated time, less the host's time owed from earlier requests: their messaging and the
+    timer's own lateness (both the host's, the same milliseconds at any time scale k)."""
 
     def __init__(self) -> None:
         self.debt = 0.0
@@ -60,8 +61,11 @@ class _Clock:
         self.slept += seconds
         pay = min(self.debt, seconds)
         self.debt -= pay
-        if seconds - pay > 0:
-            time.sleep(seconds - pay)
+        asked = seconds - pay
+        if asked > 0:
+            t0 = time.perf_counter()
+            time.sleep(asked)
+            self.debt += max(0.0, time.perf_counter() - t0 - asked)
 
 
 def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:

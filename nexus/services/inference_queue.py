@@ -52,6 +52,8 @@ class InferenceQueue:
         self._on_group = on_group
         self._timer: asyncio.TimerHandle | None = None
         self._firing = False
+        # a request's wait, from its arrival and its group's firing (an emulated engine counts its device's)
+        self.wait_of: Callable[[float, float], float] = lambda arrival, now: now - arrival
 
     def __len__(self) -> int:
         return len(self.batcher)
@@ -107,17 +109,18 @@ class InferenceQueue:
         now = time.monotonic()
         group = [r for c in calls for r in c.rows]
         try:
+            waits = [self.wait_of(c.t_arrival, now) for c in calls]  # before the forward moves the device's clock
             t0, wall0 = time.perf_counter(), time.time()
             outs = await self._forward(group)
             busy = time.perf_counter() - t0
             self._on_group(Group(group, len(calls), reason, busy, wall0, time.time(),
-                                 [now - c.t_arrival for c in calls for _ in c.rows]))
+                                 [w for c, w in zip(calls, waits, strict=True) for _ in c.rows]))
             start = 0
-            for c in calls:
+            for c, w in zip(calls, waits, strict=True):
                 part = outs[start:start + len(c.rows)]
                 start += len(c.rows)
                 if not c.future.done():
-                    c.future.set_result((part, now - c.t_arrival, busy, len(group)))
+                    c.future.set_result((part, w, busy, len(group)))
         except Exception as e:
             for c in calls:
                 if not c.future.done():
