@@ -14,7 +14,7 @@ reward standardized over its group, summed from the step on).
 
     python experiments/rl_learning/service_rl.py                       # 40 updates each, ~15 min on 2 cores
     python experiments/rl_learning/service_rl.py --updates 20 --algorithms grpo
-    python experiments/rl_learning/service_rl.py --algorithms ppo-c1,ppo-c2 --out ..._collectors.json   # lag 0 vs 1
+    python experiments/rl_learning/service_rl.py --algorithms ppo-c1,ppo-c2 --out ..._collectors.json  # 1 vs 2 sims
 """
 
 from __future__ import annotations
