@@ -96,13 +96,12 @@ def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tm
     assert eng.queue.wait_of(99.0, 101.5) == pytest.approx(1.002)  # it arrived during a forward
     assert eng.queue.wait_of(99.9, 100.0005) == pytest.approx(0.1005)  # fired before T was up
     # a forward that overslept is paid back by the next ones, so forwards average their calibrated time
-    eng._busy = 0.004
-    eng._owe(0.003)
-    assert eng._ask() == pytest.approx(0.001) and eng._ask() == pytest.approx(0.004)
-    eng._owe(0.010)
-    assert eng._ask() == 0.0 and eng._ask() == 0.0 and eng._ask() == pytest.approx(0.002)
-    eng._owe(60.0)  # a stall of the host is not the device's to pay back
-    assert eng._late == 1.0
+    eng.clock.owe(0.003)
+    assert eng.clock.ask(0.004) == pytest.approx(0.001) and eng.clock.ask(0.004) == pytest.approx(0.004)
+    eng.clock.owe(0.010)
+    assert eng.clock.ask(0.004) == 0.0 and eng.clock.ask(0.004) == 0.0 and eng.clock.ask(0.004) == pytest.approx(0.002)
+    eng.clock.owe(60.0)  # a stall of the host is not the device's to pay back
+    assert eng.clock.debt == 1.0
     eng.close()
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from nexus.config import ServiceConfig
 from nexus.features import TenantSchema
+from nexus.services.device_clock import DeviceClock
 from nexus.services.engine_stats import EngineMeter
 from nexus.services.head_versions import HeadVersions
 from nexus.services.inference import InferenceEngine
@@ -52,7 +53,9 @@ class EmulatedEngine(InferenceEngine):
         self.heads = EmulatedHeads()  # type: ignore[assignment]
         self.meter = EngineMeter(pending=lambda: len(self.queue), device=device)
         self._busy = 0.0  # the calibrated time of the group now (or last) running
-        self._late = 0.0  # the host's timer lateness not yet taken off a later forward (see _ask)
+        # a timer wakes late by what the host's loop was busy with (a forward of 2 ms at k = 20 slept as is takes
+        # ~3): the lateness is taken off the next forwards, so they average their calibrated time at any k and load
+        self.clock = DeviceClock(cap=1.0)
         self._free_at = 0.0  # when the emulated device ended its last forward (monotonic)
         self.queue.wait_of = self._device_wait
         self.set_batching(config.infer_max_wait_s, config.infer_max_batch)
@@ -79,23 +82,12 @@ class EmulatedEngine(InferenceEngine):
         families = Counter(self._family(r.tenant) for r in group)
         self._busy = self.times.forward_s(dict(families), len({r.tenant for r in group}))
         t0 = time.perf_counter()
-        asked = self._ask()
+        asked = self.clock.ask(self._busy)
         if asked > 0:
             await asyncio.sleep(asked)
-        self._owe(time.perf_counter() - t0 - asked)
+        self.clock.owe(time.perf_counter() - t0 - asked)
         self._free_at = time.monotonic()
         return self._outputs(group)
-
-    # A timer wakes late by what the host's loop was busy with, the same milliseconds at any time scale k: a
-    # forward of 2 ms (k = 20) slept as is would take ~3. The lateness is taken off the next forwards instead,
-    # so the engine's forwards average their calibrated time whatever k and the host's load.
-    def _ask(self) -> float:
-        pay = min(self._late, self._busy)
-        self._late -= pay
-        return self._busy - pay
-
-    def _owe(self, late: float) -> None:
-        self._late = min(self._late + max(0.0, late), 1.0)  # capped: a stall of the host is not paid back
 
     def _family(self, tenant: str) -> str:
         """The forward cost a tenant's rows take: its env's when the calibration has one (a camera env), else
@@ -107,15 +99,6 @@ class EmulatedEngine(InferenceEngine):
         """Charge the device the calibrated forward time (the host's timer lateness is not device work)."""
         busy = min(g.busy_s, self._busy)
         super()._record(dataclasses.replace(g, busy_s=busy, t1=g.t0 + busy))
-
-    def _forward(self, group: list[Any]) -> list[dict[str, Any]]:
-        t0 = time.perf_counter()
-        asked = self._ask()
-        if asked > 0:
-            time.sleep(asked)
-        self._owe(time.perf_counter() - t0 - asked)
-        self._free_at = time.monotonic()
-        return self._outputs(group)
 
     def _outputs(self, group: list[Any]) -> list[dict[str, Any]]:
         outs = []

@@ -24,6 +24,7 @@ from nexus import catalog
 from nexus.engine_client import EngineClient
 from nexus.features import Observation, TenantSchema
 from nexus.messages import BatchRef, RolloutRequest, RolloutResult
+from nexus.services.device_clock import DeviceClock
 from nexus.services.lanes import Lanes, lane_label
 from nexus.services.rollout import ProducerLink, producer_envs
 from nexus.services.sim_host import SimHost
@@ -49,25 +50,6 @@ def observation(schema: TenantSchema) -> Observation:
                        instruction=schema.instruction)
 
 
-class _Clock:
-    """Sleeps the calibrated time, less the host's time owed from earlier requests: their messaging and the
-    timer's own lateness (both the host's, the same milliseconds at any time scale k)."""
-
-    def __init__(self) -> None:
-        self.debt = 0.0
-        self.slept = 0.0
-
-    def spend(self, seconds: float) -> None:
-        self.slept += seconds
-        pay = min(self.debt, seconds)
-        self.debt -= pay
-        asked = seconds - pay
-        if asked > 0:
-            t0 = time.perf_counter()
-            time.sleep(asked)
-            self.debt += max(0.0, time.perf_counter() - t0 - asked)
-
-
 def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
     t_start = time.time()
     emu = req.emulation
@@ -88,7 +70,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
         link = ProducerLink(engine, name, req.version, req.deterministic, req.job,
                             f"{name}/{req.job}/{uuid.uuid4().hex[:8]}", features=False, features_max_dim=0)
         obs = observation(req.tenant.schema)
-        clock = _Clock()
+        clock = DeviceClock()
         wait = rtt = engine_wait = compute = 0.0
         requests = rows = 0
         versions: set[int] = set()
@@ -103,7 +85,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
                     got = time.perf_counter() - sent
                     versions.update(int(o.version) for o in reply.outputs)
                     served = reply.engine_wait_s + reply.compute_s
-                    clock.debt += max(0.0, got - served)  # messaging: the host's, not the emulated devices'
+                    clock.owe(got - served)  # messaging: the host's, not the emulated devices'
                     wait += min(got, served)
                     rtt, engine_wait, compute = rtt + got, engine_wait + reply.engine_wait_s, compute + reply.compute_s
                     requests, rows = requests + 1, rows + n
