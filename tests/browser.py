@@ -37,8 +37,10 @@ def screenshot_when(url: str, expected: list[str], out: Path, timeout_s: float =
     """Open ``url``; once its text contains every ``expected`` string, save a PNG; return the text."""
     # chromium's helper processes may still write to the profile right after the browser is killed
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
+        # TMPDIR: its singleton socket's folder (org.chromium.Chromium.*) goes with the profile; killed, the
+        # browser would leave it in /tmp
         proc = subprocess.Popen(["chromium", f"--user-data-dir={profile}", *FLAGS], stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+                                text=True, start_new_session=True, env={**os.environ, "TMPDIR": profile})
         try:
             ws_url = _devtools_url(proc, timeout_s)
             return IOLoop.current().run_sync(lambda: _drive(ws_url, url, expected, out, timeout_s))

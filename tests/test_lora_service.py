@@ -136,7 +136,7 @@ def test_export_round_trip_api_and_cli(nx, trained, tmp_path, capsys):
     assert not (tmp_path / "never").exists()
 
 
-def test_the_jobs_mlflow_model_loads_and_acts_like_the_service(nx, trained):
+def test_the_jobs_mlflow_model_loads_and_acts_like_the_service(nx, trained, tmp_path):
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -150,7 +150,8 @@ def test_the_jobs_mlflow_model_loads_and_acts_like_the_service(nx, trained):
                                 filter_string=f"tags.`nexus.job` = '{job['job']}'")
     assert run.info.status == "FINISHED"
     mlflow.set_tracking_uri(uri)
-    model = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/policy")
+    # downloaded into tmp_path (by default MLflow makes a /tmp folder of its own and leaves it)
+    model = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/policy", dst_path=str(tmp_path))
     obs = heldout()
     got = model.predict({"state": np.stack([o.state for o in obs])})
     np.testing.assert_allclose(got, service_actions(lora, obs), atol=1e-5)
