@@ -58,7 +58,9 @@ def lockstep_loop(env: str, n: int, steps: int, pause_s: float = 0.0) -> float:
 
 def session_busy(dask_worker, session: str) -> float | None:
     """The simulator seconds a session has been metered so far on this worker (None: not here)."""
-    plugin = dask_worker.plugins.get("nexus")
+    from nexus.services.worker_plugin import PLUGIN_NAME
+
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
     s = plugin.sim.sessions.sessions.get(session) if plugin is not None else None
     return None if s is None else s.busy_s + s.busy_total_s
 

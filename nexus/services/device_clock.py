@@ -5,6 +5,7 @@ and the emulated engine (forwards on its event loop)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
@@ -34,3 +35,11 @@ class DeviceClock:
             t0 = time.perf_counter()
             time.sleep(asked)
             self.owe(time.perf_counter() - t0 - asked)
+
+    async def spend_async(self, seconds: float) -> None:
+        """:meth:`spend` on an event loop (the emulated engine's forwards)."""
+        asked = self.ask(seconds)
+        t0 = time.perf_counter()
+        if asked > 0:
+            await asyncio.sleep(asked)
+        self.owe(time.perf_counter() - t0 - asked)

@@ -5,7 +5,6 @@ zero actions. Heads are version counters: weight-sync messages move them like re
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections import Counter
@@ -81,11 +80,7 @@ class EmulatedEngine(InferenceEngine):
         milliseconds a device would not spend."""
         families = Counter(self._family(r.tenant) for r in group)
         self._busy = self.times.forward_s(dict(families), len({r.tenant for r in group}))
-        t0 = time.perf_counter()
-        asked = self.clock.ask(self._busy)
-        if asked > 0:
-            await asyncio.sleep(asked)
-        self.clock.owe(time.perf_counter() - t0 - asked)
+        await self.clock.spend_async(self._busy)
         self._free_at = time.monotonic()
         return self._outputs(group)
 
