@@ -233,6 +233,8 @@ class QosSettings(BaseModel):
                                    "their predicts run the tenant's head only (0: off; nexus.model.prefix_cache)")
     gateway_http: Literal["httptools", "h11"] = Field("httptools", description="the gateway's HTTP/1.1 parser "
                                                       "(uvicorn's; httptools: C, h11: pure Python)")
+    predict_fast_path: bool = Field(True, description="the gateway serves a predict without FastAPI's routing and "
+                                    "dependencies (the same answers; nexus.gateway.fast_predict)")
     gateway_loop: Literal["uvloop", "asyncio"] = Field("uvloop", description="the gateway's event loop "
                                                      "(uvloop: libuv's, asyncio: the standard library's)")
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -122,6 +123,56 @@ def test_hops_refusals_client_retries_and_latency_on_metrics(svc):
     assert float(line.split()[-1]) >= len(refused)
     rows = nx.client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["nexus"].latency.rows())
     assert {r["tenant"] for r in rows} >= {"q", "p1"}
+
+
+ROUTE_ONLY = "application/nexus+json"  # JSON to FastAPI's route, not a type the fast path takes: the route answers
+
+
+def test_fast_path_answers_as_the_route(svc):
+    """Each predict, sent once to the fast path (``nexus.gateway.fast_predict``) and once past it to the FastAPI
+    route: the same status and body (actions within float noise: grouped forwards differ by their groups)."""
+    nx, t = svc
+    op = {"Authorization": f"Bearer {nx.service.operator_token}"}
+    q = {"Authorization": f"Bearer {t['q'].token}"}
+    cases = [  # (tenant, headers, body, whether the fast path answers it)
+        ("q", q, {"observation": OBS}, True),
+        ("q", q, {"observation": OBS, "deterministic": False, "seed": 7, "n": 3}, True),
+        ("q", q, {"observation": OBS, "version": 0}, True),
+        ("q", {}, {"observation": OBS}, True),  # no token
+        ("q", {"Authorization": f"Basic {t['q'].token}"}, {"observation": OBS}, True),  # not a bearer token
+        ("q", {"Authorization": "Bearer not-a-token"}, {"observation": OBS}, True),
+        ("q", {"Authorization": f"Bearer {t['p1'].token}"}, {"observation": OBS}, True),  # another tenant's
+        ("nobody", op, {"observation": OBS}, True),
+        ("q", q, {"observation": OBS, "seed": 3}, True),  # seed with deterministic
+        ("q", q, {"observation": {"state": [0.5, 0.1]}}, True),  # the wrong state size
+        ("q", q, {"observation": {"state": [float("nan")] * 35}}, True),
+        ("q", q, {"observation": OBS, "version": 10**6}, True),  # no such version
+        # bodies the model refuses: the route answers them all
+        ("q", q, b'{"observation": ', False),  # not JSON
+        ("q", q, {"observation": OBS, "extra": 1}, False),
+        ("q", {"Authorization": "Bearer not-a-token"}, {"observation": OBS, "n": 0}, False),  # token first: 401
+    ]
+    with httpx.Client(base_url=nx.service.gateway_url, timeout=120) as http:
+        def served() -> int:
+            return http.get("/v1/admin/qos", headers=op).json()["fast_path_served"]
+
+        for tenant, headers, body, fast_path in cases:
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            answers = []
+            for ctype in ("application/json", ROUTE_ONLY):
+                before = served()
+                r = http.post(f"/v1/tenants/{tenant}/predict", content=raw, headers={**headers, "Content-Type": ctype})
+                answers.append((r.status_code, r.json(), served() - before))
+            (fast_status, fast, n_fast), (route_status, route, n_route) = answers
+            assert (n_fast, n_route) == (int(fast_path), 0), body
+            assert fast_status == route_status, (body, fast, route)
+            if fast_status != 200:
+                assert fast == route, body
+                continue
+            assert fast.keys() == route.keys() and fast["version"] == route["version"]
+            np.testing.assert_allclose(fast["action"], route["action"], atol=1e-4)
+            if "logprobs" in fast:
+                np.testing.assert_allclose(fast["logprobs"], route["logprobs"], atol=1e-3)
 
 
 def _producers(nx) -> dict[str, list[str]]:

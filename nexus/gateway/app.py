@@ -27,7 +27,8 @@ from fastapi import Body, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.security.utils import get_authorization_scheme_param
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nexus.config import ServiceConfig, ServiceLimits
@@ -49,6 +50,7 @@ from nexus.gateway.backend import plain as jsonable
 from nexus.gateway.body_limit import BodyLimit
 from nexus.gateway.contract import OVERLOADED_RESPONSE, document, relative_paths
 from nexus.gateway.envs import add_env_routes
+from nexus.gateway.fast_predict import PredictFastPath
 from nexus.gateway.serving import PredictServer
 from nexus.gateway.timing import PredictTiming, spans_of
 from nexus.inputs import check_batch, check_observation
@@ -94,6 +96,20 @@ def error_body(e: NexusError) -> dict[str, Any]:
     if len(message) > MAX_MESSAGE:  # the last guard: a message that quoted a huge value whole
         message = f"{message[:MAX_MESSAGE]}... (message cut: {len(message)} characters)"
     return {"error": {"class": type(e).__name__, "code": e.code, "message": message}}
+
+
+def nexus_error_response(e: NexusError) -> Response:
+    """A refusal's answer: its status and error body."""
+    if isinstance(e, Overloaded):  # HTTP's Retry-After counts whole seconds; the body has the finer hint
+        return NexusJSON({**error_body(e), "retry_after_s": e.retry_after_s}, status_code=e.http_status,
+                         headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
+    return NexusJSON(error_body(e), status_code=e.http_status)
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, as FastAPI's ``HTTPBearer`` reads it."""
+    scheme, token = get_authorization_scheme_param(authorization)
+    return token if authorization and scheme.lower() == "bearer" and token else None
 
 
 def _validation_message(e: RequestValidationError) -> str:
@@ -187,6 +203,7 @@ class Gateway:
         self._schemas: dict[str, tuple[TenantSpec, TenantSchema]] = {}
         self.serving = PredictServer(backend, config.qos, lambda t: self.limits(t).max_inflight_predicts)
         self._dirs: dict[str, str] = {}  # tenant -> its output dir (fixed for the tenant's life)
+        self.fast_path_served = 0  # predicts answered by nexus.gateway.fast_predict (the others: by the route)
 
     async def output_dir(self, tenant: str) -> str:
         if tenant not in self._dirs:
@@ -219,6 +236,44 @@ class Gateway:
         view = await self.backend.tenant_view(tenant)  # created inside the service: schema from its env/dataset
         _, schema = validate_tenant({"name": tenant, "env": view["env"], "dataset": view["dataset"]})
         return None, schema
+
+    async def predict(self, tenant: str, body: PredictBody, who: Principal, spans: dict[str, Any]) -> NexusJSON:
+        """One predict (the route's, ``POST /v1/tenants/{tenant}/predict``), filling ``spans`` with its hops."""
+        t_route = time.perf_counter()
+        if "_t0" in spans:
+            spans["http"] = t_route - spans["_t0"] - spans.get("auth", 0.0)
+        who.may_act_on(tenant)
+        if body.deterministic and (body.seed is not None or body.n > 1):
+            raise SpecError("seed and n > 1 draw samples: set deterministic to false")
+        self.serving.shed(tenant)  # over its fair share while the engine is busy: 429 before the checks' cost
+        _, schema = await self.spec_schema(tenant)
+        lim = self.limits(tenant)
+        obs = check_observation(body.observation, schema, max_instruction_chars=lim.max_instruction_chars)
+        spans["check"] = time.perf_counter() - t_route
+        out = await self.serving.predict(tenant, obs, body.version, body.deterministic, spans, body.seed, body.n)
+        spans["_tenant"], spans["_t_done"] = tenant, time.perf_counter()
+        return NexusJSON(out)  # rendered once here (numpy to lists, NaN to null)
+
+    async def predict_raw(self, tenant: str, raw: bytes, authorization: str | None,
+                          spans: dict[str, Any]) -> Response | None:
+        """The same predict from the request's bytes (:mod:`nexus.gateway.fast_predict`); None for a body the
+        model refuses: the route answers it, with the route's order of checks (body not JSON: 422; no valid token:
+        401; then the body's fields: 422)."""
+        try:
+            body = PredictBody.model_validate_json(raw)
+        except ValidationError:
+            return None
+        self.fast_path_served += 1
+        t0 = time.perf_counter()
+        try:
+            who = self.tokens.identify(bearer_token(authorization))
+        except NexusError as e:
+            return nexus_error_response(e)
+        spans["auth"] = time.perf_counter() - t0
+        try:
+            return await self.predict(tenant, body, who, spans)
+        except NexusError as e:
+            return nexus_error_response(e)
 
     async def own_job(self, who: Principal, job_id: str) -> dict[str, Any]:
         """The job's view if ``who`` may see it; a foreign job is as unknown as a missing one."""
@@ -265,16 +320,14 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
     app = FastAPI(title="JoyNexus tenant gateway", version="1", lifespan=lifespan, default_response_class=NexusJSON,
                   description=__doc__)
     app.state.gateway = gw
-    app.add_middleware(PredictTiming, observe=lambda: gw.serving.observe)
+    app.add_middleware(PredictFastPath, serve=gw.predict_raw, enabled=config.qos.predict_fast_path)
+    app.add_middleware(PredictTiming, observe=lambda: gw.serving.observe)  # outside the fast path: times it too
     document(app)  # every route's error responses and their body (nexus.gateway.contract)
 
     # -- errors: every refusal a NexusError with its status ----------------------------------
     @app.exception_handler(NexusError)
     async def _nexus_error(request: Request, e: NexusError) -> Response:
-        if isinstance(e, Overloaded):  # HTTP's Retry-After counts whole seconds; the body has the finer hint
-            return NexusJSON({**error_body(e), "retry_after_s": e.retry_after_s}, status_code=e.http_status,
-                             headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
-        return NexusJSON(error_body(e), status_code=e.http_status)
+        return nexus_error_response(e)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> Response:
@@ -543,22 +596,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         reproducibly with a ``seed``; ``n`` samples come with their log-probabilities in ``actions`` and
         ``logprobs``. The answer's ``Server-Timing`` header times each hop (http, auth, check, gateway_queue,
         to_engine, engine_queue, forward, reply)."""
-        spans = spans_of(request.scope) or {}
-        t_route = time.perf_counter()
-        if "_t0" in spans:
-            spans["http"] = t_route - spans["_t0"] - spans.get("auth", 0.0)
-        who.may_act_on(tenant)
-        if body.deterministic and (body.seed is not None or body.n > 1):
-            raise SpecError("seed and n > 1 draw samples: set deterministic to false")
-        gw.serving.shed(tenant)  # over its fair share while the engine is busy: 429 before the checks' cost
-        _, schema = await gw.spec_schema(tenant)
-        lim = gw.limits(tenant)
-        obs = check_observation(body.observation, schema, max_instruction_chars=lim.max_instruction_chars)
-        spans["check"] = time.perf_counter() - t_route
-        out = await gw.serving.predict(tenant, obs, body.version, body.deterministic, spans, body.seed,
-                                      body.n)
-        spans["_tenant"], spans["_t_done"] = tenant, time.perf_counter()
-        return NexusJSON(out)  # type: ignore[return-value]  # rendered once here (numpy to lists, NaN to null)
+        return await gw.predict(tenant, body, who, spans_of(request.scope) or {})  # type: ignore[return-value]
 
     add_env_routes(app, backend)  # environment sessions, predict_batch, uploaded episodes (nexus.gateway.envs)
 
@@ -588,9 +626,10 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
 
     @app.get("/v1/admin/qos", tags=["admin"])
     async def qos(who: Who) -> dict[str, Any]:
-        """The predict path now: budgets held per tenant, requests queued per engine, mean time per hop."""
+        """The predict path now: budgets held per tenant, requests queued per engine, mean time per hop, predicts
+        the fast path answered."""
         who.require_operator("the QoS view")
-        return gw.serving.view()
+        return {**gw.serving.view(), "fast_path_served": gw.fast_path_served}
 
     @app.get("/v1/admin/tenants", tags=["admin"])
     async def all_tenants(who: Who, limit: PageLimit = None, cursor: PageCursor = None) -> dict[str, Any]:
