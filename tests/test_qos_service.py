@@ -38,7 +38,8 @@ OBS = {"state": encode_array(np.linspace(-1, 1, 35).astype(np.float32))}
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
     root = tmp_path_factory.mktemp("qos")
-    with Nexus.local(root, n_sim=2, tenant_limits={"p1": {"max_inflight_predicts": 1}}) as nx:
+    with Nexus.local(root, n_sim=2, tenant_limits={"p1": {"max_inflight_predicts": 1}},
+                     limits={"max_request_bytes": 1 << 20}) as nx:
         t = {name: nx.create_tenant(TenantSpec(name=name, env=PUSH, seed=i + 1))
              for i, name in enumerate(("q", "p1", "sa", "sb"))}
         yield nx, t
@@ -173,6 +174,19 @@ def test_fast_path_answers_as_the_route(svc):
             np.testing.assert_allclose(fast["action"], route["action"], atol=1e-4)
             if "logprobs" in fast:
                 np.testing.assert_allclose(fast["logprobs"], route["logprobs"], atol=1e-3)
+
+        # a chunked body (no Content-Length) is read whole by the fast path; one over max_request_bytes is refused
+        # before it (the body limit sits outside)
+        def chunks(body: bytes, size: int = 1 << 16):
+            yield from (body[i:i + size] for i in range(0, len(body), size))
+
+        before = served()
+        r = http.post("/v1/tenants/q/predict", content=chunks(json.dumps({"observation": OBS}).encode(), 7),
+                      headers={**q, "Content-Type": "application/json"})
+        assert r.status_code == 200 and len(r.json()["action"]) == 4 and served() == before + 1
+        big = b'{"observation": {"state": [' + b"0," * 700_000 + b'0]}}'
+        r = http.post("/v1/tenants/q/predict", content=chunks(big), headers={**q, "Content-Type": "application/json"})
+        assert r.status_code == 413 and served() == before + 1
 
 
 def _producers(nx) -> dict[str, list[str]]:
