@@ -211,10 +211,6 @@ class QosSettings(BaseModel):
                                      "engine (each then joins the engine's groups)")
     engine_calls_in_flight: int = Field(2, ge=1, description="calls the gateway keeps running on one engine; "
                                         "requests arriving meanwhile gather into the next call")
-    engine_inline_forward_ms: float = Field(2.0, ge=0, le=20, description="an engine runs a group on its event "
-                                            "loop, without the hand-off to its model thread and back, when the "
-                                            "last group of that many rows took less (and the model thread is "
-                                            "idle); 0: every group in the model thread")
     report_every_s: float = Field(2.0, gt=0, description="the gateway sends its per-tenant latency histograms "
                                   "to the control plane this often (/metrics, /nexus)")
     fair_share_factor: float = Field(2.0, ge=0, description="while predicts wait for an engine, a tenant "

@@ -396,8 +396,7 @@ def engine_phase(eng, start: bool) -> dict | None:
             "rows_per_group": round(rows / groups, 1),
             "busy_ms_per_row": round(1e3 * s["busy_s"] / rows, 2) if rows else None,
             "prefix_cache": s.get("prefix_cache"),  # (none before this cache existed)
-            "gc": s.get("gc"),  # the engine worker's collections in the phase (none before round 3)
-            "inline_groups": s.get("inline_groups")}  # groups run on the engine's loop (none before round 5)
+            "gc": s.get("gc")}  # the engine worker's collections in the phase (none before round 3)
 
 
 def gateway_gc(http, token: str) -> dict | None:

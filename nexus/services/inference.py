@@ -51,10 +51,6 @@ class InferenceEngine:
     def __init__(self, config: ServiceConfig | dict[str, Any]) -> None:
         self.config = config if isinstance(config, ServiceConfig) else ServiceConfig.model_validate(config)
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="nexus-infer")
-        self._model_work = 0  # calls queued or running in the model thread
-        self._inline_s = self.config.qos.engine_inline_forward_ms / 1e3
-        self._forward_s: dict[int, float] = {}  # rows of a group -> its last forward's own time
-        self.inline_groups = 0  # groups run on the event loop (qos.engine_inline_forward_ms)
         self.heads = TenantHeads(self.config)
         dp = self.config.datapath
         batcher = GroupBatcher(self.config.infer_max_wait_s, self.config.infer_max_batch,
@@ -65,11 +61,7 @@ class InferenceEngine:
         self.meter = EngineMeter(pending=lambda: len(self.queue))
 
     async def _in_model_thread(self, fn, *args):
-        self._model_work += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
-        finally:
-            self._model_work -= 1
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
 
     def close(self) -> None:
         self._model_thread.shutdown(wait=False)
@@ -108,15 +100,13 @@ class InferenceEngine:
 
     # -- statistics and settings ------------------------------------------------------------------------
     def engine_stats(self) -> dict[str, Any]:
-        return {**self.stats.view(), "prefix_cache": self.heads.prefix_cache_stats(), "gc": gc_pauses().view(),
-                "inline_groups": self.inline_groups}
+        return {**self.stats.view(), "prefix_cache": self.heads.prefix_cache_stats(), "gc": gc_pauses().view()}
 
     def reset_stats(self) -> bool:
         """Start the engine's counters afresh (benchmarks measure one phase at a time)."""
         self.stats = EngineStats()
         self.heads.prefix_cache_stats(reset=True)
         gc_pauses().reset()
-        self.inline_groups = 0
         return True
 
     def set_batching(self, max_wait_s: float, max_batch: int) -> dict[str, Any]:
@@ -212,23 +202,7 @@ class InferenceEngine:
 
     # -- the model ----------------------------------------------------------------------------------------
     async def _forward_group(self, group: list[_Request]) -> list[dict[str, Any]]:
-        """A short group (its size's last forward under ``qos.engine_inline_forward_ms``) runs right here on the
-        event loop when nothing else waits: two thread hand-offs cost a lone head-only predict about as much as
-        its forward. Under load the model thread keeps the forwards, so the loop reads the next requests
-        meanwhile. Only while the model thread is idle: it owns the heads (weight loads, pins), and nothing else
-        submits to it while this synchronous call holds the loop."""
-        n = len(group)
-        if (self._model_work == 0 and len(self.queue) == 0
-                and self._forward_s.get(n, self._inline_s) < self._inline_s):
-            self.inline_groups += 1
-            outs, self._forward_s[n] = self._timed_forward(group)
-            return outs
-        outs, self._forward_s[n] = await self._in_model_thread(self._timed_forward, group)
-        return outs
-
-    def _timed_forward(self, group: list[_Request]) -> tuple[list[dict[str, Any]], float]:
-        t0 = time.perf_counter()
-        return self._forward(group), time.perf_counter() - t0
+        return await self._in_model_thread(self._forward, group)
 
     @torch.inference_mode()  # no autograd bookkeeping at all (~8 % of a 20-row group on CPU, vs no_grad)
     def _forward(self, group: list[_Request]) -> list[dict[str, Any]]:
