@@ -5,7 +5,7 @@ is read up to the limit, then handed on whole."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nexus.errors import LimitExceeded
@@ -44,13 +44,18 @@ class BodyLimit:
                 e = LimitExceeded(f"request body: over the limit max_request_bytes={self.limit}")
                 await self.refuse(e)(scope, receive, send)
                 return
-        replayed = False
+        await self.app(scope, replay(bytes(body), receive), send)
 
-        async def replay() -> dict[str, Any]:  # the body read once, handed to the app whole
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
 
-        await self.app(scope, replay, send)
+def replay(body: bytes, receive: Callable[[], Awaitable[dict[str, Any]]]) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """An ASGI ``receive`` that hands on a body already read, whole, then the connection's own messages."""
+    replayed = False
+
+    async def receive_again() -> dict[str, Any]:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return receive_again

@@ -15,6 +15,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from nexus.gateway.body_limit import replay
 from nexus.gateway.timing import spans_of
 
 # tenant, raw body, the Authorization header, the request's spans -> an ASGI response, or None: the route answers
@@ -55,13 +56,4 @@ class PredictFastPath:
         if response is not None:
             await response(scope, receive, send)
             return
-        replayed = False
-
-        async def replay() -> dict[str, Any]:  # the body read once, handed to the route whole
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replay(body, receive), send)  # the body read once, handed to the route whole
