@@ -16,6 +16,7 @@ from nexus.control.sim_slots import SimSlots
 from nexus.errors import Draining, NotFound, Overloaded, SpecError, Unavailable
 from nexus.gateway.__main__ import listen_socket
 from nexus.gateway.fair_share import FairShare
+from nexus.gateway.fast_predict import PredictFastPath, json_body
 from nexus.gateway.serving import Budgets, EngineLane, Pending, PredictServer
 from nexus.gc_tuning import GcPauses
 from nexus.gc_tuning import apply as apply_gc
@@ -406,3 +407,50 @@ def test_engine_groups_take_tenants_in_turn():
     for name in "abc":
         alone.add(name, rows=2, now=0.0)
     assert alone.take() == ["a", "b"]  # no producers' tenants: oldest first, as before
+
+
+def test_fast_path_takes_only_json_predicts_and_hands_the_rest_on_whole():
+    """``PredictFastPath`` as plain ASGI: which requests it serves, and a body it declines reaches the app whole."""
+    served: list[tuple[str, bytes, str | None]] = []
+    inner: list[bytes] = []
+
+    async def serve(tenant, raw, auth, spans):
+        served.append((tenant, raw, auth))
+        return None if raw == b"decline" else answer
+
+    async def answer(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def app(scope, receive, send):  # the FastAPI app behind it: reads the body as the route would
+        body, more = b"", True
+        while more:
+            m = await receive()
+            body, more = body + m.get("body", b""), m.get("more_body", False)
+        inner.append(body)
+
+    def request(path: str, body: bytes, ctype: bytes = b"application/json", method: str = "POST", enabled=True):
+        chunks = [body[:3], body[3:]]
+
+        async def receive():
+            return {"type": "http.request", "body": chunks.pop(0), "more_body": bool(chunks)}
+
+        async def send(message):
+            pass
+
+        headers = [(b"content-type", ctype), (b"authorization", b"Bearer tok")]
+        scope = {"type": "http", "method": method, "path": path, "headers": headers}
+        asyncio.run(PredictFastPath(app, serve, enabled)(scope, receive, send))
+
+    request("/v1/tenants/t1/predict", b'{"observation": {}}')
+    assert served == [("t1", b'{"observation": {}}', "Bearer tok")] and inner == []
+    request("/v1/tenants/t1/predict", b"decline")  # the model refused it: the route gets the whole body
+    assert inner == [b"decline"]
+    for path, ctype, method, enabled in [("/v1/tenants/t1/predict_batch", b"application/json", "POST", True),
+                                         ("/v1/tenants/a/b/predict", b"application/json", "POST", True),
+                                         ("/v1/tenants/t1/predict", b"application/nexus+json", "POST", True),
+                                         ("/v1/tenants/t1/predict", b"text/plain", "POST", True),
+                                         ("/v1/tenants/t1/predict", b"application/json", "GET", True),
+                                         ("/v1/tenants/t1/predict", b"application/json", "POST", False)]:
+        request(path, b"{}", ctype, method, enabled)
+    assert len(served) == 2 and inner == [b"decline"] + [b"{}"] * 6
+    assert json_body([(b"content-type", b"Application/JSON; charset=utf-8")])
