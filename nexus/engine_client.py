@@ -46,17 +46,20 @@ def retryable(e: BaseException) -> bool:
 
 
 CONNECT_TIMEOUT_S = 5.0  # a dead engine's worker refuses at once; Dask would retry connecting for 30 s
+# A weight push holds the actor, which every tenant shares: a push to an engine that has just died must not stall
+# everyone's updates for the whole retry window. A missed push is reported and caught up (EnginePool.on_published).
+PUSH_CONNECT_TIMEOUT_S = 1.0
 
 
 async def call_engine(server, ep: EngineEndpoint, method: str, *args: Any, timeout: float | None = None,
-                      **kwargs: Any) -> Any:
+                      connect_timeout: float = CONNECT_TIMEOUT_S, **kwargs: Any) -> Any:
     from distributed.core import send_recv
     from distributed.protocol import to_serialize
 
     pool = server.rpc
     extra = {k: v for k, v in (("serializers", pool.serializers), ("deserializers", pool.deserializers))
              if v is not None}
-    comm = await pool.connect(ep.address, timeout=CONNECT_TIMEOUT_S)
+    comm = await pool.connect(ep.address, timeout=connect_timeout)
     try:
         coro = send_recv(comm=comm, op=DATA_OP, engine=ep.engine, method=method,
                          payload=to_serialize({"args": list(args), "kwargs": kwargs}), **extra)
@@ -161,7 +164,8 @@ class EngineSet:
 
     async def _push_all(self, tenant: str, version: int, weights: bytes) -> int:
         results = await asyncio.gather(*(call_engine(self.server, ep, "load_weights", tenant, version, weights,
-                                                     timeout=self.timeout_s) for ep in self.endpoints),
+                                                     timeout=self.timeout_s, connect_timeout=PUSH_CONNECT_TIMEOUT_S)
+                                         for ep in self.endpoints),
                                        return_exceptions=True)
         for ep, r in zip(self.endpoints, results, strict=True):
             if isinstance(r, BaseException):
