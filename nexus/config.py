@@ -213,8 +213,8 @@ class QosSettings(BaseModel):
                                         "requests arriving meanwhile gather into the next call")
     report_every_s: float = Field(2.0, gt=0, description="the gateway sends its per-tenant latency histograms "
                                   "to the control plane this often (/metrics, /nexus)")
-    fair_share_factor: float = Field(2.0, ge=0, description="while predicts wait for an engine, a tenant "
-                                     "admitting more than this many times the active tenants' mean rate is "
+    fair_share_factor: float = Field(2.0, ge=0, description="while other tenants' predicts are in flight, "
+                                     "a tenant admitting more than this many times the active tenants' mean rate is "
                                      "refused (429 + Retry-After; 0: off; nexus.gateway.fair_share)")
     fair_share_window_s: float = Field(1.0, gt=0, description="the time constant of each tenant's admitted "
                                        "predict rate (qos.fair_share_factor)")

@@ -7,6 +7,7 @@ import pickle
 import random
 import socket
 
+import numpy as np
 import pytest
 
 from nexus.client.http import Backoff
@@ -223,30 +224,52 @@ def test_fair_share_rates_decay_and_only_a_tenant_far_above_the_mean_is_over():
     assert not FairShare(factor=0).over("loud", 1.0)  # off
 
 
-def test_predict_server_sheds_a_tenant_over_its_fair_share_only_while_requests_wait():
+def test_fair_share_never_finds_tenants_at_equal_poisson_rates_over_not_even_as_they_start():
+    settings = QosSettings()
+    rng = np.random.default_rng(0)
+    arrivals = sorted((t, f"q{q}") for q in range(15) for t in np.cumsum(rng.exponential(1 / 8, 600)) if t < 60)
+    f = FairShare(settings.fair_share_factor, settings.fair_share_window_s)
+    over = 0
+    for t, tenant in arrivals:  # a minute of 15 tenants at 8/s each, Poisson arrivals, all starting at once
+        over += f.over(tenant, t)
+        f.admitted(tenant, t)
+    assert over == 0, f"{over} of {len(arrivals)} predicts of equal tenants were over their fair share"
+    loud = FairShare(settings.fair_share_factor, settings.fair_share_window_s)
+    for t, tenant in arrivals:
+        loud.admitted(tenant, t)
+        if tenant == "q0":  # one tenant at 10x the others' rate
+            for k in range(9):
+                loud.admitted("loud", t + k * 1e-4)
+    assert loud.over("loud", 60.0)
+
+
+def test_predict_server_sheds_a_tenant_over_its_fair_share_only_while_another_is_served():
     routes = Engines(delay_s=0.02)
-    server = PredictServer(routes, QosSettings(max_inflight_predicts=64, engine_calls_in_flight=1,
+    server = PredictServer(routes, QosSettings(max_inflight_predicts=64, engine_calls_in_flight=4,
                                                fair_share_factor=2.0), lambda t: 64)
 
     routes.draining = set()
 
     async def main() -> None:
-        for _ in range(20):  # nothing waits: a tenant far above the others is still admitted
+        burst = [server.predict("loud", None, None, True, {}) for _ in range(12)]
+        await asyncio.gather(*burst)  # alone, even many at once: a lone tenant keeps the whole engine
+        for _ in range(8):
             await server.predict("loud", None, None, True, {})
         await server.predict("q", None, None, True, {})
         assert server.shed_count == 0 and server.fair.over("loud")
-        first = asyncio.ensure_future(server.predict("q", None, None, True, {}))  # the one call in flight
+        assert not server.contended("loud")
+        first = asyncio.ensure_future(server.predict("q", None, None, True, {}))  # another tenant in flight,
         await asyncio.sleep(0.005)
-        waiting = asyncio.ensure_future(server.predict("q", None, None, True, {}))  # waits for it
-        await asyncio.sleep(0)
-        assert server.contended()
+        assert server.contended("loud") and not server.contended("q") and not any(server.lanes.values())  # none waits
         with pytest.raises(Overloaded, match="fair_share_factor") as e:
             await server.predict("loud", None, None, True, {})
         assert e.value.retry_after_s == server.settings.retry_after_s and server.shed_count == 1
+        assert server.budgets.held == {"q": 1}  # the refusal held nothing
         await server.predict("q", None, None, True, {})  # the quiet tenant is admitted meanwhile
-        await asyncio.gather(first, waiting)
-        assert not server.contended() and server.budgets.held_total == 0
-        await server.predict("loud", None, None, True, {})  # uncontended again: admitted
+        await first
+        assert not server.contended("loud") and server.budgets.held_total == 0
+        await server.predict("loud", None, None, True, {})  # nobody else served: admitted again
+        assert server.shed_count == 1
 
     asyncio.run(main())
 

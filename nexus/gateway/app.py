@@ -245,7 +245,7 @@ class Gateway:
         who.may_act_on(tenant)
         if body.deterministic and (body.seed is not None or body.n > 1):
             raise SpecError("seed and n > 1 draw samples: set deterministic to false")
-        self.serving.shed(tenant)  # over its fair share while the engine is busy: 429 before the checks' cost
+        self.serving.shed(tenant)  # over its fair share while others are served: 429 before the checks' cost
         _, schema = await self.spec_schema(tenant)
         lim = self.limits(tenant)
         obs = check_observation(body.observation, schema, max_instruction_chars=lim.max_instruction_chars)

@@ -3,10 +3,11 @@
 The budgets (:class:`nexus.gateway.serving.Budgets`) bound how many predicts a tenant has *at once*; a tenant
 sending ten times the others' rate with short answers stays inside them, and its extra predicts cost gateway
 and engine CPU that the other tenants share (measured on 2 cores: the quiet tenants' p99 rose 2-4x). So while
-requests wait for the engine (the path is contended), a tenant whose recent admitted rate is over
-``factor`` times the mean of the other tenants active meanwhile is refused with 429 + ``Retry-After`` before its
-observation is checked or queued; when nothing waits, everyone is admitted (a lone busy tenant keeps the
-whole engine).
+another tenant has a predict queued or running (the path is contended), a tenant whose recent admitted rate is
+over ``factor`` times the mean of the other tenants active meanwhile is refused with 429 + ``Retry-After`` before
+its observation is checked or queued; while no other tenant's predict is in flight, everyone is admitted (a lone
+busy tenant keeps the whole engine). Contention means others in flight, not requests waiting for an engine: at
+a few hundred predicts/s the requests seldom wait, yet a loud tenant's CPU still delays the others' answers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class FairShare:
 
     def over(self, tenant: str, now: float | None = None) -> bool:
         """Whether ``tenant`` is above ``factor`` x the mean rate of the other tenants admitted in the last few
-        windows (alone, a tenant is never over)."""
+        windows, by more than chance (alone, a tenant is never over)."""
         if self.factor <= 0:
             return False
         now = time.monotonic() if now is None else now
@@ -47,4 +48,6 @@ class FairShare:
         if len(self._rate) < 2:
             return False
         others = sum(self.rate(t, now) for t in self._rate) - own
-        return own > self.factor * others / (len(self._rate) - 1)
+        # over by more than chance: a margin of one Poisson standard deviation of its own count in a window, so
+        # tenants at equal rates are not refused for a burst (e.g. all starting at once, counts still small)
+        return own > self.factor * others / (len(self._rate) - 1) + math.sqrt(own / self.window_s)

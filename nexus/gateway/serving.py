@@ -196,18 +196,19 @@ class PredictServer:
         self.fair = FairShare(settings.fair_share_factor, settings.fair_share_window_s)
         self.shed_count = 0  # predicts refused for being over the fair share
 
-    def contended(self) -> bool:
-        """Requests are waiting for a call to an engine (every call slot busy)."""
-        return any(lane.waiting for lane in self.lanes.values())
+    def contended(self, tenant: str) -> bool:
+        """Another tenant has a predict queued or running: ``tenant``'s extra predicts would take CPU and engine
+        turns from it."""
+        return len(self.budgets.held) > (tenant in self.budgets.held)
 
     def shed(self, tenant: str) -> None:
         """Refuse (429) a predict of a tenant over its fair share while the path is contended: called before the
         observation is checked, so the refusal costs little (:mod:`nexus.gateway.fair_share`)."""
-        if self.fair.factor > 0 and self.contended() and self.fair.over(tenant):
+        if self.fair.factor > 0 and self.contended(tenant) and self.fair.over(tenant):
             self.stats.rejected(tenant)
             self.shed_count += 1
             raise Overloaded(f"tenant {tenant!r} sends predicts faster than {self.fair.factor:g}x the other "
-                             f"tenants' mean while the engine is busy (qos.fair_share_factor); retry after "
+                             f"tenants' mean while they are served (qos.fair_share_factor); retry after "
                              f"{self.settings.retry_after_s:g} s", self.settings.retry_after_s)
 
     def _lane(self, ep: EngineEndpoint) -> EngineLane:
