@@ -22,16 +22,22 @@ class FairShare:
     def __init__(self, factor: float, window_s: float = 1.0) -> None:
         self.factor, self.window_s = factor, window_s
         self._rate: dict[str, tuple[float, float]] = {}  # tenant -> (rate at t, t)
+        # the sum of all tenants' rates, (at t, t): every rate decays alike, so the sum does too, and over() is
+        # O(1) per predict however many tenants are active
+        self._total = (0.0, 0.0)
         self._pruned = 0.0
 
+    def _decayed(self, value: tuple[float, float], now: float) -> float:
+        return value[0] * math.exp(-(now - value[1]) / self.window_s)
+
     def rate(self, tenant: str, now: float | None = None) -> float:
-        r, t = self._rate.get(tenant, (0.0, 0.0))
         now = time.monotonic() if now is None else now
-        return r * math.exp(-(now - t) / self.window_s)
+        return self._decayed(self._rate.get(tenant, (0.0, 0.0)), now)
 
     def admitted(self, tenant: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self._rate[tenant] = (self.rate(tenant, now) + 1.0 / self.window_s, now)
+        self._total = (self._decayed(self._total, now) + 1.0 / self.window_s, now)
 
     def over(self, tenant: str, now: float | None = None) -> bool:
         """Whether ``tenant`` is above ``factor`` x the mean rate of the other tenants admitted in the last few
@@ -44,10 +50,12 @@ class FairShare:
             return False
         if now - self._pruned > self.window_s:  # tenants idle for 5 windows no longer count as active
             self._pruned = now
-            self._rate = {k: v for k, v in self._rate.items() if now - v[1] < 5 * self.window_s}
+            idle = [k for k, v in self._rate.items() if now - v[1] >= 5 * self.window_s]
+            gone = sum(self._decayed(self._rate.pop(k), now) for k in idle)
+            self._total = (max(0.0, self._decayed(self._total, now) - gone), now)
         if len(self._rate) < 2:
             return False
-        others = sum(self.rate(t, now) for t in self._rate) - own
+        others = max(0.0, self._decayed(self._total, now) - own)
         # over by more than chance: a margin of one Poisson standard deviation of its own count in a window, so
         # tenants at equal rates are not refused for a burst (e.g. all starting at once, counts still small)
         return own > self.factor * others / (len(self._rate) - 1) + math.sqrt(own / self.window_s)
