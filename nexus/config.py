@@ -157,6 +157,9 @@ class ServiceLimits(BaseModel):
     max_envs_per_session: int = Field(16, ge=1, description="envs of one environment session")
     env_session_idle_s: float = Field(300.0, gt=0, description="an environment session without a call this "
                                       "long is closed (its envs go back to the simulator worker's pool)")
+    env_session_workers: int = Field(2, ge=1, description="a vector session (autoreset) of several envs is spread "
+                                     "over up to this many simulator workers, which step their shares of its envs at "
+                                     "once; 1: every session on one worker")
     env_session_inline_s: float = Field(0.0, ge=0, le=0.1, description="a session call whose previous call took "
                                         "less than this runs on the simulator worker's event loop (two thread "
                                         "hand-offs fewer) instead of its session thread; 0: always the thread")

@@ -49,9 +49,10 @@ def svc(tmp_path_factory):
     root = tmp_path_factory.mktemp("envs")
     with Nexus.local(root, n_sim=2, limits={"max_env_sessions": 2, "max_envs_per_session": 4},
                      tenant_limits={"idler": {"env_session_idle_s": 2.0},
-                                    "b": {"env_session_inline_s": 0.1}}) as nx:  # b's short calls: on the loop
+                                    "b": {"env_session_inline_s": 0.1},  # b's short calls: on the loop
+                                    "solo": {"env_session_workers": 1}}) as nx:  # solo's envs: on one worker
         tenants = {name: nx.create_tenant(TenantSpec(name=name, env=PUSH, seed=i))
-                   for i, name in enumerate(("a", "b", "idler"))}
+                   for i, name in enumerate(("a", "b", "idler", "solo"))}
         yield {"nx": nx, "t": tenants, "url": nx.transport.url}
 
 
@@ -99,6 +100,44 @@ def test_vector_env_autoresets_at_the_episode_limit(svc):
         obs2, *_ = venv.step(zeros)  # stepping on: the new episodes run
         again, _ = venv.reset(options={"reset_mask": np.array([True, False, False])})
         np.testing.assert_array_equal(again["state"][1:], obs2["state"][1:])  # unmasked envs keep their episode
+
+
+def test_a_vector_session_spread_over_two_workers_steps_like_one_on_one_worker(svc):
+    nx, spread, solo = svc["nx"], svc["t"]["a"], svc["t"]["solo"]
+    with spread.vector_env(PUSH, num_envs=3, seed=4) as v2, solo.vector_env(PUSH, num_envs=3, seed=4) as v1:
+        (row2,), (row1,) = sessions(nx, "a"), sessions(nx, "solo")
+        assert [sh["num_envs"] for sh in row2["shards"]] == [2, 1] and row2["num_envs"] == 3
+        assert len({sh["worker"] for sh in row2["shards"]}) == 2 and len(row1["shards"]) == 1
+        assert [sh["num_envs"] for sh in v2.session.info["shards"]] == [2, 1]
+        assert "address" not in v2.session.info and all("address" not in sh for sh in v2.session.info["shards"])
+        o2, _ = v2.reset()  # env i's first episode: seed 4 + i, whichever worker holds it
+        o1, _ = v1.reset()
+        np.testing.assert_allclose(o2["state"], o1["state"], atol=1e-5)
+        actions = np.random.default_rng(0).uniform(-1, 1, (5, 3, 4)).astype(np.float32)
+        for act in actions:
+            n2, r2, *_ = v2.step(act)
+            n1, r1, *_ = v1.step(act)
+            assert n2["state"].shape == (3, 35) and r2.shape == (3,)
+            np.testing.assert_allclose(n2["state"], n1["state"], atol=1e-3)  # env i is env i, in order
+            np.testing.assert_allclose(r2, r1, atol=1e-3)
+        with pytest.raises(SpecError, match=r"shape \(2, 4\)"):  # refused whole: no shard steps alone
+            v2.session.step(np.zeros((2, 4), np.float32))
+        bad = np.zeros((3, 4), np.float32)
+        bad[2, 0] = np.nan  # only the second shard's row
+        with pytest.raises(SpecError, match="NaN"):
+            v2.session.step(bad)
+        # one shard gone (as after idling): the session is closed whole, not left half-stepping
+        def close_shard(dask_worker, session: str, tenant: str) -> dict:  # local: sent to the worker by value
+            from nexus.services.worker_plugin import PLUGIN_NAME
+
+            return dask_worker.plugins[PLUGIN_NAME].sim.sessions.close(session, tenant)
+
+        shard = row2["shards"][1]
+        nx.client.run(close_shard, session=row2["session"], tenant="a", workers=[shard["address"]])
+        with pytest.raises(NotFound, match="no environment session"):
+            v2.step(np.zeros((3, 4), np.float32))
+        assert sessions(nx, "a") == []
+        v2.session.closed = True
 
 
 def test_bad_requests_are_refused_and_change_nothing(svc):

@@ -12,7 +12,7 @@ from nexus.config import ServiceLimits
 from nexus.control.env_sessions import EnvSessions
 from nexus.control.runtime import WorkerInfo
 from nexus.control.tenants import TenantPhase, TenantRegistry, TenantState
-from nexus.errors import LimitExceeded, NotFound, SpecError
+from nexus.errors import LimitExceeded, NotFound, SpecError, Unavailable
 from nexus.features import TenantSchema
 from nexus.spec import TenantSpec
 
@@ -116,6 +116,89 @@ def test_records_follow_heartbeats_lost_workers_and_deleted_tenants():
         s.on_worker_removed(c["address"])
         assert s.sessions == {}
     asyncio.run(go())
+
+
+def test_a_vector_session_is_split_over_the_least_loaded_workers_and_lives_and_dies_as_one():
+    async def go():
+        s, w = sessions(ServiceLimits(env_session_workers=2), "tcp://w0", "tcp://w1", "tcp://w2")
+        first = await s.open("a", PUSH, 4)  # not a vector session (no autoreset): on one worker
+        assert [sh["address"] for sh in first["shards"]] == ["tcp://w0"]
+        v = await s.open("a", PUSH, 5, seed=100, autoreset=True)
+        assert [(sh["address"], sh["num_envs"]) for sh in v["shards"]] == [("tcp://w1", 3), ("tcp://w2", 2)]
+        assert v["num_envs"] == 5 and v["seed"] == 100
+        opened = [(a, m["num_envs"], m["seed"], m["session"]) for a, m in w.calls if m["action"] == "open"][1:]
+        # env i keeps the first seed seed + i: the second shard's envs start at 3
+        assert opened == [("tcp://w1", 3, 100, v["session"]), ("tcp://w2", 2, 103, v["session"])]
+        assert s.load() == {"tcp://w0": 4, "tcp://w1": 3, "tcp://w2": 2}
+        one = await s.open("b", PUSH, 1, autoreset=True)  # one env: one worker
+        assert len(one["shards"]) == 1
+        closed = await s.close("a", v["session"])
+        assert closed["closed"] and [m["action"] for _, m in w.calls[-2:]] == ["close", "close"]
+        # a shard closed after idling (or lost with its worker): the session is gone, its other shard closed
+        v2 = await s.open("a", PUSH, 2, autoreset=True)
+        (w_a, w_b) = [sh["address"] for sh in v2["shards"]]
+        t_open = s.sessions[v2["session"]].t_open
+        s.on_heartbeat({"address": w_a, "t": t_open + 10, "sessions": []})
+        await asyncio.gather(*w.spawned)
+        assert v2["session"] not in s.sessions and w.calls[-1] == (w_b, {"action": "close",
+                                                                        "session": v2["session"], "tenant": "a"})
+        v3 = await s.open("a", PUSH, 2, autoreset=True)
+        s.on_worker_removed(v3["shards"][1]["address"])
+        await asyncio.gather(*w.spawned)
+        assert v3["session"] not in s.sessions and w.calls[-1][0] == v3["shards"][0]["address"]
+        # spread 1: every session on one worker
+        s1, _ = sessions(ServiceLimits(env_session_workers=1), "tcp://w0", "tcp://w1")
+        assert len((await s1.open("a", PUSH, 4, autoreset=True))["shards"]) == 1
+    asyncio.run(go())
+
+
+def test_a_shard_that_fails_to_open_leaves_no_other_shard_open():
+    class OneFails(Workers):
+        async def call(self, address, handler, timeout=60.0, **msg):
+            if msg["action"] == "open" and address == "tcp://w1":
+                self.calls.append((address, msg))
+                raise OSError("connection refused")
+            return await super().call(address, handler, timeout, **msg)
+
+    async def go():
+        w = OneFails("tcp://w0", "tcp://w1")
+        s = EnvSessions(w, registry("a"), lambda _t: ServiceLimits())  # type: ignore[arg-type]
+        with pytest.raises(Unavailable, match="could not open"):
+            await s.open("a", PUSH, 4, autoreset=True)
+        await asyncio.gather(*w.spawned)
+        assert s.sessions == {} and s._opening["a"] == 0
+        assert [(a, m["action"]) for a, m in w.calls] == [("tcp://w0", "open"), ("tcp://w1", "open"),
+                                                         ("tcp://w0", "close")]
+    asyncio.run(go())
+
+
+def test_shard_answers_are_joined_in_env_order_with_final_rows_masked_where_no_episode_ended():
+    import json
+
+    import numpy as np
+
+    from nexus.gateway.env_shards import join_answers, split_reset, split_step
+    from nexus.inputs import decode_array, wire_json
+
+    def answer(state, reward, ended):
+        out = {"reward": reward, "terminated": ended, "obs": {"state": state}}
+        if ended.any():
+            out["final"] = {"mask": ended, "state": state - 1}
+        return wire_json(out)
+
+    s1, s2 = np.arange(6, dtype=np.float32).reshape(3, 2), np.arange(6, 10, dtype=np.float32).reshape(2, 2)
+    joined = json.loads(join_answers([answer(s1, np.ones(3, np.float32), np.zeros(3, bool)),
+                                      answer(s2, np.full(2, 2, np.float32), np.array([False, True]))]))
+    np.testing.assert_array_equal(decode_array(joined["obs"]["state"]), np.arange(10).reshape(5, 2))
+    np.testing.assert_array_equal(decode_array(joined["reward"]), [1, 1, 1, 2, 2])
+    np.testing.assert_array_equal(decode_array(joined["final"]["mask"]), [0, 0, 0, 0, 1])
+    np.testing.assert_array_equal(decode_array(joined["final"]["state"])[4], s2[1] - 1)
+    assert decode_array(joined["terminated"]).dtype == np.uint8
+    assert split_reset([3, 2], [0, 1, 2, 3, None], [True, False, True, False, True]) == [
+        {"seeds": [0, 1, 2], "mask": [True, False, True]}, {"seeds": [3, None], "mask": [False, True]}]
+    parts = split_step([3, 2], np.arange(20, dtype=np.float32).reshape(5, 4))
+    assert [p["shape"] for p in parts] == [[3, 4], [2, 4]]
+    np.testing.assert_array_equal(np.frombuffer(parts[1]["actions"], np.float32), np.arange(12, 20))
 
 
 def test_a_session_call_runs_on_the_workers_loop_only_when_short_and_alone():

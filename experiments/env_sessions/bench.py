@@ -8,7 +8,10 @@ Both sides run SB3's PPO (``MultiInputPolicy``, the same settings and seed) on N
 - service: ``SB3VecEnv(ServiceVectorEnv(tenant, env, N))`` — one environment session of N envs on a simulator
   worker of a local service (``Nexus.local``), every vector step one HTTP call to the gateway, which forwards
   it to the simulator worker, where it runs on the worker's session thread;
-- service_inline: the same for a tenant whose ``limits.env_session_inline_s`` is ``--inline-s``: a call whose
+- service_one_worker: the same for a tenant whose ``limits.env_session_workers`` is 1: the session's envs all on
+  one simulator worker (before 2026-12-03 every session's were; "service" spreads a vector session over up to
+  ``env_session_workers`` = 2 of the ``--sim-workers`` workers, which step their shares at once);
+- service_inline (``--sides``): a tenant whose ``limits.env_session_inline_s`` is ``--inline-s``: a call whose
   previous call took less runs on the worker's event loop (two thread hand-offs fewer per step).
 
 Each measurement is ``model.learn(total_timesteps)`` (collection and PPO's updates: what a user waits for),
@@ -18,6 +21,7 @@ of each side without SB3 (``--raw-steps``).
 
     python experiments/env_sessions/bench.py                        # ~5 min on 2 loaded cores
     python experiments/env_sessions/bench.py --envs 4,8,16 --rounds 3
+    python experiments/env_sessions/bench.py --sim-workers 1 --sides in_process,service,service_inline  # as before
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+SIDES = ("in_process", "service", "service_one_worker", "service_inline")
+TENANTS = {"service": "sb3", "service_one_worker": "sb3-one-worker", "service_inline": "sb3-inline"}
 
 
 def ppo(env, args):
@@ -94,6 +100,9 @@ def main() -> None:
     p.add_argument("--raw-steps", type=int, default=50, help="bare vector steps per raw measurement (0: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--inline-s", type=float, default=0.05, help="env_session_inline_s of the service_inline side")
+    p.add_argument("--sim-workers", type=int, default=2, help="simulator workers of the service (its default: 2)")
+    p.add_argument("--sides", default="in_process,service,service_one_worker",
+                   help=f"comma-separated, of {','.join(SIDES)}")
     p.add_argument("--out", default=str(HERE / "results.json"))
     args = p.parse_args()
 
@@ -109,74 +118,71 @@ def main() -> None:
     torch.set_num_threads(1)
     entry = catalog.env(args.env)
     sizes = [int(x) for x in args.envs.split(",")]
+    sides = [x for x in args.sides.split(",") if x]
+    if "in_process" not in sides or not set(sides) <= set(SIDES):
+        p.error(f"--sides: in_process and any of {', '.join(SIDES[1:])}")
     rows: list[dict] = []
     load = [os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="nexus-envbench-") as root, \
-            Nexus.local(root, n_sim=1, limits={"max_envs_per_session": max(sizes)},
-                        tenant_limits={"sb3-inline": {"env_session_inline_s": args.inline_s}}) as nx:
-        tenant = nx.create_tenant(TenantSpec(name="sb3", env=args.env))
-        tenant_inline = nx.create_tenant(TenantSpec(name="sb3-inline", env=args.env))
+            Nexus.local(root, n_sim=args.sim_workers, limits={"max_envs_per_session": max(sizes)},
+                        tenant_limits={"sb3-inline": {"env_session_inline_s": args.inline_s},
+                                       "sb3-one-worker": {"env_session_workers": 1}}) as nx:
+        tenants = {side: nx.create_tenant(TenantSpec(name=TENANTS[side], env=args.env)) for side in sides[1:]}
         service_pids = list(nx.service.names)  # scheduler, gateway, workers (their nannies' trees)
         for n in sizes:
-            local = DummyVecEnv([lambda: gym_env(entry) for _ in range(n)])
-            remote = SB3VecEnv(tenant.vector_env(args.env, num_envs=n, seed=args.seed))
-            inline = SB3VecEnv(tenant_inline.vector_env(args.env, num_envs=n, seed=args.seed))
+            envs = {"in_process": DummyVecEnv([lambda: gym_env(entry) for _ in range(n)])}
+            for side, tenant in tenants.items():
+                envs[side] = SB3VecEnv(tenant.vector_env(args.env, num_envs=n, seed=args.seed))
             try:
                 for r in range(args.rounds):
-                    order = [("in_process", local), ("service", remote), ("service_inline", inline)]
-                    order = order[r % 3:] + order[:r % 3]  # each side first once in 3 rounds
+                    order = list(envs.items())
+                    order = order[r % len(order):] + order[:r % len(order)]  # each side first in turn
                     row: dict = {"envs": n, "round": r}
                     for side, env in order:
                         row[side], row[f"{side}_cpu_ms_per_step"] = learn_rate(env, args, service_pids)
                         row[f"{side}_cpu_ms_per_step"] *= 1000
-                    # what the ratio would be where nothing else competes for the cores: CPU per step, both sides
-                    row["cpu_ratio"] = row["in_process_cpu_ms_per_step"] / row["service_cpu_ms_per_step"]
-                    row["cpu_ratio_inline"] = (row["in_process_cpu_ms_per_step"]
-                                               / row["service_inline_cpu_ms_per_step"])
                     if args.raw_steps:
                         for _, env in order:
                             env.reset()
                         for side, env in order:
                             row[f"{side}_raw"] = raw_rate(lambda a, env=env: env.step(a), n, args.raw_steps)
-                    row["ratio"] = row["service"] / row["in_process"]
-                    row["ratio_inline"] = row["service_inline"] / row["in_process"]
+                    for side in sides[1:]:
+                        row[f"ratio_{side}"] = row[side] / row["in_process"]
+                        # what the ratio would be where nothing else competes for the cores: CPU per step, both sides
+                        row[f"cpu_ratio_{side}"] = row["in_process_cpu_ms_per_step"] / row[f"{side}_cpu_ms_per_step"]
                     rows.append(row)
                     load.append(os.getloadavg())
-                    print(f"envs {n} round {r}: in-process {row['in_process']:.1f}, service {row['service']:.1f}, "
-                          f"inline {row['service_inline']:.1f} env-steps/s -> {row['ratio']:.2f}x, "
-                          f"{row['ratio_inline']:.2f}x", flush=True)
+                    print(f"envs {n} round {r}: " + ", ".join(f"{side} {row[side]:.1f}" for side in sides)
+                          + " env-steps/s -> " + ", ".join(f"{row[f'ratio_{side}']:.2f}x" for side in sides[1:]),
+                          flush=True)
             finally:
-                local.close()
-                remote.close()
-                inline.close()
-        metered = {t: nx.status(tenant=t)["tenants"][0].get("metered_s", {}).get("simulator")
-                   for t in ("sb3", "sb3-inline")}
+                for env in envs.values():
+                    env.close()
+        metered = {side: nx.status(tenant=TENANTS[side])["tenants"][0].get("metered_s", {}).get("simulator")
+                   for side in sides[1:]}
 
     summary = []
     for n in sizes:
         mine = [r for r in rows if r["envs"] == n]
         s = {"envs": n, "rounds": len(mine)}
-        for k in ("in_process", "service", "service_inline", "ratio", "ratio_inline", "in_process_raw",
-                  "service_raw", "service_inline_raw", "in_process_cpu_ms_per_step", "service_cpu_ms_per_step",
-                  "service_inline_cpu_ms_per_step", "cpu_ratio", "cpu_ratio_inline"):
+        keys = [k for k in mine[0] if k not in ("envs", "round")]
+        for k in keys:
             vals = [r[k] for r in mine if k in r]
-            if vals:
-                s[k] = statistics.median(vals)
-                s[f"{k}_range"] = [min(vals), max(vals)]
+            s[k] = statistics.median(vals)
+            s[f"{k}_range"] = [min(vals), max(vals)]
         summary.append(s)
+    services = sides[1:]
     print()
-    print("| envs | env-steps/s: in-process / service / service inline | service / in-process (median, range) "
-          "| inline / in-process | raw vector steps: in-process / service / inline | CPU ms per env step, all "
-          "processes: in-process / service / inline | CPU ratio: service / inline |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| envs | env-steps/s: {' / '.join(sides)} | "
+          + " | ".join(f"{side} / in-process (median, range)" for side in services)
+          + f" | CPU ms per env step, all processes: {' / '.join(sides)} | CPU ratio: {' / '.join(services)} |")
+    print("|---:|---:|" + "---:|" * len(services) + "---:|---:|")
     for s in summary:
-        raw = (f"{s['in_process_raw']:.0f} / {s['service_raw']:.0f} / {s['service_inline_raw']:.0f}"
-               if "service_raw" in s else "-")
-        print(f"| {s['envs']} | {s['in_process']:.1f} / {s['service']:.1f} / {s['service_inline']:.1f} | "
-              f"**{s['ratio']:.2f}x** ({s['ratio_range'][0]:.2f}-{s['ratio_range'][1]:.2f}) | "
-              f"**{s['ratio_inline']:.2f}x** ({s['ratio_inline_range'][0]:.2f}-{s['ratio_inline_range'][1]:.2f}) | "
-              f"{raw} | {s['in_process_cpu_ms_per_step']:.2f} / {s['service_cpu_ms_per_step']:.2f} / "
-              f"{s['service_inline_cpu_ms_per_step']:.2f} | {s['cpu_ratio']:.2f}x / {s['cpu_ratio_inline']:.2f}x |")
+        print(f"| {s['envs']} | {' / '.join(f'{s[side]:.1f}' for side in sides)} | "
+              + " | ".join(f"**{s[f'ratio_{side}']:.2f}x** ({s[f'ratio_{side}_range'][0]:.2f}-"
+                           f"{s[f'ratio_{side}_range'][1]:.2f})" for side in services)
+              + " | " + " / ".join(f"{s[side + '_cpu_ms_per_step']:.2f}" for side in sides) + " | "
+              + " / ".join(f"{s[f'cpu_ratio_{side}']:.2f}x" for side in services) + " |")
     out = {"env": args.env, "settings": vars(args), "rows": rows, "summary": summary,
            "metered_simulator_s": metered, "load_average": load,
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "time": time.time()}

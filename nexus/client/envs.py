@@ -2,8 +2,9 @@
 
 ``ServiceEnv(tenant, "maniskill/pushcube-state")`` (or ``tenant.env(...)``) is a ``gymnasium.Env``;
 ``ServiceVectorEnv(tenant, env, num_envs=8)`` (or ``tenant.vector_env(...)``) has gymnasium's ``VectorEnv``
-API with same-step autoreset. Each is one environment session on one of the service's simulator workers,
-opened through the tenant gateway: resets and steps are HTTP calls that the gateway forwards to that worker.
+API with same-step autoreset. Each is one environment session on the service's simulator workers, opened
+through the tenant gateway: resets and steps are HTTP calls that the gateway forwards to the worker (a vector
+env's envs may be spread over several workers, ``limits.env_session_workers``, stepped at once).
 Observations are a ``Dict`` of ``state`` (float32 [P]) and ``image.<camera>`` (uint8 [H, W, 3]), the layout
 of the service's own catalog envs; actions a ``Box`` of the catalog's bounds. Close the env (or use it as a
 context manager) to give the simulators back; an idle session closes itself after the service's

@@ -15,6 +15,7 @@ Arrays travel in the wire form of :func:`nexus.inputs.encode_array` both ways (b
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Annotated, Any
 
 import numpy as np
@@ -27,8 +28,11 @@ from nexus.episodes import check_episodes
 from nexus.errors import NexusError, NotFound, SpecError, Unavailable
 from nexus.gateway.auth import Principal
 from nexus.gateway.contract import OVERLOADED_RESPONSE
+from nexus.gateway.env_shards import join_answers, split_reset, split_step
 from nexus.inputs import check_observation, decode_array, wire
 from nexus.sim_client import call_sim
+
+logger = logging.getLogger("nexus.gateway.envs")
 
 MAX_SEED = 2**32 - 1
 MAX_PREDICT_BATCH = 256  # observations of one predict_batch request
@@ -78,19 +82,28 @@ class EpisodesBody(_Body):
 
 
 class EnvBackend:
-    """The gateway's side of environment sessions: the control plane's handlers, and the simulator worker
-    hosting each session (asked of the control plane once, then remembered)."""
+    """The gateway's side of environment sessions: the control plane's handlers, and the simulator workers
+    hosting each session's shards (asked of the control plane once, then remembered)."""
 
     def __init__(self, backend) -> None:
         self.backend = backend
-        self.where: dict[str, tuple[str, str, int]] = {}  # session -> (tenant, worker address, num_envs)
+        # session -> (tenant, its shards: (worker address, num_envs) each, in the order of the session's envs)
+        self.where: dict[str, tuple[str, list[tuple[str, int]]]] = {}
         self._sim: str | None = None
+
+    def _remember(self, tenant: str, info: dict[str, Any]) -> dict[str, Any]:
+        """Keep where a session's shards are; -> the info without worker addresses (not the tenant's business)."""
+        shards = info.get("shards") or [{"address": info["address"], "num_envs": info["num_envs"]}]
+        self.where[info["session"]] = (tenant, [(sh["address"], int(sh["num_envs"])) for sh in shards])
+        out = {k: v for k, v in info.items() if k != "address"}
+        if "shards" in out:
+            out["shards"] = [{k: v for k, v in sh.items() if k != "address"} for sh in out["shards"]]
+        return out
 
     async def open(self, tenant: str, body: OpenEnvBody) -> dict[str, Any]:
         info = await self.backend._call("nexus_env_open", tenant=tenant, env=body.env, num_envs=body.num_envs,
                                         seed=body.seed, autoreset=body.autoreset)
-        self.where[info["session"]] = (tenant, info.pop("address"), int(info["num_envs"]))
-        return info
+        return self._remember(tenant, info)
 
     async def close(self, tenant: str, session: str) -> dict[str, Any]:
         self.where.pop(session, None)
@@ -98,22 +111,39 @@ class EnvBackend:
 
     async def sessions(self, tenant: str) -> list[dict[str, Any]]:
         rows = await self.backend._call("nexus_env_sessions", tenant=tenant)
-        return [{k: v for k, v in r.items() if k != "address"} for r in rows]
+        return [self._remember(tenant, r) for r in rows]
 
-    async def locate(self, tenant: str, session: str) -> tuple[str, int]:
+    async def locate(self, tenant: str, session: str) -> list[tuple[str, int]]:
         hit = self.where.get(session)
         if hit is None or hit[0] != tenant:
             (row,) = await self.backend._call("nexus_env_sessions", tenant=tenant, session=session)
-            hit = self.where[session] = (tenant, row["address"], int(row["num_envs"]))
-        return hit[1], hit[2]
+            self._remember(tenant, row)
+            hit = self.where[session]
+        return hit[1]
 
-    async def call(self, tenant: str, session: str, method: str, **payload: Any) -> Response:
-        """A reset or step on the session's worker: its answer comes as JSON bytes, passed on as they are."""
-        address, _ = await self.locate(tenant, session)
+    async def call(self, tenant: str, session: str, method: str, parts: list[dict[str, Any]]) -> Response:
+        """A reset or step on the session's workers, ``parts[i]`` for shard i, all at once: their answers come as
+        JSON bytes, passed on as they are (one shard) or joined (:func:`nexus.gateway.env_shards.join_answers`)."""
+        shards = await self.locate(tenant, session)
+        answers = await asyncio.gather(*(self._call_shard(address, session, tenant, method, part)
+                                         for (address, _), part in zip(shards, parts, strict=True)),
+                                       return_exceptions=True)
+        failed = next((a for a in answers if isinstance(a, BaseException)), None)
+        if failed is None:
+            return Response(answers[0] if len(answers) == 1 else join_answers(answers), media_type="application/json")
+        if len(shards) > 1 and isinstance(failed, NotFound | Unavailable):  # a shard is gone: the others stepped
+            self.where.pop(session, None)  # alone, out of step with it; nobody may use the session any more
+            try:
+                await self.backend._call("nexus_env_close", tenant=tenant, session=session)
+            except Exception as e:  # best effort: already closed, or the control plane drops it with its worker
+                logger.info("closing environment session %s after a shard failed: %s", session[:12], e)
+        raise failed
+
+    async def _call_shard(self, address: str, session: str, tenant: str, method: str,
+                          part: dict[str, Any]) -> bytes:
         try:
-            body = await call_sim(self.backend.client, address, method, plain=True, session=session, tenant=tenant,
-                                  **payload)
-            return Response(body, media_type="application/json")
+            return await call_sim(self.backend.client, address, method, plain=True, session=session, tenant=tenant,
+                                  **part)
         except NotFound:
             self.where.pop(session, None)
             raise
@@ -174,7 +204,8 @@ async def reset_env(tenant: str, session: str, who: Who, request: Request,
     who.may_act_on(tenant)
     body = body or ResetBody()
     envs = _envs(request)
-    _, n = await envs.locate(tenant, session)
+    sizes = [n for _, n in await envs.locate(tenant, session)]
+    n = sum(sizes)
     if isinstance(body.seed, list):
         if len(body.seed) != n or any(s is not None and not 0 <= s <= MAX_SEED for s in body.seed):
             raise SpecError(f"seed: a list of {n} seeds in [0, 2**32) (or null) expected, got {len(body.seed)}")
@@ -185,7 +216,9 @@ async def reset_env(tenant: str, session: str, who: Who, request: Request,
         seeds = [body.seed + i for i in range(n)]
     else:
         seeds = [None] * n
-    return await envs.call(tenant, session, "reset", seeds=seeds, mask=body.mask)
+    if body.mask is not None and len(body.mask) != n:
+        raise SpecError(f"reset: a mask of {len(body.mask)} for a session of {n} envs")
+    return await envs.call(tenant, session, "reset", split_reset(sizes, seeds, body.mask))
 
 
 @router.post("/v1/tenants/{tenant}/envs/{session}/step", responses=JSON_ANSWER)
@@ -195,13 +228,19 @@ async def step_env(tenant: str, session: str, body: StepBody, who: Who, request:
     autoreset, ``final`` (``mask`` + the last observations of the envs that were reset)."""
     who.may_act_on(tenant)
     envs = _envs(request)
-    await envs.locate(tenant, session)
+    sizes = [n for _, n in await envs.locate(tenant, session)]
     try:
         actions = np.asarray(decode_array(body.actions), np.float32)
     except (ValueError, TypeError):
         raise SpecError("actions: [num_envs, action_dim] numbers expected") from None
+    if len(sizes) > 1:  # what every shard would refuse alike is refused here, so that no shard steps alone
+        if actions.ndim != 2 or actions.shape[0] != sum(sizes):
+            raise SpecError(f"step: actions of shape {tuple(actions.shape)}, expected ({sum(sizes)}, action_dim)")
+        if not np.isfinite(actions).all():
+            raise SpecError("step: actions contain NaN or inf")
+        return await envs.call(tenant, session, "step", split_step(sizes, actions))
     # msgpack-ready (not pickled): the float32 bytes and their shape, rebuilt on the simulator worker
-    return await envs.call(tenant, session, "step", actions=actions.tobytes(), shape=list(actions.shape))
+    return await envs.call(tenant, session, "step", [{"actions": actions.tobytes(), "shape": list(actions.shape)}])
 
 
 @router.delete("/v1/tenants/{tenant}/envs/{session}")

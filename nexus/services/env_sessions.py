@@ -1,8 +1,10 @@
 """Environment sessions on a simulator worker: a tenant's own algorithm steps N envs of a catalog env.
 
-A session is pinned to one ``SIM`` worker (the control plane placed it, :mod:`nexus.control.env_sessions`)
-and lives in that worker's :class:`~nexus.services.sim_host.SimHost`: its envs come from the worker's env pool
-and go back to it when the session closes. Resets and steps come from the gateway worker-to-worker (the
+A session is pinned to one ``SIM`` worker (the control plane placed it, :mod:`nexus.control.env_sessions`;
+a vector session of several envs may be split into shards on several workers, each one a session of the same
+id here, its envs the session's contiguous share) and lives in that worker's
+:class:`~nexus.services.sim_host.SimHost`: its envs come from the worker's env pool and go back to it when the
+session closes. Resets and steps come from the gateway worker-to-worker (the
 observations never pass through the scheduler); every call runs on the host's one session thread, so the
 simulators of a process are stepped by one thread of sessions at a time.
 
