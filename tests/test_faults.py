@@ -19,7 +19,7 @@ import pytest
 
 from nexus.client.api import Nexus
 from nexus.client.faults import kill_worker, wait_for, worker_of_role
-from nexus.errors import SpecError
+from nexus.errors import NotFound, SpecError, Unavailable
 from nexus.features import Observation
 from nexus.spec import TenantSpec
 
@@ -173,6 +173,38 @@ def test_kill_sim_worker_mid_run(nx):
     _, name = _run_two_and_kill(nx, kill)
     role = _roles(nx)[f"sim/{name}"]
     assert role["restarts"] >= 1 and role["state"] == "healthy"
+
+
+def test_kill_a_sim_worker_holding_a_shard_of_an_environment_session(nx):
+    """A vector session spread over both simulator workers loses one: the next step is refused (503 or 404, never
+    a half-stepped session), the session is gone with every shard (nothing left open on the surviving worker),
+    and a new session serves once the worker is back."""
+    wait_for(lambda: _all_healthy(nx), 120, 0.5, "every role healthy")
+    t = nx.tenant("fa")
+    venv = t.vector_env("maniskill/pushcube-state", num_envs=2, seed=0)
+    venv.reset()
+    venv.step(np.zeros((2, 4), np.float32))
+    (row,) = nx.internal("nexus_env_sessions", tenant="fa")
+    (kept, lost) = [sh["worker"] for sh in row["shards"]]
+    kill_worker(nx, lost)
+    with pytest.raises((Unavailable, NotFound)):
+        venv.step(np.zeros((2, 4), np.float32))
+    venv.session.closed = True
+    wait_for(lambda: not nx.internal("nexus_env_sessions", tenant="fa"), 60, 0.5, "the session dropped")
+
+    def sessions_here(dask_worker) -> int:  # local: sent to the worker by value
+        from nexus.services.worker_plugin import PLUGIN_NAME
+
+        return len(dask_worker.plugins[PLUGIN_NAME].sim.sessions.sessions)
+
+    survivor = next(a for a, w in nx.client.scheduler_info(n_workers=-1)["workers"].items() if w["name"] == kept)
+    wait_for(lambda: nx.client.run(sessions_here, workers=[survivor])[survivor] == 0, 30, 0.5,
+             "the surviving shard closed")
+    wait_for(lambda: _all_healthy(nx), 120, 0.5, "the simulator worker back")
+    with t.vector_env("maniskill/pushcube-state", num_envs=2, seed=0) as again:
+        again.reset()
+        obs, *_ = again.step(np.zeros((2, 4), np.float32))
+        assert obs["state"].shape == (2, 35)
 
 
 def test_kill_inference_worker_mid_run(nx):
