@@ -22,6 +22,7 @@ of each side without SB3 (``--raw-steps``).
     python experiments/env_sessions/bench.py                        # ~5 min on 2 loaded cores
     python experiments/env_sessions/bench.py --envs 4,8,16 --rounds 3
     python experiments/env_sessions/bench.py --sim-workers 1 --sides in_process,service,service_inline  # as before
+    python experiments/env_sessions/bench.py --envs 4,8 --busy     # another tenant's RL rollouts on both workers
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--inline-s", type=float, default=0.05, help="env_session_inline_s of the service_inline side")
     p.add_argument("--sim-workers", type=int, default=2, help="simulator workers of the service (its default: 2)")
+    p.add_argument("--busy", action="store_true",
+                   help="another tenant's RL job runs rollouts on the simulator workers throughout (a busy service)")
     p.add_argument("--sides", default="in_process,service,service_one_worker",
                    help=f"comma-separated, of {','.join(SIDES)}")
     p.add_argument("--out", default=str(HERE / "results.json"))
@@ -129,6 +132,13 @@ def main() -> None:
                                        "sb3-one-worker": {"env_session_workers": 1}}) as nx:
         tenants = {side: nx.create_tenant(TenantSpec(name=TENANTS[side], env=args.env)) for side in sides[1:]}
         service_pids = list(nx.service.names)  # scheduler, gateway, workers (their nannies' trees)
+        busy = None
+        if args.busy:  # one rollout task per simulator worker at any time, until cancelled
+            busy = nx.create_tenant(TenantSpec(name="busy", env=args.env)).rl(
+                updates=10_000, episodes_per_batch=4, collectors=args.sim_workers)
+            deadline = time.time() + 300
+            while busy.progress().done < 1 and time.time() < deadline:  # rollouts and updates under way
+                time.sleep(1)
         for n in sizes:
             envs = {"in_process": DummyVecEnv([lambda: gym_env(entry) for _ in range(n)])}
             for side, tenant in tenants.items():
@@ -158,6 +168,8 @@ def main() -> None:
             finally:
                 for env in envs.values():
                     env.close()
+        if busy is not None:
+            busy.cancel()
         metered = {side: nx.status(tenant=TENANTS[side])["tenants"][0].get("metered_s", {}).get("simulator")
                    for side in sides[1:]}
 
