@@ -74,11 +74,27 @@ class BatchRef(_Plain):
     episodes: int
     policy_version: int
     tenant: str
+    parts: tuple[str, ...] = ()  # more files of the same batch (its episodes were split over rollout tasks)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (self.path, *self.parts)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BatchRef:
         return cls(path=str(d["path"]), rows=int(d["rows"]), episodes=int(d["episodes"]),
-                   policy_version=int(d["policy_version"]), tenant=str(d["tenant"]))
+                   policy_version=int(d["policy_version"]), tenant=str(d["tenant"]),
+                   parts=tuple(str(p) for p in d.get("parts") or ()))
+
+    @classmethod
+    def joined(cls, refs: list[BatchRef]) -> BatchRef:
+        """One batch of several stored ones (of one tenant): rows and episodes summed, the oldest version."""
+        if not refs or len({r.tenant for r in refs}) != 1:
+            raise ValueError("a joined batch needs batches of one tenant")
+        paths = [p for r in refs for p in r.paths]
+        return cls(path=paths[0], rows=sum(r.rows for r in refs), episodes=sum(r.episodes for r in refs),
+                   policy_version=min(r.policy_version for r in refs), tenant=refs[0].tenant,
+                   parts=tuple(paths[1:]))
 
 
 @dataclass(frozen=True)

@@ -179,6 +179,8 @@ class RLJob(_Spec):
     updates: int = Field(5, ge=1, description="policy versions to produce")
     episodes_per_batch: int = Field(2, ge=1)
     collectors: int = Field(2, ge=1, description="rollout tasks kept in flight")
+    split: int = Field(1, ge=1, le=64, description="rollout tasks one batch's episodes are split over, run at once "
+                       "(on as many simulator workers as are free) and trained on as one batch; whole groups each")
     ppo: PPOConfig = PPOConfig()
     rollouts: Literal["service", "external"] = Field(
         "service", description="service: rollouts in the service's simulators; external: the tenant uploads "

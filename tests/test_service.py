@@ -112,6 +112,25 @@ def test_rl_versions_advance_and_trajectories_carry_versions(nx):
     assert manifest["jobs"][-1]["state"] == "done" and manifest["checkpoints"]
 
 
+def test_a_batch_split_over_two_rollout_tasks_trains_as_one(nx):
+    from nexus.data.output_dir import TenantOutputDir
+    from nexus.data.trajectory_store import TrajectoryStore
+    from nexus.features import TenantSchema
+
+    t = nx.create_tenant(TenantSpec(name="rl-split", env="maniskill/pushcube-state", action_dim=4, seed=7,
+                                    max_inflight=1))
+    job = t.rl(updates=2, episodes_per_batch=4, collectors=1, split=2)
+    res = job.result(timeout=600)
+    assert res["updates"] == 2 and res["episodes"] == 8 and res["env_steps"] == 8 * 50
+    assert [h["batch_steps"] for h in _history(nx, job.id) if "batch_steps" in h] == [200.0, 200.0]  # one batch
+    out = TenantOutputDir(t.info["output_dir"])
+    schema = TenantSchema.from_dict(json.loads(out.manifest_path.read_text())["schema"])
+    store = TrajectoryStore(out.trajectories, "rl-split", schema)
+    assert len(store.batches()) == 4  # two stored parts per batch
+    episodes = store.scan().column("episode").to_numpy()
+    assert sorted(set(episodes)) == list(range(8)) and len(episodes) == 8 * 50  # each episode once, whole
+
+
 def test_stale_batches_dropped_and_counted(nx):
     t = nx.create_tenant(TenantSpec(name="rl-stale", env="maniskill/pushcube-state", action_dim=4,
                                     max_staleness=0, max_inflight=2, seed=6))

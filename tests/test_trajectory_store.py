@@ -167,7 +167,7 @@ def test_files_are_never_overwritten(tmp_path):
 def test_batch_ref_serializes(tmp_path):
     ref = TrajectoryStore(tmp_path, "acme", SCHEMA).append(make_columns())
     d = ref.to_dict()
-    assert d == {"path": ref.path, "rows": 8, "episodes": 2, "policy_version": 0, "tenant": "acme"}
+    assert d == {"path": ref.path, "rows": 8, "episodes": 2, "policy_version": 0, "tenant": "acme", "parts": ()}
     assert BatchRef.from_dict(d) == ref
     assert pickle.loads(pickle.dumps(ref)) == ref
     msgpack = pytest.importorskip("msgpack")
@@ -175,6 +175,22 @@ def test_batch_ref_serializes(tmp_path):
     assert TrajectoryStore(tmp_path, "acme", SCHEMA).read(d).num_rows == 8  # a plain dict works too
     with pytest.raises(ValueError, match="tenant"):
         TrajectoryStore(tmp_path, "other", SCHEMA).read(ref)
+
+
+def test_a_batch_split_over_rollout_tasks_reads_as_one(tmp_path):
+    store = TrajectoryStore(tmp_path, "acme", SCHEMA)
+    a = store.append(make_columns(episodes=2, version=3, seed=1))
+    b = store.append(make_columns(episodes=3, version=2, seed=2, first_episode=2))
+    ref = BatchRef.joined([a, b])
+    assert (ref.rows, ref.episodes, ref.policy_version, ref.paths) == (20, 5, 2, (a.path, b.path))
+    msgpack = pytest.importorskip("msgpack")
+    assert BatchRef.from_dict(msgpack.unpackb(msgpack.packb(ref.to_dict()))) == ref
+    table = store.read(ref)
+    assert table.num_rows == 20
+    np.testing.assert_array_equal(table_arrays(table)["episode"], np.repeat(np.arange(5), 4))
+    np.testing.assert_array_equal(table_arrays(table)["state"][8:], table_arrays(read_ipc(b.path))["state"])
+    with pytest.raises(ValueError, match="one tenant"):
+        BatchRef.joined([a, TrajectoryStore(tmp_path, "other", SCHEMA).append(make_columns(tenant="other"))])
 
 
 def test_collected_rollout_round_trips(tmp_path):

@@ -21,7 +21,7 @@ from nexus.control.queues import TrainingItem
 from nexus.control.sim_slots import SimSlots
 from nexus.emulation import EmulationSettings
 from nexus.errors import JobFailed
-from nexus.messages import GRPOWork, OpWork, RLWork, RolloutRequest, RolloutResult, SFTWork, SyncRule
+from nexus.messages import BatchRef, GRPOWork, OpWork, RLWork, RolloutRequest, RolloutResult, SFTWork, SyncRule
 
 if TYPE_CHECKING:
     from nexus.control.dispatcher import Dispatcher
@@ -186,8 +186,9 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
 
     def collect(offset: int, attempt: int) -> None:
         key = f"nexus-rollout-{js.job_id}-{offset}" + (f"-r{attempt}" if attempt else "")
-        task = _spawn(_rollout(ctx, t, js, key, episodes=spec.episodes_per_batch, seed=t.spec.seed * 1_000_003,
-                               offset=offset, group_size=spec.group_size))
+        task = _spawn(_batch_rollout(ctx, t, js, key, episodes=spec.episodes_per_batch,
+                                     seed=t.spec.seed * 1_000_003, offset=offset, group_size=spec.group_size,
+                                     split=spec.split))
         rollouts[task] = (offset, attempt)
 
     if spec.group_size > 1:  # whole groups: offsets stay multiples of the group size
@@ -249,6 +250,42 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
     return {"version": t.version, "updates": tally.updates, "dropped_stale": tally.dropped, "episodes": episodes,
             "env_steps": env_steps, **producer_totals,
             **{k: js.progress[k] for k in ("return", "success_rate") if k in js.progress}}
+
+
+async def _batch_rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, episodes: int, offset: int,
+                         group_size: int, split: int, **req: Any) -> RolloutResult:
+    """One RL batch: ``episodes`` from ``offset`` in one rollout task, or split by whole groups over ``split`` tasks
+    at once (the same episodes and seeds as one task's) whose stored parts form one batch."""
+    unit = max(group_size, 1)
+    k = max(1, min(split, episodes // unit))
+    if k == 1:
+        return await _rollout(ctx, t, js, key, episodes=episodes, offset=offset, group_size=group_size, **req)
+    groups = episodes // unit
+    shares = [(groups // k + (i < groups % k)) * unit for i in range(k)]
+    starts = [offset + sum(shares[:i]) for i in range(k)]
+    outs = await asyncio.gather(*(_rollout(ctx, t, js, f"{key}-p{i}", episodes=n, offset=o, group_size=group_size,
+                                           **req) for i, (n, o) in enumerate(zip(shares, starts, strict=True))),
+                                return_exceptions=True)
+    failed = next((o for o in outs if isinstance(o, BaseException)), None)
+    if failed is not None:  # the whole batch is collected again (same episodes, same seeds)
+        raise failed
+    return join_rollouts(outs)  # type: ignore[arg-type]
+
+
+def join_rollouts(outs: list[RolloutResult]) -> RolloutResult:
+    """The parts of one split batch as one rollout: counts and times summed, means weighted by episodes."""
+    stats: dict[str, Any] = {}
+    for o in outs:
+        for k, v in o.stats.items():
+            if isinstance(v, int | float):
+                stats[k] = stats.get(k, 0) + v
+    n = sum(o.stats["episodes"] for o in outs)
+    for k in ("mean_length",):  # per-episode means besides merge_stats'
+        if all(k in o.stats for o in outs) and n:
+            stats[k] = sum(o.stats[k] * o.stats["episodes"] for o in outs) / n
+    stats |= merge_stats([o.stats for o in outs])
+    batch = BatchRef.joined([o.batch for o in outs if o.batch is not None])
+    return RolloutResult(stats=stats, versions=sorted({v for o in outs for v in o.versions}), batch=batch)
 
 
 def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:

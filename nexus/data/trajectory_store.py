@@ -166,7 +166,7 @@ class TrajectoryStore:
             ref = BatchRef.from_dict(ref)
         if ref.tenant != self.tenant:
             raise ValueError(f"batch of tenant {ref.tenant!r} read from the store of {self.tenant!r}")
-        table = read_ipc(ref.path)
+        table = read_batch(ref)
         self._check_schema(table.schema, ref.path)
         return table
 
@@ -346,6 +346,13 @@ def _cast(arr: np.ndarray, dtype: type, name: str) -> np.ndarray:
 def read_ipc(path: str | Path) -> pa.Table:
     # the memory map stays alive as long as the table's buffers reference it
     return pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+
+
+def read_batch(ref: BatchRef) -> pa.Table:
+    """A batch's rows: its one file, or its files one after another (a batch split over rollout tasks; the
+    first file's metadata)."""
+    tables = [read_ipc(p) for p in ref.paths]
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
 
 
 def _fixed_list_to_numpy(col: pa.ChunkedArray | pa.Array, shape: tuple[int, ...], dtype: type) -> np.ndarray:

@@ -20,7 +20,7 @@ from distributed import get_worker
 from nexus.algorithms import grpo, ppo, sft
 from nexus.algorithms.shards import Shard, shard
 from nexus.data.output_dir import TenantOutputDir
-from nexus.data.trajectory_store import read_ipc, table_arrays
+from nexus.data.trajectory_store import read_batch, table_arrays
 from nexus.engine_client import EngineSet
 from nexus.messages import (
     EngineEndpoint,
@@ -131,7 +131,7 @@ def _rows(batch: dict, part: Shard) -> dict:
 def update_rl(actor: ActorHost, slot: TenantSlot, work: RLWork) -> dict[str, float]:
     """One RL update on a stored trajectory batch (the rollout's backbone features when reusable); this rank
     computes the backbone features of the rows it owns (``nexus.algorithms.shards``)."""
-    table = read_ipc(work.batch.path)
+    table = read_batch(work.batch)
     arrays = table_arrays(table)
     own = None if slot.world_size == 1 else shard(table.num_rows, slot.rank, slot.world_size).rows
     feats, proprio, cached = actor.batch_features(slot, table, arrays, work.use_cached_features, own)
@@ -141,7 +141,7 @@ def update_rl(actor: ActorHost, slot: TenantSlot, work: RLWork) -> dict[str, flo
 def update_grpo(actor: ActorHost, slot: TenantSlot, work: GRPOWork, output_dir: str) -> dict[str, float]:
     """One GRPO update on a stored batch of whole groups; with ``kl_coef`` > 0 the reference head (the version
     the job started from) scores this rank's steps first."""
-    table = read_ipc(work.batch.path)
+    table = read_batch(work.batch)
     arrays = table_arrays(table)
     own = None if slot.world_size == 1 else shard(table.num_rows, slot.rank, slot.world_size).rows
     feats, proprio, cached = actor.batch_features(slot, table, arrays, work.use_cached_features, own)
