@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from nexus import catalog
 from nexus.config import ServiceLimits
+from nexus.control.shares import even_shares
 from nexus.control.tenants import TenantPhase
 from nexus.errors import Conflict, LimitExceeded, NotFound, SpecError, Unavailable
 
@@ -73,12 +74,6 @@ class SessionRecord:
                 "t_open": self.t_open}
 
 
-def split_envs(num_envs: int, parts: int) -> list[int]:
-    """Near-equal contiguous shares, the larger ones first (5 over 2 workers: 3 + 2)."""
-    q, r = divmod(num_envs, parts)
-    return [q + (i < r) for i in range(parts)]
-
-
 class EnvSessions:
     def __init__(self, runtime: DaskRuntime, registry: TenantRegistry,
                  limits_for: Callable[[str], ServiceLimits]) -> None:
@@ -113,7 +108,7 @@ class EnvSessions:
                                 f"max_env_sessions={limits.max_env_sessions}; close one first")
         spread = min(limits.env_session_workers, num_envs) if autoreset else 1
         addresses = self._place(spread)
-        sizes = split_envs(num_envs, len(addresses))
+        sizes = even_shares(num_envs, len(addresses))
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         sid = uuid.uuid4().hex
         self._opening[tenant] = self._opening.get(tenant, 0) + 1

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from nexus.config import DataPathSettings, QosSettings
 from nexus.control import tasks
 from nexus.control.queues import TrainingItem
+from nexus.control.shares import even_shares
 from nexus.control.sim_slots import SimSlots
 from nexus.emulation import EmulationSettings
 from nexus.errors import JobFailed
@@ -257,11 +258,11 @@ async def _batch_rollout(ctx: FlowContext, t: TenantState, js: JobState, key: st
     """One RL batch: ``episodes`` from ``offset`` in one rollout task, or split by whole groups over ``split`` tasks
     at once (the same episodes and seeds as one task's) whose stored parts form one batch."""
     unit = max(group_size, 1)
-    k = max(1, min(split, episodes // unit))
+    groups = episodes // unit
+    k = max(1, min(split, groups))
     if k == 1:
         return await _rollout(ctx, t, js, key, episodes=episodes, offset=offset, group_size=group_size, **req)
-    groups = episodes // unit
-    shares = [(groups // k + (i < groups % k)) * unit for i in range(k)]
+    shares = [g * unit for g in even_shares(groups, k)]
     starts = [offset + sum(shares[:i]) for i in range(k)]
     outs = await asyncio.gather(*(_rollout(ctx, t, js, f"{key}-p{i}", episodes=n, offset=o, group_size=group_size,
                                            **req) for i, (n, o) in enumerate(zip(shares, starts, strict=True))),
@@ -280,9 +281,8 @@ def join_rollouts(outs: list[RolloutResult]) -> RolloutResult:
             if isinstance(v, int | float):
                 stats[k] = stats.get(k, 0) + v
     n = sum(o.stats["episodes"] for o in outs)
-    for k in ("mean_length",):  # per-episode means besides merge_stats'
-        if all(k in o.stats for o in outs) and n:
-            stats[k] = sum(o.stats[k] * o.stats["episodes"] for o in outs) / n
+    if n and all("mean_length" in o.stats for o in outs):  # a per-episode mean besides merge_stats' two
+        stats["mean_length"] = sum(o.stats["mean_length"] * o.stats["episodes"] for o in outs) / n
     stats |= merge_stats([o.stats for o in outs])
     batch = BatchRef.joined([o.batch for o in outs if o.batch is not None])
     return RolloutResult(stats=stats, versions=sorted({v for o in outs for v in o.versions}), batch=batch)
@@ -327,7 +327,7 @@ async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int
     ctx.health.register(role, "rollout")
     js.progress.update(version=version, episodes=0)
     n_tasks = min(spec.episodes, max(1, ctx.eval_fanout))
-    shares = [spec.episodes // n_tasks + (i < spec.episodes % n_tasks) for i in range(n_tasks)]
+    shares = even_shares(spec.episodes, n_tasks)
 
     async def chunk(i: int, offset: int, n: int) -> RolloutResult:
         for attempt in range(ctx.rollout_attempts):
