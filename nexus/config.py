@@ -234,6 +234,9 @@ class QosSettings(BaseModel):
     prefix_cache_mb: float = Field(64.0, ge=0, description="an inference engine keeps the backbone features of "
                                    "image-free prefixes (a state-only tenant's instruction) up to this size, so "
                                    "their predicts run the tenant's head only (0: off; nexus.model.prefix_cache)")
+    head_bank_tenants: int = Field(64, ge=0, description="an inference engine stacks the Gaussian OFT heads of up "
+                                   "to this many tenants per head shape and runs a group's rows of several of them "
+                                   "as one batched forward (0: off, one head call per tenant; nexus.model.head_bank)")
     gateway_http: Literal["httptools", "h11"] = Field("httptools", description="the gateway's HTTP/1.1 parser "
                                                       "(uvicorn's; httptools: C, h11: pure Python)")
     predict_fast_path: bool = Field(True, description="the gateway serves a predict without FastAPI's routing and "

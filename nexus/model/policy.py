@@ -38,6 +38,12 @@ GAUSSIAN_FAMILIES = RL_ACTION_HEADS  # the families that support RL (exact log-p
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))  # as torch.distributions.Normal.log_prob has it
 
 
+def gaussian_logprob(action: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """log N(action; mean, scale) summed over the last dim: the Normal's own arithmetic, without building a
+    torch.distributions object per call (its argument checks cost more than a head's matmuls for a row or two)."""
+    return (-((action - mean) ** 2) / (2 * scale**2) - scale.log() - _LOG_SQRT_2PI).sum(-1)
+
+
 @dataclass(frozen=True)
 class ActionHeadConfig:
     """Every hyper-parameter of a tenant's action module, per family defaults from the papers."""
@@ -236,9 +242,7 @@ class TenantPolicy(nn.Module):
             action = self._sample_flow(feats, proprio, generator, deterministic)
             zeros = action.new_zeros(action.shape[0])
             return action, zeros, zeros
-        # the Normal's own arithmetic, without building a torch.distributions object per call (its argument
-        # checks cost more than the head's matmuls for a row or two): the same numbers as evaluate()'s
-        mean = self.head(feats, proprio, plain=plain)
+        mean = self.head(feats, proprio, plain=plain)  # log-probs: the same numbers as evaluate()'s
         scale = self.head.log_std.exp().expand_as(mean)
         if deterministic:
             action = mean
@@ -246,8 +250,8 @@ class TenantPolicy(nn.Module):
             if noise is None:
                 noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
             action = mean + scale * noise.to(mean.device, mean.dtype).reshape(mean.shape)
-        logprob = -((action - mean) ** 2) / (2 * scale**2) - scale.log() - _LOG_SQRT_2PI
-        return action, logprob.sum(-1), self.value(feats, proprio, plain=plain)  # type: ignore[misc]
+        value = self.value(feats, proprio, plain=plain)  # type: ignore[misc]
+        return action, gaussian_logprob(action, mean, scale), value
 
     def evaluate(self, feat: BackboneFeatures | torch.Tensor, proprio: torch.Tensor,
                  action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -25,6 +25,9 @@ import torch
 from nexus.config import ServiceConfig
 from nexus.features import Observation, TenantSchema
 from nexus.gc_tuning import pauses as gc_pauses
+from nexus.model.backbone_features import BackboneFeatures
+from nexus.model.head_bank import HeadBank
+from nexus.model.policy import gaussian_logprob
 from nexus.services.batching import GroupBatcher
 from nexus.services.engine_stats import EngineMeter, EngineStats
 from nexus.services.inference_queue import Group, InferenceQueue
@@ -215,6 +218,7 @@ class InferenceEngine:
         per_tenant = fw.group_features([(r.tenant, f) for r, f in zip(group, feats, strict=True)],
                                        row_policies=row_policies)
         outs: list[dict[str, Any] | None] = [None] * len(group)
+        units: list[_Unit] = []  # rows of one tenant, version and mode
         for tenant, (idx, cond) in per_tenant.items():
             live_version = self.heads.live[tenant][0]
             heads: dict[tuple[int, bool], list[int]] = {}  # (version, deterministic) -> rows of this tenant
@@ -224,18 +228,88 @@ class InferenceEngine:
             for (version, det), rows in heads.items():
                 policy = self.heads.policy_of(tenant, version)
                 proprio = torch.as_tensor(np.stack([feats[idx[row]].proprio for row in rows]))
-                seeds = [group[idx[row]].seed for row in rows]
-                action, logprob, value = _act(policy, cond[rows], proprio, det, seeds)
-                action = action.float().cpu().numpy()  # unclipped sample: its logprob is PPO's
-                for j, row in enumerate(rows):
-                    out = {"action": action[j][:policy.action_dim], "logprob": float(logprob[j]),
-                           "value": float(value[j]), "version": version}
-                    if policy.chunk > 1:
-                        out["chunk"] = action[j]
-                    if group[idx[row]].features:  # datapath: the rollout keeps it for the PPO update
-                        out["feature"] = cond.pooled[row].float().cpu().numpy()
-                    outs[idx[row]] = out
+                bank = self.heads.bank_of(tenant, policy) if isinstance(cond, BackboneFeatures) else None
+                units.append(_Unit(tenant, version, det, policy, [idx[row] for row in rows], cond[rows], proprio,
+                                   [group[idx[row]].seed for row in rows], bank))
+        by_bank: dict[int, list[_Unit]] = {}
+        for u in units:
+            if u.bank is not None:
+                by_bank.setdefault(id(u.bank), []).append(u)
+        batched = [us for us in by_bank.values() if _worth_batching(us)]
+        for us in batched:
+            action, logprob, value = _act_banked(us)
+            at = 0
+            for u in us:
+                n = len(u.rows)
+                _emit(outs, group, u, action[at:at + n], logprob[at:at + n], value[at:at + n])
+                at += n
+        done = {id(u) for us in batched for u in us}
+        for u in units:
+            if id(u) not in done:
+                _emit(outs, group, u, *_act(u.policy, u.cond, u.proprio, u.deterministic, u.seeds))
         return outs  # type: ignore[return-value]
+
+
+@dataclass
+class _Unit:
+    """A group's rows of one tenant, one head version and one mode: what one head call answers."""
+
+    tenant: str
+    version: int
+    deterministic: bool
+    policy: Any
+    rows: list[int]  # indices into the group
+    cond: BackboneFeatures
+    proprio: torch.Tensor
+    seeds: list[int | None]
+    bank: HeadBank | None  # the bank holding this head, if any
+
+
+def _worth_batching(units: list[_Unit]) -> bool:
+    """Several tenants' rows, and not so lopsided that padding outweighs the calls saved."""
+    tenants = [u.tenant for u in units for _ in u.rows]
+    return len(set(tenants)) > 1 and units[0].bank.padded_rows(tenants) <= 4 * len(tenants)  # type: ignore[union-attr]
+
+
+def _act_banked(units: list[_Unit]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_act` for rows of several tenants in one bank: one batched forward, then each row's own noise (a
+    seeded row from its own generator, as alone; a deterministic row none)."""
+    bank = units[0].bank
+    assert bank is not None
+    tenants = [u.tenant for u in units for _ in u.rows]
+    mean, log_std, value = bank.forward(tenants, torch.cat([u.cond.pooled for u in units]),
+                                        torch.cat([u.proprio for u in units]))
+    noise = torch.zeros_like(mean)
+    unseeded: list[int] = []
+    at = 0
+    for u in units:
+        if not u.deterministic:
+            for j, s in enumerate(u.seeds):
+                if s is None:
+                    unseeded.append(at + j)
+                else:
+                    noise[at + j] = torch.randn(mean.shape[1], generator=torch.Generator().manual_seed(s))
+        at += len(u.rows)
+    if unseeded:
+        noise[unseeded] = torch.randn(len(unseeded), mean.shape[1])
+    scale = log_std.exp()
+    action = mean + scale * noise
+    return action, gaussian_logprob(action, mean, scale), value
+
+
+def _emit(outs: list[dict[str, Any] | None], group: list[_Request], unit: _Unit, action: torch.Tensor,
+          logprob: torch.Tensor, value: torch.Tensor) -> None:
+    """A unit's answers into ``outs`` at its rows' places. A chunked policy answers its first action (receding
+    horizon) and the chunk."""
+    policy, actions = unit.policy, action.float().cpu().numpy()  # unclipped sample: its logprob is PPO's
+    for j, i in enumerate(unit.rows):
+        out = {"action": actions[j][:policy.action_dim], "logprob": float(logprob[j]), "value": float(value[j]),
+               "version": unit.version}
+        if policy.chunk > 1:
+            out["chunk"] = actions[j]
+        if group[i].features:  # datapath: the rollout keeps it for the PPO update
+            out["feature"] = unit.cond.pooled[j].float().cpu().numpy()
+        outs[i] = out
 
 
 def _samples(n: int) -> int:

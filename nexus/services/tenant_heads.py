@@ -15,6 +15,7 @@ from nexus.features import TenantSchema
 from nexus.gc_tuning import refreeze
 from nexus.model.backbone import BackboneConfig, SharedBackbone
 from nexus.model.framework import VLAFramework
+from nexus.model.head_bank import HeadBank, HeadShape, head_shape
 from nexus.model.policy import TenantPolicy
 from nexus.model.prefix_cache import PrefixCache
 from nexus.model.preprocessor import TenantPreprocessor
@@ -27,6 +28,7 @@ class TenantHeads(HeadVersions[TenantPolicy]):
         super().__init__()
         self.config = config
         self._framework: VLAFramework | None = None
+        self.banks: dict[HeadShape, HeadBank] = {}  # live heads stacked by shape (qos.head_bank_tenants)
 
     @property
     def framework(self) -> VLAFramework:
@@ -56,17 +58,21 @@ class TenantHeads(HeadVersions[TenantPolicy]):
         pre = TenantPreprocessor(schema, self.framework.backbone.cfg)
         self.framework.add_tenant(spec.name, policy, pre)
         self.live[spec.name] = (version, policy)
+        self._bank(spec.name, policy)
         self.feature_keys[spec.name] = pre.compat_key
 
     def load(self, tenant: str, version: int, weights: bytes) -> None:
         """The tenant's live head becomes ``version``."""
         policy = self.policy_from_bytes(tenant, weights)
         self.live[tenant] = (version, policy)
+        self._bank(tenant, policy)
         self.framework.policies[tenant] = policy
 
     def unregister(self, tenant: str) -> None:
         """Forget a deleted tenant (its live head and pinned versions)."""
         self.forget(tenant)
+        for bank in self.banks.values():
+            bank.drop(tenant)
         self.framework.remove_tenant(tenant)
 
     def load_pinned(self, tenant: str, version: int, output_dir: str) -> TenantPolicy:
@@ -75,6 +81,26 @@ class TenantHeads(HeadVersions[TenantPolicy]):
         if live_version == version:
             return live
         return self.policy_from_bytes(tenant, TenantOutputDir(output_dir).weights_path(version).read_bytes())
+
+    def _bank(self, tenant: str, policy: TenantPolicy) -> None:
+        """The tenant's live head into the bank of its shape, while that bank has room (else its rows run its
+        head alone)."""
+        shape = head_shape(policy)
+        for other, bank in self.banks.items():
+            if other != shape:
+                bank.drop(tenant)
+        limit = self.config.qos.head_bank_tenants
+        if shape is None or limit == 0:
+            return
+        bank = self.banks.setdefault(shape, HeadBank(shape))
+        if tenant in bank.slots or len(bank.slots) < limit:
+            bank.put(tenant, policy)
+
+    def bank_of(self, tenant: str, policy: TenantPolicy) -> HeadBank | None:
+        """The bank whose slot holds this very policy of the tenant (its live head), if any."""
+        shape = head_shape(policy)
+        bank = self.banks.get(shape) if shape is not None else None
+        return bank if bank is not None and bank.holds(tenant, policy) else None
 
     def policy_of(self, tenant: str, version: int | None) -> TenantPolicy:
         live_version, live = self.live[tenant]
