@@ -49,6 +49,14 @@ def test_bank_forward_equals_each_head_alone_with_uneven_rows(chunk):
         torch.testing.assert_close(mean[r], want_action[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(value[r], want_value[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(log_std[r], p.head.log_std.detach())
+    # rows of the upper slots only: computed over slots 3-4 (views from the lowest), the same answers
+    upper = ["t4", "t3", "t4"]
+    assert bank.padded_rows(upper) == 2 * 2
+    mean, _, value = bank.forward(upper, pooled[:3], proprio[:3])
+    for r, t in enumerate(upper):
+        want_action, _, want_value = policies[t].act(pooled[r:r + 1], proprio[r:r + 1], deterministic=True)
+        torch.testing.assert_close(mean[r], want_action[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(value[r], want_value[0], rtol=1e-5, atol=1e-6)
 
 
 def test_slots_follow_the_policy_object_and_are_reused():

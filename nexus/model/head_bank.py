@@ -4,7 +4,8 @@ rows of many tenants in an inference group.
 On a CPU the ~20 small ops of a tenant's head and critic (a row or two each) cost far more in calls than in
 arithmetic: a group of 64 rows over 16 tenants spent most of its time there (``experiments/qos/forward.py``).
 Stacked, every tenant's layer is one slice of a ``[S, in, out]`` tensor and the whole group runs as one
-``baddbmm`` per layer, over rows padded to ``[S, m]`` (m: the most rows any one tenant has in the group).
+``baddbmm`` per layer, over rows padded to ``[S, m]`` (S: the slots from the lowest to the highest of the group's
+tenants; m: the most rows any one tenant has in the group).
 
 A slot holds a copy of one policy object's weights. The engine replaces a tenant's policy at each weight sync
 (never changes one in place), so a slot is current while it holds that very object (:meth:`HeadBank.holds`).
@@ -110,14 +111,17 @@ class HeadBank:
         if i is not None:
             self._free = sorted([*self._free, i])
 
-    def _layer(self, name: str, x: torch.Tensor, used: int) -> torch.Tensor:
-        return torch.baddbmm(self.biases[name][:used], x, self.weights[name][:used])
+    def _layer(self, name: str, x: torch.Tensor, span: slice) -> torch.Tensor:
+        return torch.baddbmm(self.biases[name][span], x, self.weights[name][span])
 
     def forward(self, tenants: list[str], pooled: torch.Tensor, proprio: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Row r of tenant ``tenants[r]`` -> (Gaussian mean [R, chunk*A], log std [R, chunk*A], value [R])."""
-        slots = torch.tensor([self.slots[t] for t in tenants])
-        used = int(slots.max()) + 1  # slots past the last one in use hold no row: not computed
+        at = torch.tensor([self.slots[t] for t in tenants])
+        lo = int(at.min())
+        span = slice(lo, int(at.max()) + 1)  # slots outside the rows' range are not computed (views, no copy)
+        slots = at - lo
+        used = span.stop - lo
         counts = torch.zeros(used, dtype=torch.long)
         pos = torch.empty_like(slots)
         for r, s in enumerate(slots.tolist()):  # each row's place among its tenant's rows
@@ -128,17 +132,17 @@ class HeadBank:
         p = pooled.new_zeros(used, m, proprio.shape[1])
         x[slots, pos], p[slots, pos] = pooled, normalize_proprio(proprio.to(pooled.dtype))
         s = self.shape
-        ctx = self._layer("feat_proj", x, used) + self._layer("proprio_proj", p, used)  # [S, m, H]
-        tokens = (ctx.unsqueeze(2) + self.queries[:used].unsqueeze(1)).reshape(used, m * s.chunk, s.hidden)
-        h = F.gelu(self._layer("dec0", tokens, used))
-        h = F.gelu(self._layer("dec1", h, used))
-        mean = self._layer("dec2", h, used).reshape(used, m, s.chunk * s.action_dim)
-        v = F.gelu(self._layer("val0", torch.cat([x, p], dim=-1), used))
-        v = F.gelu(self._layer("val1", v, used))
-        value = self._layer("val2", v, used).squeeze(-1)
-        return mean[slots, pos], self.log_std[slots], value[slots, pos]
+        ctx = self._layer("feat_proj", x, span) + self._layer("proprio_proj", p, span)  # [S, m, H]
+        tokens = (ctx.unsqueeze(2) + self.queries[span].unsqueeze(1)).reshape(used, m * s.chunk, s.hidden)
+        h = F.gelu(self._layer("dec0", tokens, span))
+        h = F.gelu(self._layer("dec1", h, span))
+        mean = self._layer("dec2", h, span).reshape(used, m, s.chunk * s.action_dim)
+        v = F.gelu(self._layer("val0", torch.cat([x, p], dim=-1), span))
+        v = F.gelu(self._layer("val1", v, span))
+        value = self._layer("val2", v, span).squeeze(-1)
+        return mean[slots, pos], self.log_std[at], value[slots, pos]
 
     def padded_rows(self, tenants: list[str]) -> int:
         """Rows :meth:`forward` would compute for these rows' tenants, padding included."""
         slots = [self.slots[t] for t in tenants]
-        return (max(slots) + 1) * max(slots.count(s) for s in set(slots))
+        return (max(slots) - min(slots) + 1) * max(slots.count(s) for s in set(slots))
