@@ -231,22 +231,23 @@ class InferenceEngine:
                 bank = self.heads.bank_of(tenant, policy) if isinstance(cond, BackboneFeatures) else None
                 units.append(_Unit(tenant, version, det, policy, [idx[row] for row in rows], cond[rows], proprio,
                                    [group[idx[row]].seed for row in rows], bank))
-        by_bank: dict[int, list[_Unit]] = {}
+        by_bank: dict[HeadBank, list[_Unit]] = {}  # a bank hashes by identity
         for u in units:
             if u.bank is not None:
-                by_bank.setdefault(id(u.bank), []).append(u)
-        batched = [us for us in by_bank.values() if _worth_batching(us)]
-        for us in batched:
+                by_bank.setdefault(u.bank, []).append(u)
+        alone = [u for u in units if u.bank is None]
+        for us in by_bank.values():
+            if not _worth_batching(us):
+                alone += us
+                continue
             action, logprob, value = _act_banked(us)
             at = 0
             for u in us:
                 n = len(u.rows)
                 _emit(outs, group, u, action[at:at + n], logprob[at:at + n], value[at:at + n])
                 at += n
-        done = {id(u) for us in batched for u in us}
-        for u in units:
-            if id(u) not in done:
-                _emit(outs, group, u, *_act(u.policy, u.cond, u.proprio, u.deterministic, u.seeds))
+        for u in alone:
+            _emit(outs, group, u, *_act(u.policy, u.cond, u.proprio, u.deterministic, u.seeds))
         return outs  # type: ignore[return-value]
 
 
