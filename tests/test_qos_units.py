@@ -6,6 +6,7 @@ import asyncio
 import pickle
 import random
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -243,12 +244,35 @@ def test_fair_share_never_finds_tenants_at_equal_poisson_rates_over_not_even_as_
     assert loud.over("loud", 60.0)
 
 
+def test_fair_share_does_not_hold_a_tenant_s_solo_rate_against_it_when_others_join():
+    settings = QosSettings()
+    rng = np.random.default_rng(1)
+    solo = [(t, "q0") for t in np.arange(0, 3, 1 / 200)]  # q0 alone at 200/s for 3 s (it had the engine), then
+    joined = sorted((3 + t, f"q{q}") for q in range(16)  # one of 16 tenants at 60/s each, Poisson, for 5 s
+                    for t in np.cumsum(rng.exponential(1 / 60, 400)) if t < 5)
+    f = FairShare(settings.fair_share_factor, settings.fair_share_window_s)
+    over = []
+    for t, tenant in solo + joined:
+        if f.over(tenant, t):
+            over.append((round(t, 3), tenant))
+        else:
+            f.admitted(tenant, t)
+    assert over == [], f"{len(over)} predicts of equal tenants refused, first {over[:3]}"
+    assert 40 < f.rate("q0", 8.0) < 80  # its rate is now its share
+    for q in range(16):  # and a tenant joining at 10x the others' rate is over once it has a window of its own
+        f.admitted(f"q{q}", 8.0)
+    for i in range(int(1.5 * 600)):
+        f.admitted("late", 8.0 + i / 600)
+    assert f.over("late", 9.5) and not f.over("q0", 9.5)
+
+
 def test_predict_server_sheds_a_tenant_over_its_fair_share_only_while_another_is_served():
     routes = Engines(delay_s=0.02)
     server = PredictServer(routes, QosSettings(max_inflight_predicts=64, engine_calls_in_flight=4,
                                                fair_share_factor=2.0), lambda t: 64)
 
     routes.draining = set()
+    server.fair.admitted("q", time.monotonic() - 2.0)  # q has sent before: its rate counts for the mean
 
     async def main() -> None:
         burst = [server.predict("loud", None, None, True, {}) for _ in range(12)]
