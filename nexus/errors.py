@@ -8,6 +8,8 @@ connection (exceptions travel pickled, so the class survives the trip).
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class NexusError(Exception):
     """Base of every error the service reports to its users."""
@@ -123,6 +125,28 @@ def error_class(name: str) -> type[NexusError]:
     """The NexusError subclass called ``name`` (what the gateway reports), NexusError if unknown."""
     cls = globals().get(name)
     return cls if isinstance(cls, type) and issubclass(cls, NexusError) else NexusError
+
+
+REPLY_KEY = "nexus_error"
+
+
+def to_reply(e: NexusError) -> dict[str, Any]:
+    """``e`` as a worker handler's answer to the control plane. The scheduler never unpickles worker data, so an
+    exception raised in the handler would reach it as a plain ``Exception`` holding the repr (Dask's fallback); this
+    plain-valued reply keeps its class, and :func:`from_reply` raises it again there."""
+    return {REPLY_KEY: {"class": type(e).__name__, "message": str(e),
+                        "retry_after_s": getattr(e, "retry_after_s", None)}}
+
+
+def from_reply(reply: Any) -> NexusError | None:
+    """The error a :func:`to_reply` answer carries (None for any other answer)."""
+    if not (isinstance(reply, dict) and len(reply) == 1 and REPLY_KEY in reply):
+        return None
+    err = reply[REPLY_KEY]
+    cls = error_class(str(err.get("class")))
+    if issubclass(cls, Overloaded):
+        return cls(str(err.get("message", "")), err.get("retry_after_s") or 1.0)
+    return cls(str(err.get("message", "")))
 
 
 def describe_errors(errors: list[dict], root: str = "spec", prefix: str = "", skip: tuple[str, ...] = (),

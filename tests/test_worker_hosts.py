@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from distributed import Client, LocalCluster
 
+from nexus.control.runtime import DaskRuntime
 from nexus.control.tasks import TaskRef
-from nexus.errors import Unavailable
+from nexus.errors import Draining, NotFound, Unavailable
 from nexus.services.sim_host import SimHost
 from nexus.services.worker_plugin import NexusWorkerPlugin
 
@@ -53,3 +54,29 @@ def test_a_role_the_worker_does_not_host_is_refused(client):
         fut.result()
     with pytest.raises(ValueError, match="unknown role"):
         client.submit(TaskRef("tests.test_worker_hosts:host_kind", "gpu"), "x", pure=False).result()  # type: ignore[arg-type]
+
+
+async def control_calls(dask_scheduler, address: str) -> list[tuple[str, str]]:
+    """The control plane's calls to a worker's handlers, made where it makes them (the scheduler's RPC)."""
+    runtime, out = DaskRuntime(dask_scheduler), []
+    for handler, msg in (("nexus_env_ctl", {"action": "close", "session": "s-gone", "tenant": "t"}),
+                         ("nexus_engine_ctl", {"engine": "engine-9.0", "action": "stop"}),
+                         ("nexus_env_ctl", {"action": "explode"})):
+        try:
+            await runtime.call(address, handler, **msg)
+        except Exception as e:
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
+def test_the_control_plane_gets_a_workers_refusals_as_their_own_class():
+    # over TCP, as between processes: the scheduler does not unpickle what a worker raises (inproc would pass the
+    # exception object itself)
+    with LocalCluster(n_workers=1, processes=False, protocol="tcp://", host="127.0.0.1", threads_per_worker=1,
+                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as c:
+        c.submit(TaskRef("tests.test_worker_hosts:host_kind", "sim"), "install", pure=False).result()
+        (address,) = c.scheduler_info()["workers"]
+        (gone, engine, unknown) = c.run_on_scheduler(control_calls, address=address)
+    assert gone[0] == NotFound.__name__ and "no environment session 's-gone' of tenant 't'" in gone[1]
+    assert engine[0] == Draining.__name__ and "engine-9.0 is not hosted" in engine[1]
+    assert unknown[0] == "Exception" and "unknown environment session action" in unknown[1]  # not ours: as before

@@ -209,8 +209,7 @@ class EnvSessions:
             try:
                 return await self.runtime.call(sh.address, "nexus_env_ctl", timeout=120, action="close",
                                                session=rec.session, tenant=rec.tenant)
-            # already gone with its worker or by idling (the scheduler's RPC gets a worker's NotFound as a plain
-            # Exception: it does not unpickle what workers raise), or the worker failed: closing is best effort
+            # already gone with its worker or by idling (NotFound), or the worker failed: closing is best effort
             except Exception as e:
                 logger.info("closing environment session %s on %s: %s", rec.session, sh.worker, e)
                 return None

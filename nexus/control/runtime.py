@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nexus.control.tasks import TaskRef
-from nexus.errors import Unavailable
+from nexus.errors import Unavailable, from_reply
 from nexus.tls import security
 
 if TYPE_CHECKING:
@@ -114,7 +114,11 @@ class DaskRuntime:
         if address not in self.scheduler.workers:
             raise Unavailable(f"worker {address} is not in the cluster")
         coro = getattr(self.scheduler.rpc(address), handler)(**msg)
-        return await (asyncio.wait_for(coro, timeout) if timeout else coro)
+        reply = await (asyncio.wait_for(coro, timeout) if timeout else coro)
+        error = from_reply(reply)  # a NexusError the worker refused with, its class kept (nexus.errors.to_reply)
+        if error is not None:
+            raise error
+        return reply
 
     async def io(self, action: str, prefer: tuple[str, ...] = ("INFER", "ACTOR", "SIM"), **msg: Any) -> Any:
         """Small file I/O (job records) on some live worker, off the scheduler's loop."""

@@ -42,7 +42,7 @@ from tornado.ioloop import PeriodicCallback
 
 from nexus import gc_tuning
 from nexus.data.output_dir import TenantOutputDir, unmark_evaluation
-from nexus.errors import Draining, Unavailable
+from nexus.errors import Draining, NexusError, Unavailable, to_reply
 from nexus.inputs import wire_json
 from nexus.messages import HEALTH_TOPIC, HEARTBEAT_S, Heartbeat, Rendezvous
 from nexus.services.env_sessions import store_episodes
@@ -58,6 +58,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger("nexus.worker")
 
 PLUGIN_NAME = "nexus"
+
+
+def _errors_as_replies(fn):
+    """A control-plane handler whose NexusErrors are answered as :func:`nexus.errors.to_reply` values."""
+    async def handler(**msg: Any) -> Any:
+        try:
+            return await fn(**msg)
+        except NexusError as e:
+            return to_reply(e)
+
+    handler.__name__ = fn.__name__
+    return handler
 
 
 class NexusWorkerPlugin(WorkerPlugin):
@@ -78,11 +90,13 @@ class NexusWorkerPlugin(WorkerPlugin):
     # -- Dask hooks --------------------------------------------------------------------------------
     def setup(self, worker) -> None:
         self.worker = worker
-        worker.handlers.update({"nexus_engine": self._in_worker(self._h_engine),
-                                "nexus_engine_ctl": self._in_worker(self._h_engine_ctl),
-                                "nexus_tracker": self._h_tracker, "nexus_io": self._h_io,
-                                "nexus_env": self._h_env, "nexus_env_ctl": self._h_env_ctl,
-                                "nexus_sim_stop": self._h_sim_stop})
+        # the data path's callers (gateway, producers) unpickle what a handler raises; the control plane's get its
+        # NexusErrors as replies (nexus.errors.to_reply)
+        worker.handlers.update({"nexus_engine": self._in_worker(self._h_engine), "nexus_env": self._h_env,
+                                **{name: _errors_as_replies(fn) for name, fn in (
+                                    ("nexus_engine_ctl", self._in_worker(self._h_engine_ctl)),
+                                    ("nexus_tracker", self._h_tracker), ("nexus_io", self._h_io),
+                                    ("nexus_env_ctl", self._h_env_ctl), ("nexus_sim_stop", self._h_sim_stop))}})
         self._beat = PeriodicCallback(self.beat, HEARTBEAT_S * 1000)
         self._beat.start()
         self.beat()
