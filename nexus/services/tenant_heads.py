@@ -29,6 +29,7 @@ class TenantHeads(HeadVersions[TenantPolicy]):
         self.config = config
         self._framework: VLAFramework | None = None
         self.banks: dict[HeadShape, HeadBank] = {}  # live heads stacked by shape (qos.head_bank_tenants)
+        self._banked: dict[str, HeadBank] = {}  # tenant -> the bank with its slot (no shape to work out per group)
 
     @property
     def framework(self) -> VLAFramework:
@@ -73,6 +74,7 @@ class TenantHeads(HeadVersions[TenantPolicy]):
         self.forget(tenant)
         for bank in self.banks.values():
             bank.drop(tenant)
+        self._banked.pop(tenant, None)
         self.framework.remove_tenant(tenant)
 
     def load_pinned(self, tenant: str, version: int, output_dir: str) -> TenantPolicy:
@@ -89,17 +91,18 @@ class TenantHeads(HeadVersions[TenantPolicy]):
         for other, bank in self.banks.items():
             if other != shape:
                 bank.drop(tenant)
+        self._banked.pop(tenant, None)
         limit = self.config.qos.head_bank_tenants
         if shape is None or limit == 0:
             return
         bank = self.banks.setdefault(shape, HeadBank(shape))
         if tenant in bank.slots or len(bank.slots) < limit:
             bank.put(tenant, policy)
+            self._banked[tenant] = bank
 
     def bank_of(self, tenant: str, policy: TenantPolicy) -> HeadBank | None:
         """The bank whose slot holds this very policy of the tenant (its live head), if any."""
-        shape = head_shape(policy)
-        bank = self.banks.get(shape) if shape is not None else None
+        bank = self._banked.get(tenant)
         return bank if bank is not None and bank.holds(tenant, policy) else None
 
     def policy_of(self, tenant: str, version: int | None) -> TenantPolicy:
