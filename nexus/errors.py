@@ -3,7 +3,8 @@
 Each class carries the HTTP status the gateway answers with (``http_status``) and a stable machine
 code (``code``). The message always says what was refused and why (the limit and the value, the
 unknown name, the state that forbids the call). Plain Python: raised on both sides of the Dask
-connection (exceptions travel pickled, so the class survives the trip).
+connection (exceptions travel pickled, so the class survives the trip; to the scheduler, which unpickles
+nothing a worker sends, as plain-valued replies: :func:`to_reply`).
 """
 
 from __future__ import annotations
