@@ -117,7 +117,8 @@ def test_a_batch_split_over_two_rollout_tasks_trains_as_one(nx):
     from nexus.data.trajectory_store import TrajectoryStore
     from nexus.features import TenantSchema
 
-    t = nx.create_tenant(TenantSpec(name="rl-split", env="maniskill/pushcube-state", action_dim=4, seed=7,
+    # fixed 50-step episodes: with the catalog's end at success, a lucky push shortens one (358 steps on one CPU)
+    t = nx.create_tenant(TenantSpec(name="rl-split", env="maniskill/pushcube-state-full", action_dim=4, seed=7,
                                     max_inflight=1))
     job = t.rl(updates=2, episodes_per_batch=4, collectors=1, split=2)
     res = job.result(timeout=600)
