@@ -97,7 +97,8 @@ def test_rl_versions_advance_and_trajectories_carry_versions(nx):
     from nexus.data.trajectory_store import TrajectoryStore
     from nexus.features import TenantSchema
 
-    t = nx.create_tenant(TenantSpec(name="rl-a", env="maniskill/pushcube-state", action_dim=4, seed=5))
+    # fixed 50-step episodes, so the row count below holds on any CPU
+    t = nx.create_tenant(TenantSpec(name="rl-a", env="maniskill/pushcube-state-full", action_dim=4, seed=5))
     v0 = t.version
     res = t.rl(updates=3, episodes_per_batch=1, collectors=2).result(timeout=600)
     assert res["updates"] == 3 and res["version"] == v0 + 3 == t.version
