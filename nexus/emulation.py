@@ -19,6 +19,10 @@ A calibration is a TOML file with its ``source`` (``calibrations/``, or a path):
   request covers ``chunk`` steps (a chunked VLA policy), resets cost ``reset_s``;
 * ``sync_s``: pushing one tenant's head to the engines.
 
+``producers_per_sim`` m lets a simulator device run m producers at once (the SIM resource and threads are
+devices x m): a device steps one producer's envs at a time, the others queue for it, so what sharing buys
+is the device time a lone producer leaves idle while it waits for actions.
+
 ``time_scale`` k divides every service time, so long workloads run in minutes; the benchmark checks that
 its figures do not move with k. Plain data, no torch, no I/O at import.
 """
@@ -115,6 +119,9 @@ class EmulationSettings(BaseModel):
     devices: DeviceCounts = DeviceCounts()
     actor_group: int = Field(0, ge=0, description="devices one update runs on, data-parallel (0: all actor "
                              "devices; with fewer, devices.actor / actor_group updates may run at once)")
+    producers_per_sim: int = Field(1, ge=1, le=8, description="rollout producers one simulator device runs at "
+                                   "once; their steps take turns on it (a GPU simulator steps one producer's envs "
+                                   "while another's wait for actions)")
     seed: int = Field(0, ge=0, description="emulated episode outcomes")
     table: Calibration | None = Field(None, description="the loaded calibration (filled in; workers never "
                                       "re-read the file)")

@@ -46,6 +46,9 @@ class SchedulerPolicy(BaseModel):
     default_max_staleness: int = Field(128, ge=0, description="TenantSpec.max_staleness of tenants that leave it "
                                        "unset")
     eval_fanout: int = Field(2, ge=1, description="rollout tasks an evaluation job splits its episodes over")
+    rollout_split: int = Field(1, ge=1, description="an RL batch is split over up to this many rollout tasks at "
+                               "once (one wave of a producer's envs each) while simulator places are free that "
+                               "no tenant waits for; 1: each job's own RLJob.split only")
     sync_policy: Literal["lazy", "eager"] = Field("lazy", description="weight sync to inference (DataPathSettings)")
     sync_every: int = Field(0, ge=0, description="lazy sync: also push every N versions (0: never)")
 

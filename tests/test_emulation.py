@@ -62,6 +62,10 @@ def test_emulation_settings_in_the_service_config():
         ServiceConfig(root="/tmp/x", emulation=EMU, inference_engines=3)
     with pytest.raises(ValueError, match="actor_group 3 must divide"):
         EmulationSettings(calibration="paper_gpu", devices={"actor": 4}, actor_group=3)
+    with pytest.raises(ValueError, match="producers_per_sim"):
+        EmulationSettings(calibration="paper_gpu", producers_per_sim=0)
+    elastic = ServiceConfig(root="/tmp/x", scheduler="elastic")  # the policy's split reaches the dispatch settings
+    assert elastic.dispatch.rollout_split == 4 and ServiceConfig(root="/tmp/x").dispatch.rollout_split == 1
     assert DeviceCounts.parse("16-16-32").total == 64
     with pytest.raises(SpecError, match="actor-inference-simulator"):
         DeviceCounts.parse("2-2")
@@ -80,6 +84,28 @@ def test_lanes_hold_distinct_devices_and_wait_when_all_are_busy():
         assert t.is_alive() and not got  # no free device: it waits, as work waits for hardware
     t.join(5)
     assert got and got[0][0] in (0, 1)
+
+
+def test_shared_lanes_spread_first_and_their_device_work_takes_turns():
+    lanes = Lanes(2, share=2)
+    with lanes.hold() as a, lanes.hold() as b, lanes.hold() as c, lanes.hold() as d:
+        assert (a, b, c, d) == ([0], [1], [0], [1])  # the least held lane first: spread, then share
+        got: list[list[int]] = []
+        t = threading.Thread(target=lambda: got.append(lanes.hold(1).__enter__()))
+        t.start()
+        t.join(0.2)
+        assert t.is_alive() and not got  # both lanes hold two producers: a fifth waits
+    t.join(5)
+    assert got
+    # a device runs one holder's work at a time: a holder queues behind the others' work, never behind its own
+    assert lanes.occupy(0, 0.5, "a") == 0.0
+    assert 0.45 < lanes.occupy(0, 0.2, "b") <= 0.5
+    assert 0.6 < lanes.occupy(0, 0.1, "a") <= 0.7  # behind b's 0.2 s, not its own 0.5 s again
+    assert lanes.occupy(1, 0.3, "c") == 0.0 and lanes.occupy(1, 0.3, "c") == 0.0  # its own earlier work: no wait
+    # a holder owing 0.1 s of host time arrived 0.1 s earlier on the devices' clock: it waits that much longer
+    assert 0.35 < lanes.occupy(1, 0.1, "d", ahead=0.1) <= 0.4
+    with pytest.raises(ValueError, match="at least one holder"):
+        Lanes(2, share=0)
 
 
 def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tmp_path):
@@ -120,6 +146,28 @@ def test_critical_order_puts_unblocking_work_first_then_the_longest_remaining_ch
     q.reserve("s")
     q.put(TrainingItem(tenant="s", kind="sft", policy_version=0))
     assert q.pop({})[0].tenant == "s"
+
+
+def test_an_rl_batch_is_split_over_free_simulator_places_up_to_the_policy_and_one_wave_each():
+    from nexus.config import DataPathSettings
+    from nexus.control.flows import FlowContext
+    from nexus.control.sim_slots import SimSlots
+
+    cap = [8]
+    slots = SimSlots(lambda: cap[0])
+    ctx = FlowContext(None, None, None, None, None, 1, log=lambda *a: None,  # type: ignore[arg-type]
+                      datapath=DataPathSettings(envs_per_producer=8), sim_slots=slots)
+    push = "maniskill/pushcube-state"
+    assert ctx.batch_split(1, 16, push) == 1  # the paper's policies: the job's own split
+    ctx.rollout_split = 4
+    assert ctx.batch_split(1, 16, push) == 2  # 16 episodes are two waves of 8 envs: 2 parts, not 4
+    assert ctx.batch_split(1, 64, push) == 4  # 8 waves: the policy's 4
+    assert ctx.batch_split(3, 16, push) == 3  # never below the job's own split
+    slots._take("other")
+    cap[0] = 2
+    assert ctx.batch_split(1, 64, push) == 1  # one free place: no split
+    cap[0] = 3
+    assert ctx.batch_split(1, 64, push) == 2
 
 
 # -- one emulated 2-2-4 service ----------------------------------------------------------------------------
@@ -240,6 +288,26 @@ def test_the_isolated_policy_really_isolates_on_emulated_devices(nx):
             assert p["t1"] <= q["t0"] + 1e-3 or q["t1"] <= p["t0"] + 1e-3, (p, q)
 
 
+def test_the_elastic_policy_splits_an_rl_batch_over_free_simulators_and_keeps_its_episodes(nx):
+    """One RL batch of 8 episodes (K = 4 envs a producer): one rollout task under ``priority``, two at once under
+    ``elastic`` (4 of the 2-2-4 service's 4 simulator places are free); the same episodes either way."""
+    from nexus import scheduling
+
+    got = {}
+    for pol in ("priority", "elastic"):
+        nx.internal("nexus_set_policy", policy=scheduling.load(pol).model_dump())
+        t0 = time.time()
+        out = nx.tenant("emu-push").rl(updates=1, episodes_per_batch=8, collectors=1).result(timeout=300)
+        nx.flush()
+        spans = [s for s in nx.call("nexus_monitoring", since=t0)["spans"]
+                 if s["service"] == "simulator" and s["t0"] >= t0 - 1e-3]
+        got[pol] = (out["episodes"], out["env_steps"], len(spans), spans)
+    assert got["priority"][:3] == (8, 800, 1)
+    assert got["elastic"][:3] == (8, 800, 2)
+    a, b = got["elastic"][3]
+    assert a["worker"] != b["worker"] and a["t0"] < b["t1"] and b["t0"] < a["t1"]  # two devices at once
+
+
 def test_nexus_up_emulation_flags_refuse_bad_input_in_one_line_and_create_nothing(tmp_path):
     import subprocess
     import sys
@@ -252,3 +320,34 @@ def test_nexus_up_emulation_flags_refuse_bad_input_in_one_line_and_create_nothin
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert not root.exists()
+
+
+def test_a_simulator_device_shared_by_two_producers_steps_one_at_a_time(tmp_path):
+    """``producers_per_sim = 2`` on one simulator device: an RL job's two producers hold it at once (the SIM
+    resource counts producer places, the accounting one device), and their steps take turns on it."""
+    from nexus.client.api import Nexus
+    from nexus.spec import TenantSpec
+
+    emu = {**EMU, "devices": {"actor": 1, "inference": 1, "simulator": 1}, "producers_per_sim": 2}
+    with Nexus.local(tmp_path / "svc", emulation=emu, scheduler="fifo", datapath={"envs_per_producer": 4}) as nx:
+        info = nx.client.scheduler_info()["workers"]
+        assert sorted(tuple(sorted(i["resources"].items())) for i in info.values()) == [
+            (("ACTOR", 1),), (("INFER", 1),), (("SIM", 2),)]
+        nx.create_tenant(TenantSpec(name="pair", env="robosuite/lift-state", action_dim=7, hidden_dim=32, seed=3))
+        t0 = time.time()
+        out = nx.tenant("pair").rl(updates=2, episodes_per_batch=4, collectors=2).result(timeout=300)
+        t1 = time.time()
+        nx.flush()
+        assert out["episodes"] == 8
+        acc = nx.internal("nexus_accounting", t0=t0, t1=t1)
+        sim = acc["services"]["simulator"]
+        assert sim["slots"] == 1 and list(sim["busy_per_slot_s"]) == ["sim-0"], sim  # one device, not two
+        rollouts = [s for s in nx.call("nexus_monitoring", since=t0)["spans"]
+                    if s["service"] == "simulator" and s["t0"] >= t0 - 1e-3]
+        assert len(rollouts) == 2 and {s["worker"] for s in rollouts} == {"sim-0"}, rollouts
+        a, b = sorted(rollouts, key=lambda s: s["t0"])
+        assert b["t0"] < a["t1"], (a, b)  # both producers held the device at once
+        # ... but it stepped one of them at a time: together they lasted at least their stepping summed (sharing
+        # without turns would step both at once, in about half of it)
+        held = max(a["t1"], b["t1"]) - a["t0"]
+        assert held >= 0.95 * (a["sim_s"] + b["sim_s"]), (held, a, b)

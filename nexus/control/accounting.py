@@ -9,22 +9,26 @@ if TYPE_CHECKING:
     from nexus.control.actors import ActorGroup
     from nexus.control.engines import EnginePool
     from nexus.control.monitoring import MonitoringState
+    from nexus.emulation import EmulationSettings
 
 
 class ServiceAccounting:
     def __init__(self, scheduler, actors: ActorGroup, pool: EnginePool, monitoring: MonitoringState,
-                 lanes: bool = False) -> None:
+                 emulation: EmulationSettings | None = None) -> None:
         self.scheduler = scheduler
         self.actors = actors
         self.pool = pool
         self.monitoring = monitoring
-        self.lanes = lanes  # an emulated service: a worker holding n devices of its service is n slots
+        self.lanes = emulation is not None  # an emulated service: a worker holding n devices of its service is n slots
+        # producers per simulator device: a SIM count of n x m is n devices
+        self.sim_share = emulation.producers_per_sim if emulation is not None else 1
 
     def _count(self, name: str, resource: str) -> int:
         if not self.lanes:
             return 1
         ws = next((w for w in self.scheduler.workers.values() if str(w.name) == name), None)
-        return int(ws.resources.get(resource, 1)) if ws is not None else 1
+        n = int(ws.resources.get(resource, 1)) if ws is not None else 1
+        return max(1, n // self.sim_share) if resource == "SIM" else n
 
     def _expand(self, name: str, resource: str) -> list[str]:
         """A worker's slots: itself, or ``<name>#<lane>`` for each device it holds (``nexus.services.lanes``)."""

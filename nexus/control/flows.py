@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nexus import catalog
 from nexus.config import DataPathSettings, QosSettings
 from nexus.control import tasks
 from nexus.control.queues import TrainingItem
@@ -47,6 +48,7 @@ class FlowContext:
     log: Callable[[JobState, dict[str, Any], int, str], None]  # (job, metrics, step, history kind)
     datapath: DataPathSettings = field(default_factory=DataPathSettings)
     eval_fanout: int = 2  # rollout tasks per evaluation job at once (the scheduling policy's eval_fanout)
+    rollout_split: int = 1  # an RL batch over up to this many rollout tasks (the policy's rollout_split)
     emulation: EmulationSettings | None = None  # an emulated service's calibration, sent with every rollout
     qos: QosSettings | None = None  # the simulators' fair share and evaluation task size (None: Dask's order)
     sim_slots: SimSlots | None = None  # built from ``qos`` unless given
@@ -59,6 +61,16 @@ class FlowContext:
     def sim_task_episodes(self) -> int:
         """An evaluation's rollout tasks run at most this many episodes each."""
         return self.qos.sim_task_episodes if self.qos is not None else 1_000_000
+
+    def batch_split(self, split: int, episodes: int, env: str) -> int:
+        """Rollout tasks for one RL batch: the job's ``split``, or more while simulator places are free that no
+        tenant waits for — up to the policy's ``rollout_split``, and no more than one wave of a producer's envs
+        each (a part with fewer episodes than a producer's envs would not end sooner)."""
+        if self.rollout_split <= split or self.sim_slots is None:
+            return split
+        envs = max(self.datapath.envs_per_producer, catalog.env(env).num_envs)
+        waves = -(-episodes // envs)
+        return max(split, min(self.rollout_split, waves, self.sim_slots.free()))
 
     def sync_rule(self, live_consumers: bool) -> SyncRule:
         """Lazy weight sync (decided on the actor, ``SyncRule.should_push``): a tenant's RL job reads its live
@@ -189,7 +201,7 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
         key = f"nexus-rollout-{js.job_id}-{offset}" + (f"-r{attempt}" if attempt else "")
         task = _spawn(_batch_rollout(ctx, t, js, key, episodes=spec.episodes_per_batch,
                                      seed=t.spec.seed * 1_000_003, offset=offset, group_size=spec.group_size,
-                                     split=spec.split))
+                                     split=ctx.batch_split(spec.split, spec.episodes_per_batch, t.spec.env)))
         rollouts[task] = (offset, attempt)
 
     if spec.group_size > 1:  # whole groups: offsets stay multiples of the group size

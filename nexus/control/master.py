@@ -76,7 +76,8 @@ class Master:
         self.op_runs = OpRuns(self.tracker, config.ops_idle_s)
         ctx = flows.FlowContext(self.dispatcher, self.queue, self.pool, self.health, self.runtime,
                                 config.dispatch.rollout_attempts, log=lambda *a: None, datapath=config.datapath,
-                                eval_fanout=config.dispatch.eval_fanout, qos=config.qos, emulation=config.emulation)
+                                eval_fanout=config.dispatch.eval_fanout, rollout_split=config.dispatch.rollout_split,
+                                qos=config.qos, emulation=config.emulation)
         self.jobs = JobManager(self.registry, ctx, self.actors, self.runtime, self.tracker, self.monitoring,
                                self._event, self._flush_engine_signals, config.limits_for,
                                isolated=config.dispatch.isolated)
@@ -87,7 +88,7 @@ class Master:
         self.supervisor = Supervisor(config, self.runtime, self.health, self.actors, self.pool, self.registry,
                                      self.tracker, self.dispatcher, self.lifecycle, self.jobs, self.offload)
         self.ops = LowLevelOps(self.registry, self.runtime, ctx, self.op_runs)
-        self.accounts = ServiceAccounting(scheduler, self.actors, self.pool, self.monitoring, bool(config.emulation))
+        self.accounts = ServiceAccounting(scheduler, self.actors, self.pool, self.monitoring, config.emulation)
         self.routing = LoadRouting(self.pool, self.monitoring, self.jobs, self.dispatcher)  # control-signal policies
         parts = [self.queue, self.dispatcher, self.jobs, self.lifecycle, self.engine_ops, self.supervisor, self.routing]
         self.policy = PolicyControl(config, parts, self.pool, self.jobs, self.queue, self.dispatcher)

@@ -51,6 +51,10 @@ class SimSlots:
     def busy(self) -> int:
         return sum(self.held.values())
 
+    def free(self) -> int:
+        """Slots neither held nor waited for now."""
+        return max(0, self.capacity() - self.busy - len(self._waiting))
+
     @asynccontextmanager
     async def slot(self, tenant: str) -> AsyncIterator[None]:
         """Hold one SIM slot for ``tenant`` while the block runs (a rollout task)."""

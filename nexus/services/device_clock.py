@@ -17,10 +17,14 @@ class DeviceClock:
         self.cap = cap
         self.debt = 0.0  # host time not yet taken off a later sleep
         self.slept = 0.0  # calibrated time spent, whatever was actually slept
+        self.queued = 0.0  # time waited for a device shared with other work
 
     def ask(self, seconds: float) -> float:
         """What to sleep for ``seconds`` of device time: the owed host time is paid out of it first."""
         self.slept += seconds
+        return self._pay(seconds)
+
+    def _pay(self, seconds: float) -> float:
         pay = min(self.debt, seconds)
         self.debt -= pay
         return seconds - pay
@@ -28,9 +32,12 @@ class DeviceClock:
     def owe(self, seconds: float) -> None:
         self.debt = min(self.debt + max(0.0, seconds), self.cap)
 
-    def spend(self, seconds: float) -> None:
-        """Sleep ``seconds`` of device time in this thread; the timer's lateness is owed too."""
-        asked = self.ask(seconds)
+    def spend(self, seconds: float, queued: float = 0.0) -> None:
+        """Sleep ``seconds`` of device time in this thread, after ``queued`` seconds waiting for a shared device
+        (``Lanes.occupy``, counted from the arrival the debt puts earlier: so the debt is paid out of the wait
+        first); the timer's lateness is owed too."""
+        self.queued += queued
+        asked = self._pay(queued) + self.ask(seconds)
         if asked > 0:
             t0 = time.perf_counter()
             time.sleep(asked)

@@ -2,7 +2,8 @@
 runs when its request says the service is emulated.
 
 The producer holds one simulator lane of its worker for the whole task (as a real one holds its SIM
-worker) and steps K envs in lockstep: a reset, then per action request — one real ``predict_batch`` to the
+worker; with ``producers_per_sim`` > 1 other producers hold it too, and each reset or step queues behind
+theirs on the device) and steps K envs in lockstep: a reset, then per action request — one real ``predict_batch`` to the
 tenant's routed engine with observations of the tenant's schema, through the engine's inference queue —
 ``chunk`` env steps of calibrated time. Episodes have the catalog's length; outcomes are drawn from the
 seed. The host's own messaging time (round trip minus the engine's wait and compute) is taken off the
@@ -33,12 +34,13 @@ from nexus.signals import emit
 _LOCK = threading.Lock()
 
 
-def sim_lanes(sim: SimHost) -> Lanes:
-    """The worker's simulator lanes: as many as its ``SIM`` resource count."""
+def sim_lanes(sim: SimHost, share: int = 1) -> Lanes:
+    """The worker's simulator lanes: its ``SIM`` resource count over ``share``, the producers per device."""
     with _LOCK:
         lanes = getattr(sim, "lanes", None)
         if lanes is None:
-            lanes = Lanes(int(get_worker().state.total_resources.get("SIM", 1)))
+            places = int(get_worker().state.total_resources.get("SIM", 1))
+            lanes = Lanes(max(1, places // share), share)
             sim.lanes = lanes  # type: ignore[attr-defined]
         return lanes
 
@@ -62,7 +64,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
     rl = req.version is None
     kind = "rollout" if rl else "eval"
     name = req.tenant.name
-    lanes = sim_lanes(sim)
+    lanes = sim_lanes(sim, emu.producers_per_sim)
     with lanes.hold(1) as (lane,), sim.producer(f"{req.job}:{req.offset}", req.job or "", name, kind) as progress:
         t0 = time.time()
         routes = {name: req.route} if req.route is not None else None
@@ -78,7 +80,8 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
         try:
             for first in range(0, req.episodes, k):
                 n = min(k, req.episodes - first)
-                clock.spend(times.reset_s(req.env))
+                reset = times.reset_s(req.env)
+                clock.spend(reset, queued=lanes.occupy(lane, reset, clock, ahead=clock.debt))
                 for c in range(math.ceil(length / cost.chunk)):
                     sent = time.perf_counter()
                     reply = link.submit([obs] * n).result()
@@ -90,7 +93,8 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
                     rtt, engine_wait, compute = rtt + got, engine_wait + reply.engine_wait_s, compute + reply.compute_s
                     requests, rows = requests + 1, rows + n
                     steps = min(cost.chunk, length - c * cost.chunk)
-                    clock.spend(times.step_s(req.env, n) * steps)
+                    stepping = times.step_s(req.env, n) * steps
+                    clock.spend(stepping, queued=lanes.occupy(lane, stepping, clock, ahead=clock.debt))
         finally:
             link.close()
         t1 = time.time()
@@ -102,7 +106,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
              "mean_return": float(returns.mean()) if req.episodes else 0.0,
              "success_rate": float(success.mean()) if req.episodes else 0.0, "envs": k, "waves": 1,
              "sim_s": clock.slept, "action_wait_s": wait, "requests": requests, "rows": rows, "timed": requests,
-             "rtt_s": rtt, "engine_wait_s": engine_wait, "compute_s": compute,
+             "rtt_s": rtt, "engine_wait_s": engine_wait, "compute_s": compute, "device_queue_s": clock.queued,
              "messaging_s": max(0.0, rtt - engine_wait - compute)}
     emit("rollout", tenant=name, job=req.job, t0=t0, t1=t1, what="rl" if rl else "eval", steps=steps_total,
          sim_s=clock.slept, action_wait_s=wait, device=lane_label(get_worker().name, lanes.n, lane),

@@ -1,11 +1,15 @@
 """Device lanes of an emulated worker: one worker process holds ``n`` devices of its service (its Dask resource
 count), and each piece of work runs on lanes it holds until it ends, so every span is charged to one device
-(``<worker>#<lane>``, the slots :mod:`nexus.control.accounting` counts)."""
+(``<worker>#<lane>``, the slots :mod:`nexus.control.accounting` counts).
+
+A lane may be shared by ``share`` holders (simulator devices running several producers): they hold it at once,
+but its device work runs one piece at a time (:meth:`Lanes.occupy`)."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 
 
@@ -15,30 +19,57 @@ def lane_label(worker_name: str, count: int, lane: int) -> str:
 
 
 class Lanes:
-    """``n`` devices; :meth:`hold` waits until ``k`` are free (work beyond the devices queues, as on hardware)."""
+    """``n`` devices, each held by up to ``share`` holders; :meth:`hold` waits until ``k`` lanes have room
+    (work beyond the devices queues, as on hardware) and takes the least held ones."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, share: int = 1) -> None:
         if n < 1:
             raise ValueError(f"a worker holds at least one device lane, got {n}")
-        self.n = n
-        self._free = list(range(n))
+        if share < 1:
+            raise ValueError(f"a lane has room for at least one holder, got {share}")
+        self.n, self.share = n, share
+        self._holders = [0] * n
+        self._ends: list[dict[Hashable, float]] = [{} for _ in range(n)]  # lane -> holder -> its work's end
         self._cv = threading.Condition()
+
+    def _open(self) -> list[int]:
+        return sorted((i for i in range(self.n) if self._holders[i] < self.share),
+                      key=lambda i: (self._holders[i], i))
 
     @contextmanager
     def hold(self, k: int = 1) -> Iterator[list[int]]:
         k = max(1, min(k, self.n))
         with self._cv:
-            self._cv.wait_for(lambda: len(self._free) >= k)
-            self._free.sort()
-            got, self._free = self._free[:k], self._free[k:]
+            self._cv.wait_for(lambda: len(self._open()) >= k)
+            got = self._open()[:k]
+            for i in got:
+                self._holders[i] += 1
         try:
             yield got
         finally:
             with self._cv:
-                self._free.extend(got)
+                for i in got:
+                    self._holders[i] -= 1
                 self._cv.notify_all()
+
+    def occupy(self, lane: int, seconds: float, who: Hashable, ahead: float = 0.0) -> float:
+        """Queue ``seconds`` of ``who``'s work on ``lane``'s device, arriving ``ahead`` seconds before now (a
+        producer's host time still owed, ``DeviceClock.debt``: on the devices' clock it came that much earlier).
+        Returns how long it waits, from that arrival, behind the work other holders queued there (0 for a lane's
+        only holder); the caller then sleeps the wait plus its ``seconds``, less what it owes. A holder never
+        waits behind its own earlier work (a step it shortened to pay back host time is not charged again)."""
+        with self._cv:
+            now = time.perf_counter()
+            arrival = now - max(0.0, ahead)
+            ends = self._ends[lane]
+            start = max([arrival, *(t for w, t in ends.items() if w != who)])
+            ends[who] = start + seconds
+            for w in [w for w, t in ends.items() if t < now]:
+                del ends[w]  # finished work: the map stays as small as the lane's holders
+        return start - arrival
 
     @property
     def busy(self) -> int:
+        """Lanes held by anyone."""
         with self._cv:
-            return self.n - len(self._free)
+            return sum(1 for h in self._holders if h)
