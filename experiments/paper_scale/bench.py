@@ -48,7 +48,10 @@ RL_SPECS = {  # the paper's 3 RL tenants: LIBERO (robosuite Lift, LIBERO's engin
 SFT_SPEC = {"dataset": "pickcube-scripted", "env": "maniskill/pickcube-state", "action_dim": 4}
 # each RL job sized to take about the same time alone on 1-1-2 (the paper runs them one after another)
 RL_UPDATES = {"libero-lift": 5, "ms-push": 24, "ms-pick-rgb": 20}
-SHARED_POLICIES = ["fifo", "priority", "grouped", "critical", "balanced", "adaptive"]
+SHARED_POLICIES = ["fifo", "priority", "grouped", "critical", "balanced", "adaptive", "elastic"]
+# results.json sections that ran the paper's workload on 2-2-4 against its isolated 1-1-2 (the headline's
+# candidates; "paper_collectors1" is another workload): simulator devices running 1 producer, or 2 at once
+HEADLINE = ("paper", "paper_shared_sims")
 
 
 def rl_job(updates: int, episodes: int = 16, collectors: int = 2) -> dict[str, Any]:
@@ -73,16 +76,17 @@ def summarize(run: dict[str, Any]) -> str:
 
 
 def run_layout(workload: Workload, devices: str, k: float, policies: list[dict[str, Any]],
-               actor_group: int = 0, rounds: int = 1) -> list[dict[str, Any]]:
+               actor_group: int = 0, rounds: int = 1, producers_per_sim: int = 1) -> list[dict[str, Any]]:
     """Each policy ``rounds`` times on one service (policies in turn, so host noise spreads over all); per
     policy the run of median device time, with every round's device time kept."""
-    svc = EmulatedService(workload, devices, CAL, k, policies[0]["name"], actor_group=actor_group)
+    svc = EmulatedService(workload, devices, CAL, k, policies[0]["name"], actor_group=actor_group,
+                          producers_per_sim=producers_per_sim)
     try:
         got: dict[str, list[dict[str, Any]]] = {p["name"]: [] for p in policies}
         for _ in range(rounds):
             for p in policies:
                 r = svc.run(p)
-                r["k"], r["devices"] = k, devices
+                r["k"], r["devices"], r["producers_per_sim"] = k, devices, producers_per_sim
                 print(f"  {devices} k={k:g} {summarize(r)}", flush=True)
                 got[p["name"]].append(r)
         out = []
@@ -100,36 +104,42 @@ def compare(iso: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     return {"efficiency": iso["device_s"] / shared["device_s"],
             "device_time_saved": 1 - shared["device_s"] / iso["device_s"],
             "actor_util": shared["utilization"]["actor"], "inference_util": shared["utilization"]["inference"],
-            "simulator_util": shared["utilization"]["simulator"]}
+            "simulator_util": shared["utilization"]["simulator"],
+            "simulator_stepping": shared["simulator_split_s"].get("stepping", 0.0)
+            / max(shared["slots"]["simulator"] * shared["makespan_s"], 1e-9)}
 
 
 def paper(args) -> dict[str, Any]:
     wl = paper_workload(args.sft_steps, args.collectors)
-    print(f"paper scale, k={args.k:g}: isolated 1-1-2, then {args.policies} on 2-2-4", flush=True)
-    iso = run_layout(wl, "1-1-2", args.k, [policy("isolated")], rounds=args.rounds)[0]
-    shared = run_layout(wl, "2-2-4", args.k, [policy(p) for p in args.policies.split(",")], rounds=args.rounds)
+    m = args.producers_per_sim
+    print(f"paper scale, k={args.k:g}: isolated 1-1-2, then {args.policies} on 2-2-4 ({m} producers per "
+          "simulator device)", flush=True)
+    iso_m, iso_pol = (m, policy("isolated", rollout_split=4)) if args.isolated_like_shared else (1, policy("isolated"))
+    iso = run_layout(wl, "1-1-2", args.k, [iso_pol], rounds=args.rounds, producers_per_sim=iso_m)[0]
+    shared = run_layout(wl, "2-2-4", args.k, [policy(p) for p in args.policies.split(",")], rounds=args.rounds,
+                        producers_per_sim=m)
     table = {r["policy"]: compare(iso, r) for r in shared}
     best = max(table, key=lambda p: table[p]["efficiency"])
     sweep: dict[str, Any] = {}
     for k in [float(x) for x in args.ks.split(",") if x]:
         pols = list(dict.fromkeys(["fifo", best]))
-        i = iso if k == args.k else run_layout(wl, "1-1-2", k, [policy("isolated")])[0]
+        i = iso if k == args.k else run_layout(wl, "1-1-2", k, [iso_pol], producers_per_sim=iso_m)[0]
         ss = [r for r in shared if r["policy"] in pols] if k == args.k else run_layout(
-            wl, "2-2-4", k, [policy(p) for p in pols])
+            wl, "2-2-4", k, [policy(p) for p in pols], producers_per_sim=m)
         sweep[f"{k:g}"] = {r["policy"]: {**compare(i, r), "makespan_s": r["makespan_s"], "iso_makespan_s":
                                          i["makespan_s"]} for r in ss}
     spread = {}
     for p in dict.fromkeys(["fifo", best]):
-        for m in ("efficiency", "actor_util", "inference_util"):
-            xs = [v[p][m] for v in sweep.values() if p in v]
+        for metric in ("efficiency", "actor_util", "inference_util"):
+            xs = [v[p][metric] for v in sweep.values() if p in v]
             if xs:
-                spread[f"{p}.{m}"] = (max(xs) - min(xs)) / (sum(xs) / len(xs))
+                spread[f"{p}.{metric}"] = (max(xs) - min(xs)) / (sum(xs) / len(xs))
     png = "timeline_paper.png" if args.section in (None, "paper") else f"timeline_{args.section}.png"
     draw_timelines([iso, next(r for r in shared if r["policy"] == best)], HERE / png)
     for r in [iso, *shared]:
         r.pop("spans", None)
-    return {"k": args.k, "isolated": iso, "shared": shared, "table": table, "best": best, "k_sweep": sweep,
-            "k_spread": spread, "paper": PAPER}
+    return {"k": args.k, "producers_per_sim": m, "isolated_like_shared": args.isolated_like_shared, "isolated": iso,
+            "shared": shared, "table": table, "best": best, "k_sweep": sweep, "k_spread": spread, "paper": PAPER}
 
 
 def large_workload(seed: int, rl_tenants: int = 10, sft_tenants: int = 22, window_s: float = 120.0) -> Workload:
@@ -249,6 +259,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="runs per policy at the main k (median device time)")
     ap.add_argument("--collectors", type=int, default=2, help="producers per RL job (paper: 2, one per simulator "
                     "device of the isolated server)")
+    ap.add_argument("--producers-per-sim", type=int, default=1, help="producers a simulator device of the shared "
+                    "2-2-4 server runs at once, their steps taking turns (the isolated baseline keeps 1: the "
+                    "paper's)")
+    ap.add_argument("--isolated-like-shared", action="store_true", help="the isolated baseline with the shared "
+                    "server's producers per simulator device and RL batches split over free simulators (elastic's "
+                    "rollout_split): what those two give a tenant alone")
     ap.add_argument("--section", default=None, help="the results.json section (default: paper | large); the "
                     "headline figures come from 'paper' only")
     ap.add_argument("--out", default=str(HERE / "results.json"))
@@ -266,10 +282,16 @@ def main() -> None:
                        "cpu_count": os.cpu_count(), "load_avg_end": os.getloadavg(), "bench_s": time.time() - t0,
                        "calibration": CAL}
     doc[name] = section
-    if "paper" in doc:  # the headline figures: paper scale, best policy, fractions
-        best = doc["paper"]["table"][doc["paper"]["best"]]
+    runs = [(sec, doc[sec]["best"]) for sec in HEADLINE if sec in doc]
+    if runs:  # the headline figures: paper scale (the paper's workload), best policy, fractions
+        sec, pol = max(runs, key=lambda r: doc[r[0]]["table"][r[1]]["efficiency"])
+        best = doc[sec]["table"][pol]
         doc.update({"efficiency": best["efficiency"], "actor_util": best["actor_util"],
-                    "inference_util": best["inference_util"], "best_policy": doc["paper"]["best"]})
+                    "inference_util": best["inference_util"], "best_policy": pol, "best_section": sec,
+                    "best_producers_per_sim": doc[sec].get("producers_per_sim", 1)})
+    if "paper_iso_like_shared" in doc:  # the same against an isolated server that shares its simulators too
+        like = doc["paper_iso_like_shared"]
+        doc["efficiency_vs_isolated_like_shared"] = like["table"][like["best"]]["efficiency"]
     doc.setdefault("targets", TARGETS)
     out.write_text(json.dumps(doc, indent=1, default=float))
     print(f"wrote {out} ({time.time() - t0:.0f} s)")

@@ -59,13 +59,13 @@ class EmulatedService:
     """One emulated service (a device layout, a calibration, a time scale) running workloads under policies."""
 
     def __init__(self, workload: Workload, devices: str, calibration: str, k: float, first_policy: str,
-                 actor_group: int = 0, seed: int = 0) -> None:
+                 actor_group: int = 0, seed: int = 0, producers_per_sim: int = 1) -> None:
         from nexus.emulation import DeviceCounts
 
         self.workload, self.k = workload, k
         self.devices = DeviceCounts.parse(devices)
         emu = {"calibration": calibration, "time_scale": k, "devices": self.devices.model_dump(),
-               "actor_group": actor_group, "seed": seed}
+               "actor_group": actor_group, "seed": seed, "producers_per_sim": producers_per_sim}
         self.root = Path(tempfile.mkdtemp(prefix="nexus-emulated-")) / "service"
         self.nx = Nexus.local(self.root, emulation=emu, scheduler=first_policy,
                               datapath=workload.datapath or None)
@@ -145,6 +145,7 @@ class EmulatedService:
             "utilization": {s: r["utilization"] for s, r in acc["services"].items()},
             "slots": {s: r["slots"] for s, r in acc["services"].items()},
             "busy_s": {s: r["busy_s"] for s, r in acc["services"].items()},
+            "simulator_split_s": acc["services"]["simulator"].get("split_s", {}),
             "busy_le_wall": all(b <= acc["wall_s"] + 1e-6 for r in acc["services"].values()
                                 for b in r["busy_per_slot_s"].values()),
             "completion_s": {n: v["t_end"] - t0 for n, v in views.items()},
