@@ -9,7 +9,9 @@ time scale k. Devices are lanes of one worker per service (``nexus.services.lane
 PickCube rgb) + 1 SFT tenant. Isolated: the ``isolated`` policy on a 1-1-2 service (each tenant's jobs alone,
 one after another: the paper's baseline); shared: each policy on a 2-2-4 service. Efficiency = isolated /
 shared device time (slots x wall). Then the k sweep: the isolated run and the default and best policies
-again at each k, on fresh services.
+again at each k, on fresh services. ``--producers-per-sim m`` lets each simulator device of the shared server run
+m producers whose steps take turns (``--isolated-like-shared``: the isolated baseline too, with ``elastic``'s
+batch split).
 
 ``large``: 64 devices (8 servers: 16-16-32, actor groups of 2, 8 updates at once), 32 tenants: 10 long RL
 jobs at the start and 22 short SFT jobs arriving as a Poisson process; device time against each job alone on
