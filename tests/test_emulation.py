@@ -97,13 +97,13 @@ def test_shared_lanes_spread_first_and_their_device_work_takes_turns():
         assert t.is_alive() and not got  # both lanes hold two producers: a fifth waits
     t.join(5)
     assert got
-    # a device runs one holder's work at a time: a holder queues behind the others' work, never behind its own
-    assert lanes.occupy(0, 0.5, "a") == 0.0
-    assert 0.45 < lanes.occupy(0, 0.2, "b") <= 0.5
-    assert 0.6 < lanes.occupy(0, 0.1, "a") <= 0.7  # behind b's 0.2 s, not its own 0.5 s again
-    assert lanes.occupy(1, 0.3, "c") == 0.0 and lanes.occupy(1, 0.3, "c") == 0.0  # its own earlier work: no wait
-    # a holder owing 0.1 s of host time arrived 0.1 s earlier on the devices' clock: it waits that much longer
-    assert 0.35 < lanes.occupy(1, 0.1, "d", ahead=0.1) <= 0.4
+    # a device runs one piece of work at a time, in the order asked
+    assert lanes.occupy(0, 0.5) == 0.0
+    assert 0.45 < lanes.occupy(0, 0.2) <= 0.5
+    assert 0.65 < lanes.occupy(0, 0.1) <= 0.7  # behind both
+    assert lanes.occupy(1, 0.3) == 0.0  # another device: idle
+    # a producer owing 0.1 s of host time arrived 0.1 s earlier on the devices' clock: it waits that much longer
+    assert 0.35 < lanes.occupy(1, 0.1, ahead=0.1) <= 0.4
     with pytest.raises(ValueError, match="at least one holder"):
         Lanes(2, share=0)
 

@@ -81,7 +81,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
             for first in range(0, req.episodes, k):
                 n = min(k, req.episodes - first)
                 reset = times.reset_s(req.env)
-                clock.spend(reset, queued=lanes.occupy(lane, reset, clock, ahead=clock.debt))
+                clock.spend(reset, queued=lanes.occupy(lane, reset, ahead=clock.debt))
                 for c in range(math.ceil(length / cost.chunk)):
                     sent = time.perf_counter()
                     reply = link.submit([obs] * n).result()
@@ -94,7 +94,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
                     requests, rows = requests + 1, rows + n
                     steps = min(cost.chunk, length - c * cost.chunk)
                     stepping = times.step_s(req.env, n) * steps
-                    clock.spend(stepping, queued=lanes.occupy(lane, stepping, clock, ahead=clock.debt))
+                    clock.spend(stepping, queued=lanes.occupy(lane, stepping, ahead=clock.debt))
         finally:
             link.close()
         t1 = time.time()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 
@@ -29,7 +29,7 @@ class Lanes:
             raise ValueError(f"a lane has room for at least one holder, got {share}")
         self.n, self.share = n, share
         self._holders = [0] * n
-        self._ends: list[dict[Hashable, float]] = [{} for _ in range(n)]  # lane -> holder -> its work's end
+        self._free_at = [0.0] * n  # perf_counter time at which the work queued on each device ends
         self._cv = threading.Condition()
 
     def _open(self) -> list[int]:
@@ -52,20 +52,16 @@ class Lanes:
                     self._holders[i] -= 1
                 self._cv.notify_all()
 
-    def occupy(self, lane: int, seconds: float, who: Hashable, ahead: float = 0.0) -> float:
-        """Queue ``seconds`` of ``who``'s work on ``lane``'s device, arriving ``ahead`` seconds before now (a
-        producer's host time still owed, ``DeviceClock.debt``: on the devices' clock it came that much earlier).
-        Returns how long it waits, from that arrival, behind the work other holders queued there (0 for a lane's
-        only holder); the caller then sleeps the wait plus its ``seconds``, less what it owes. A holder never
-        waits behind its own earlier work (a step it shortened to pay back host time is not charged again)."""
+    def occupy(self, lane: int, seconds: float, ahead: float = 0.0) -> float:
+        """Queue ``seconds`` of work on ``lane``'s device, arriving ``ahead`` seconds before now (a producer's host
+        time still owed, ``DeviceClock.debt``: on the devices' clock it came that much earlier). The device runs
+        one piece at a time, in the order asked: returns how long this piece waits, from its arrival, behind the
+        work queued before it (0 on an idle device); the caller sleeps the wait plus ``seconds``, less what it
+        owes, so its host time meets the device's again when the piece ends."""
         with self._cv:
-            now = time.perf_counter()
-            arrival = now - max(0.0, ahead)
-            ends = self._ends[lane]
-            start = max([arrival, *(t for w, t in ends.items() if w != who)])
-            ends[who] = start + seconds
-            for w in [w for w, t in ends.items() if t < now]:
-                del ends[w]  # finished work: the map stays as small as the lane's holders
+            arrival = time.perf_counter() - max(0.0, ahead)
+            start = max(arrival, self._free_at[lane])
+            self._free_at[lane] = start + seconds
         return start - arrival
 
     @property
