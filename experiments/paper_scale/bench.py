@@ -182,7 +182,7 @@ def large(args) -> dict[str, Any]:
     iso_time = {j.tenant: alone["job_s"][distinct[_kind(j)].tenant] for j in wl.jobs}
     iso_device = 4 * sum(iso_time.values())
     print(f"64 devices (16-16-32), 32 tenants, k={k:g}: {args.large_policies}", flush=True)
-    shared = run_layout(wl, "16-16-32", k, pols, actor_group=2)
+    shared = run_layout(wl, "16-16-32", k, pols, actor_group=2, producers_per_sim=args.producers_per_sim)
     out = {}
     for r in shared:
         resp = r["response_s"]
@@ -205,7 +205,8 @@ def large(args) -> dict[str, Any]:
         print(f"  {r['policy']:9s} efficiency {o['efficiency']:.2f}  Jain {o['jain_fairness']:.3f}  queue p50 "
               f"{o['training_queue_delay_s']['p50_of_tenant_p50']:.3f} s  action p99 "
               f"{1000 * r['action_wait_all_s']['p99']:.1f} ms", flush=True)
-    return {"k": k, "workload": [vars(j) for j in wl.jobs], "isolated_job_s": iso_time, "policies": out,
+    return {"k": k, "producers_per_sim": args.producers_per_sim, "workload": [vars(j) for j in wl.jobs],
+            "isolated_job_s": iso_time, "policies": out,
             "alone_run": {k2: alone[k2] for k2 in ("makespan_s", "job_s", "utilization")}}
 
 
@@ -262,8 +263,8 @@ def main() -> None:
     ap.add_argument("--collectors", type=int, default=2, help="producers per RL job (paper: 2, one per simulator "
                     "device of the isolated server)")
     ap.add_argument("--producers-per-sim", type=int, default=1, help="producers a simulator device of the shared "
-                    "2-2-4 server runs at once, their steps taking turns (the isolated baseline keeps 1: the "
-                    "paper's)")
+                    "server (2-2-4, or 16-16-32 for 'large') runs at once, their steps taking turns (the isolated "
+                    "baseline keeps 1: the paper's)")
     ap.add_argument("--isolated-like-shared", action="store_true", help="the isolated baseline with the shared "
                     "server's producers per simulator device and RL batches split over free simulators (elastic's "
                     "rollout_split): what those two give a tenant alone")
