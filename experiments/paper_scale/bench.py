@@ -116,7 +116,8 @@ def paper(args) -> dict[str, Any]:
     m = args.producers_per_sim
     print(f"paper scale, k={args.k:g}: isolated 1-1-2, then {args.policies} on 2-2-4 ({m} producers per "
           "simulator device)", flush=True)
-    iso_m, iso_pol = (m, policy("isolated", rollout_split=4)) if args.isolated_like_shared else (1, policy("isolated"))
+    like = {"rollout_split": policy("elastic")["rollout_split"]}  # the isolated run with elastic's batch split
+    iso_m, iso_pol = (m, policy("isolated", **like)) if args.isolated_like_shared else (1, policy("isolated"))
     iso = run_layout(wl, "1-1-2", args.k, [iso_pol], rounds=args.rounds, producers_per_sim=iso_m)[0]
     shared = run_layout(wl, "2-2-4", args.k, [policy(p) for p in args.policies.split(",")], rounds=args.rounds,
                         producers_per_sim=m)
