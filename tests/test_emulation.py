@@ -131,6 +131,34 @@ def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tm
     eng.close()
 
 
+def test_an_emulated_engine_charges_each_forward_its_calibrated_time_one_after_the_other(tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    from nexus.services.emulated_engine import EmulatedEngine
+    from nexus.services.inference_queue import Group
+
+    async def charge() -> tuple[list, float]:
+        eng = EmulatedEngine(ServiceConfig(root=str(tmp_path), emulation={**EMU, "time_scale": 10}))
+        rows = [SimpleNamespace(tenant="a", job="j")] * 2
+        # a forward that paid the host's lateness back slept nothing: its device still worked the calibrated 4 ms
+        eng._busy = 0.004
+        eng._record(Group(rows, 1, "full", 0.0, 100.0, 100.0, [0.0, 0.0]))
+        # the next one, woken late, slept 6 ms from before the first one's 4 ms were up: charged after them
+        eng._busy = 0.004
+        eng._record(Group(rows, 1, "full", 0.006, 100.001, 100.007, [0.0, 0.0]))
+        # one long after: charged from its own start
+        eng._record(Group(rows, 1, "full", 0.004, 200.0, 200.004, [0.0, 0.0]))
+        spans, busy = list(eng.meter._signal["spans"]), eng.stats.busy_s
+        eng.close()
+        return spans, busy
+
+    spans, busy = asyncio.run(charge())
+    assert [s[:2] for s in spans] == [pytest.approx((100.0, 100.004)), pytest.approx((100.004, 100.008)),
+                                      pytest.approx((200.0, 200.004))]
+    assert busy == pytest.approx(0.012)
+
+
 def test_critical_order_puts_unblocking_work_first_then_the_longest_remaining_chain():
     left = {"a": 3.0, "b": 30.0, "s": 100.0}
     q = TrainingQueue("critical", remaining=lambda t: left[t])

@@ -56,6 +56,7 @@ class EmulatedEngine(InferenceEngine):
         # ~3): the lateness is taken off the next forwards, so they average their calibrated time at any k and load
         self.clock = DeviceClock(cap=1.0)
         self._free_at = 0.0  # when the emulated device ended its last forward (monotonic)
+        self._charged_to = 0.0  # where the last forward charged to the device ends (wall clock, as spans)
         self.queue.wait_of = self._device_wait
         self.set_batching(config.infer_max_wait_s, config.infer_max_batch)
 
@@ -91,9 +92,13 @@ class EmulatedEngine(InferenceEngine):
         return spec.env if spec.env in self.times.cal.forward else spec.action_head
 
     def _record(self, g: Group) -> None:
-        """Charge the device the calibrated forward time (the host's timer lateness is not device work)."""
-        busy = min(g.busy_s, self._busy)
-        super()._record(dataclasses.replace(g, busy_s=busy, t1=g.t0 + busy))
+        """Charge the device the calibrated forward time, one forward after the other. The sleep is not it: it is
+        longer when the timer wakes late and shorter, down to nothing, when it pays that lateness back
+        (``DeviceClock``), so charging the sleep (capped at the calibrated time) lost the paid-back part, more
+        of it the larger k and the busier the host."""
+        t0 = max(g.t0, self._charged_to)
+        self._charged_to = t0 + self._busy
+        super()._record(dataclasses.replace(g, busy_s=self._busy, t0=t0, t1=self._charged_to))
 
     def _outputs(self, group: list[Any]) -> list[dict[str, Any]]:
         outs = []
