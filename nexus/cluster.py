@@ -144,8 +144,7 @@ class LocalService:
         if config.emulation is not None:  # one worker per service holds all its emulated devices
             d = config.emulation.devices
             self.n_sim, self.n_infer = 1, 1
-            self.devices = {"sim": d.simulator * config.emulation.producers_per_sim, "actor": d.actor,
-                            "infer": d.inference}  # SIM: producer places (devices x producers per device)
+            self.devices = {"sim": config.emulation.sim_places, "actor": d.actor, "infer": d.inference}
         self.dashboard_address = dashboard_address or config.cluster.dashboard_address or f"{config.host}:0"
         self.memory_limit = memory_limit or config.cluster.memory_limit
         self.root = Path(config.root).resolve()

@@ -138,6 +138,15 @@ class EmulationSettings(BaseModel):
     def group(self) -> int:
         return self.actor_group or self.devices.actor
 
+    @property
+    def sim_places(self) -> int:
+        """The simulator worker's ``SIM`` resource: a place per producer (devices x producers per device)."""
+        return self.devices.simulator * self.producers_per_sim
+
+    def sim_devices(self, places: int) -> int:
+        """The simulator devices behind a worker's ``SIM`` places."""
+        return max(1, places // self.producers_per_sim)
+
     def times(self) -> ServiceTimes:
         assert self.table is not None
         return ServiceTimes(self.table, self.time_scale)

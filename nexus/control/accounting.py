@@ -19,16 +19,14 @@ class ServiceAccounting:
         self.actors = actors
         self.pool = pool
         self.monitoring = monitoring
-        self.lanes = emulation is not None  # an emulated service: a worker holding n devices of its service is n slots
-        # producers per simulator device: a SIM count of n x m is n devices
-        self.sim_share = emulation.producers_per_sim if emulation is not None else 1
+        self.emulation = emulation  # an emulated service: a worker holding n devices of its service is n slots
 
     def _count(self, name: str, resource: str) -> int:
-        if not self.lanes:
+        if self.emulation is None:
             return 1
         ws = next((w for w in self.scheduler.workers.values() if str(w.name) == name), None)
         n = int(ws.resources.get(resource, 1)) if ws is not None else 1
-        return max(1, n // self.sim_share) if resource == "SIM" else n
+        return self.emulation.sim_devices(n) if resource == "SIM" else n
 
     def _expand(self, name: str, resource: str) -> list[str]:
         """A worker's slots: itself, or ``<name>#<lane>`` for each device it holds (``nexus.services.lanes``)."""

@@ -22,6 +22,7 @@ import numpy as np
 from distributed import get_worker
 
 from nexus import catalog
+from nexus.emulation import EmulationSettings
 from nexus.engine_client import EngineClient
 from nexus.features import Observation, TenantSchema
 from nexus.messages import BatchRef, RolloutRequest, RolloutResult
@@ -34,13 +35,13 @@ from nexus.signals import emit
 _LOCK = threading.Lock()
 
 
-def sim_lanes(sim: SimHost, share: int = 1) -> Lanes:
-    """The worker's simulator lanes: its ``SIM`` resource count over ``share``, the producers per device."""
+def sim_lanes(sim: SimHost, emu: EmulationSettings) -> Lanes:
+    """The worker's simulator lanes: the devices behind its ``SIM`` places, each for the producers per device."""
     with _LOCK:
         lanes = getattr(sim, "lanes", None)
         if lanes is None:
             places = int(get_worker().state.total_resources.get("SIM", 1))
-            lanes = Lanes(max(1, places // share), share)
+            lanes = Lanes(emu.sim_devices(places), emu.producers_per_sim)
             sim.lanes = lanes  # type: ignore[attr-defined]
         return lanes
 
@@ -64,7 +65,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
     rl = req.version is None
     kind = "rollout" if rl else "eval"
     name = req.tenant.name
-    lanes = sim_lanes(sim, emu.producers_per_sim)
+    lanes = sim_lanes(sim, emu)
     with lanes.hold(1) as (lane,), sim.producer(f"{req.job}:{req.offset}", req.job or "", name, kind) as progress:
         t0 = time.time()
         routes = {name: req.route} if req.route is not None else None
