@@ -85,8 +85,10 @@ class JobManager:
         if t.phase != TenantPhase.READY:
             raise Conflict(f"tenant {tenant!r} is {t.phase}; submit again once it is ready")
         limits = self.limits_for(tenant)
+        # queued or running: a cancelled evaluation's quota is back when cancel returns, while its record is still
+        # being written (``finished``)
         active_evals = sum(1 for j in t.jobs if j in self.jobs and self.jobs[j].spec.kind == "eval"
-                           and not self.jobs[j].finished.is_set())
+                           and not self.jobs[j].terminal)
         job = validate_job(t.spec, raw, limits, active_evals)
         if job.kind in ("sft", "rl") and t.training_job is not None:
             raise Conflict(f"tenant {tenant!r} already runs training job {t.training_job!r}")
