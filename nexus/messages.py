@@ -160,6 +160,7 @@ class RLWork:
     batch: BatchRef
     config: PPOConfig
     use_cached_features: bool = True  # read the rollout's backbone features instead of recomputing them
+    lr_scale: float = 1.0  # this update's share of the tenant's learning rate (``PPOConfig.anneal_lr``)
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,19 @@ def test_a_batch_split_over_two_rollout_tasks_trains_as_one(nx):
     assert sorted(set(episodes)) == list(range(8)) and len(episodes) == 8 * 50  # each episode once, whole
 
 
+def test_an_annealed_ppo_job_steps_each_update_at_its_share_of_the_tenants_learning_rate(nx):
+    t = nx.create_tenant(TenantSpec(name="rl-anneal", env="maniskill/pushcube-state-full", action_dim=4, seed=8,
+                                    lr=1e-3, max_inflight=1))
+    job = t.rl(updates=3, episodes_per_batch=1, collectors=1, ppo={"anneal_lr": True, "minibatch_size": 25})
+    assert job.result(timeout=600)["updates"] == 3
+    lrs = [h["lr"] for h in _history(nx, job.id) if "batch_steps" in h]
+    assert lrs == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3])  # CleanRL's linear schedule, 1 - i / n
+    # the tenant's own rate is untouched: a plain job after it steps at 1e-3 again
+    plain = t.rl(updates=1, episodes_per_batch=1, collectors=1, ppo={"minibatch_size": 25})
+    plain.result(timeout=600)
+    assert [h["lr"] for h in _history(nx, plain.id) if "batch_steps" in h] == pytest.approx([1e-3])
+
+
 def test_stale_batches_dropped_and_counted(nx):
     t = nx.create_tenant(TenantSpec(name="rl-stale", env="maniskill/pushcube-state", action_dim=4,
                                     max_staleness=0, max_inflight=2, seed=6))

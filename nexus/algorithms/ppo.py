@@ -44,6 +44,13 @@ class PPOConfig(BaseModel):
     minibatch_size: int = Field(64, ge=1)
     norm_adv: bool = True
     target_kl: float | None = Field(None, gt=0, description="end an update's epochs once approx KL exceeds it")
+    anneal_lr: bool = Field(False, description="CleanRL's schedule: update i of a job's n runs at the tenant's "
+                                               "learning rate x (1 - i / n), so the last versions move little")
+
+    def lr_scale(self, index: int, updates: int) -> float:
+        """The share of the tenant's learning rate that update ``index`` (0-based) of a job of ``updates`` runs
+        at."""
+        return 1.0 - min(index, updates - 1) / max(updates, 1) if self.anneal_lr else 1.0
 
 
 def compute_gae(rewards: Array, values: Array, dones: Array, last_values: Array | float, gamma: float,

@@ -88,7 +88,8 @@ class ExternalRollouts:
                                  "version": ref.policy_version}, env_steps, "rollout")
                     await ctx.dispatcher.reserve(name)
                     item = TrainingItem(tenant=name, kind="rl", policy_version=ref.policy_version,
-                                        work=RLWork(batch=ref, config=spec.ppo), job=js.job_id,
+                                        work=RLWork(batch=ref, config=spec.ppo, lr_scale=spec.ppo.lr_scale(
+                                            tally.updates + len(items), spec.updates)), job=js.job_id,
                                         sync=ctx.sync_rule(live_consumers=True))
                     items.add(asyncio.get_running_loop().create_task(ctx.dispatcher.submit(item)))
                 for f in finished & items:

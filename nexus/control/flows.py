@@ -210,7 +210,8 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
     def work(batch) -> RLWork | GRPOWork:
         if spec.algorithm == "grpo":
             return GRPOWork(batch=batch, config=spec.grpo, ref_version=ref_version)
-        return RLWork(batch=batch, config=spec.ppo)
+        index = tally.updates + len(items)  # updates done or queued before this one
+        return RLWork(batch=batch, config=spec.ppo, lr_scale=spec.ppo.lr_scale(index, spec.updates))
 
     try:
         while tally.updates < spec.updates:

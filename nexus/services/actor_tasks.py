@@ -135,7 +135,8 @@ def update_rl(actor: ActorHost, slot: TenantSlot, work: RLWork) -> dict[str, flo
     arrays = table_arrays(table)
     own = None if slot.world_size == 1 else shard(table.num_rows, slot.rank, slot.world_size).rows
     feats, proprio, cached = actor.batch_features(slot, table, arrays, work.use_cached_features, own)
-    return ppo.update(slot, feats, proprio, arrays, work.config) | {"cached_features": float(cached)}
+    with slot.lr_scaled(work.lr_scale):
+        return ppo.update(slot, feats, proprio, arrays, work.config) | {"cached_features": float(cached)}
 
 
 def update_grpo(actor: ActorHost, slot: TenantSlot, work: GRPOWork, output_dir: str) -> dict[str, float]:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -174,6 +175,19 @@ class TenantSlot:
         grad_norm = self.engine.get_global_grad_norm()
         return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr,
                 "optimizer_steps": float(self.engine.global_steps)}
+
+    @contextmanager
+    def lr_scaled(self, scale: float) -> Iterator[None]:
+        """Steps inside the block run at ``scale`` x the slot's learning rate (PPO's annealing); restored after."""
+        groups = self.engine.optimizer.param_groups
+        kept = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = g["lr"] * scale
+        try:
+            yield
+        finally:
+            for g, lr in zip(groups, kept, strict=True):
+                g["lr"] = lr
 
     def close(self) -> None:
         """Free the engine: DeepSpeed's gradient hooks live in autograd's C++ graph, where Python's garbage
