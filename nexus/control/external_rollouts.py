@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from nexus.control.flows import UpdateTally
 from nexus.control.queues import TrainingItem
 from nexus.errors import Conflict
-from nexus.messages import BatchRef, RLWork
+from nexus.messages import BatchRef
 
 if TYPE_CHECKING:
     from nexus.control.flows import FlowContext
@@ -88,8 +88,7 @@ class ExternalRollouts:
                                  "version": ref.policy_version}, env_steps, "rollout")
                     await ctx.dispatcher.reserve(name)
                     item = TrainingItem(tenant=name, kind="rl", policy_version=ref.policy_version,
-                                        work=RLWork(batch=ref, config=spec.ppo, lr_scale=spec.ppo.lr_scale(
-                                            tally.updates + len(items), spec.updates)), job=js.job_id,
+                                        work=tally.rl_work(ref, spec, queued=len(items)), job=js.job_id,
                                         sync=ctx.sync_rule(live_consumers=True))
                     items.add(asyncio.get_running_loop().create_task(ctx.dispatcher.submit(item)))
                 for f in finished & items:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from nexus.control.queues import TrainingQueue
     from nexus.control.runtime import DaskRuntime
     from nexus.control.tenants import TenantState
+    from nexus.spec import RLJob
 
 logger = logging.getLogger("nexus.flows")
 
@@ -96,6 +97,11 @@ class UpdateTally:
 
     updates: int = 0
     dropped: int = 0
+
+    def rl_work(self, batch: BatchRef, spec: RLJob, queued: int) -> RLWork:
+        """PPO work for the job's next update item; its place (updates done, then ``queued`` items) sets its share of
+        the learning rate (``PPOConfig.anneal_lr``)."""
+        return RLWork(batch=batch, config=spec.ppo, lr_scale=spec.ppo.lr_scale(self.updates + queued, spec.updates))
 
 
 def producer_role(job_id: str) -> str:
@@ -210,8 +216,7 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
     def work(batch) -> RLWork | GRPOWork:
         if spec.algorithm == "grpo":
             return GRPOWork(batch=batch, config=spec.grpo, ref_version=ref_version)
-        index = tally.updates + len(items)  # updates done or queued before this one
-        return RLWork(batch=batch, config=spec.ppo, lr_scale=spec.ppo.lr_scale(index, spec.updates))
+        return tally.rl_work(batch, spec, queued=len(items))
 
     try:
         while tally.updates < spec.updates:
