@@ -160,7 +160,7 @@ class RLWork:
     batch: BatchRef
     config: PPOConfig
     use_cached_features: bool = True  # read the rollout's backbone features instead of recomputing them
-    lr_scale: float = 1.0  # this update's share of the tenant's learning rate (``PPOConfig.anneal_lr``)
+    lr_scale: float = 1.0  # this update's share of the tenant's learning rate (``AnnealedLR.anneal_lr``)
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,7 @@ class GRPOWork:
     config: GRPOConfig
     ref_version: int | None = None
     use_cached_features: bool = True
+    lr_scale: float = 1.0  # this update's share of the tenant's learning rate (``AnnealedLR.anneal_lr``)
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,10 @@ class RLJob(_Spec):
     def update_epochs(self) -> int:
         return (self.grpo if self.algorithm == "grpo" else self.ppo).update_epochs
 
+    def lr_scale(self, index: int) -> float:
+        """Update ``index``'s (0-based) share of the tenant's learning rate (the algorithm's ``anneal_lr``)."""
+        return (self.grpo if self.algorithm == "grpo" else self.ppo).lr_scale(index, self.updates)
+
     @property
     def group_size(self) -> int:
         """Episodes reset with one seed (1: every episode its own seed)."""

@@ -117,16 +117,17 @@ def test_forward_gives_the_log_probs_the_engine_sampled_with_and_predict_samples
     assert isinstance(t.forward(_batch(1, 8)), NexusFuture)
 
 
-def test_grpo_job_with_a_kl_reference(env):
+def test_grpo_job_with_a_kl_reference_and_an_annealed_learning_rate(env):
     t = env["t"]
     job = t.rl(algorithm="grpo", updates=2, episodes_per_batch=4, collectors=1,
-               grpo={"group_size": 2, "kl_coef": 0.1, "update_epochs": 2, "minibatch_size": 64})
+               grpo={"group_size": 2, "kl_coef": 0.1, "update_epochs": 2, "minibatch_size": 64, "anneal_lr": True})
     res = job.result(timeout=900)
     assert res["updates"] == 2
     train = [r for r in job.info().get("history", []) if r.get("kind") == "train"] or [
         r for j in env["nx"].call("nexus_tenant_log", tenant="tk")["jobs"] if j["job"] == job.id
         for r in j["history"] if r.get("kind") == "train"]
     assert len(train) == 2 and all("kl_ref" in r and "group_return_std" in r for r in train)
+    assert [r["lr"] for r in train] == pytest.approx([1e-2, 1e-2 / 2])  # update i of n at the tenant's lr x (1 - i/n)
     assert train[-1]["kl_ref"] > 0  # the head moved away from the version the job started from
     markers = [json.loads(p.read_text()) for p in (env["root"] / "tenants" / "tk" / "eval").glob(f"{job.id}-*")]
     assert not [m for m in markers if m.get("state") == "running"]  # the reference is no longer kept for it

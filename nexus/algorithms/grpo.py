@@ -20,8 +20,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from nexus.algorithms.lr_schedule import AnnealedLR
 from nexus.algorithms.shards import owned_in, shard
 
 if TYPE_CHECKING:
@@ -35,13 +36,11 @@ else:
     Array = TypeVar("Array")
 
 
-class GRPOConfig(BaseModel):
+class GRPOConfig(AnnealedLR):
     """GRPO's hyper-parameters. The loss reads ``clip_coef``, ``kl_coef``, ``ent_coef``; a job's update also
-    the group, advantage and epoch fields (the low-level ``forward_backward(loss="grpo")`` takes advantages
-    the client computed, e.g. with :func:`group_advantages`)."""
+    the group, advantage, epoch and ``anneal_lr`` fields (the low-level ``forward_backward(loss="grpo")`` takes
+    advantages the client computed, e.g. with :func:`group_advantages`)."""
 
-    # NaN / inf are refused in every float field (a NaN coefficient would poison a slot silently)
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     clip_coef: float = Field(0.2, gt=0)
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL penalty to the reference policy (a job's "
                                                   "reference: the version it started from)")

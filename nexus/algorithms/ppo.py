@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from nexus.algorithms.lr_schedule import AnnealedLR
 from nexus.algorithms.shards import owned_in, shard
 
 if TYPE_CHECKING:
@@ -30,11 +31,9 @@ else:
     Array = TypeVar("Array")
 
 
-class PPOConfig(BaseModel):
-    """PPO with GAE on the Gaussian action head (CleanRL names)."""
+class PPOConfig(AnnealedLR):
+    """PPO with GAE on the Gaussian action head (CleanRL names); ``anneal_lr`` from :class:`AnnealedLR`."""
 
-    # NaN / inf are refused in every float field (a NaN coefficient would poison a slot silently)
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     gamma: float = Field(0.95, gt=0, le=1)
     gae_lambda: float = Field(0.9, ge=0, le=1)
     clip_coef: float = Field(0.2, gt=0)
@@ -44,13 +43,6 @@ class PPOConfig(BaseModel):
     minibatch_size: int = Field(64, ge=1)
     norm_adv: bool = True
     target_kl: float | None = Field(None, gt=0, description="end an update's epochs once approx KL exceeds it")
-    anneal_lr: bool = Field(False, description="CleanRL's schedule: update i of a job's n runs at the tenant's "
-                                               "learning rate x (1 - i / n), so the last versions move little")
-
-    def lr_scale(self, index: int, updates: int) -> float:
-        """The share of the tenant's learning rate that update ``index`` (0-based) of a job of ``updates`` runs
-        at."""
-        return 1.0 - min(index, updates - 1) / max(updates, 1) if self.anneal_lr else 1.0
 
 
 def compute_gae(rewards: Array, values: Array, dones: Array, last_values: Array | float, gamma: float,

@@ -98,10 +98,13 @@ class UpdateTally:
     updates: int = 0
     dropped: int = 0
 
-    def rl_work(self, batch: BatchRef, spec: RLJob, queued: int) -> RLWork:
-        """PPO work for the job's next update item; its place (updates done, then ``queued`` items) sets its share of
-        the learning rate (``PPOConfig.anneal_lr``)."""
-        return RLWork(batch=batch, config=spec.ppo, lr_scale=spec.ppo.lr_scale(self.updates + queued, spec.updates))
+    def rl_work(self, batch: BatchRef, spec: RLJob, queued: int, ref_version: int | None = None) -> RLWork | GRPOWork:
+        """The job's next update item; its place (updates done, then ``queued`` items) sets its share of the learning
+        rate (``anneal_lr``); ``ref_version``: GRPO's KL reference."""
+        scale = spec.lr_scale(self.updates + queued)
+        if spec.algorithm == "grpo":
+            return GRPOWork(batch=batch, config=spec.grpo, ref_version=ref_version, lr_scale=scale)
+        return RLWork(batch=batch, config=spec.ppo, lr_scale=scale)
 
 
 def producer_role(job_id: str) -> str:
@@ -214,9 +217,7 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
         t.episodes = -(-t.episodes // spec.group_size) * spec.group_size
 
     def work(batch) -> RLWork | GRPOWork:
-        if spec.algorithm == "grpo":
-            return GRPOWork(batch=batch, config=spec.grpo, ref_version=ref_version)
-        return tally.rl_work(batch, spec, queued=len(items))
+        return tally.rl_work(batch, spec, queued=len(items), ref_version=ref_version)
 
     try:
         while tally.updates < spec.updates:

@@ -152,7 +152,8 @@ def update_grpo(actor: ActorHost, slot: TenantSlot, work: GRPOWork, output_dir: 
         mine = slice(None) if own is None else own
         with torch.no_grad():
             ref_logprob, _, _ = ref.evaluate(feats, proprio, torch.as_tensor(np.array(arrays["action"][mine])))
-    return grpo.update(slot, feats, proprio, arrays, work.config, ref_logprob) | {"cached_features": float(cached)}
+    with slot.lr_scaled(work.lr_scale):
+        return grpo.update(slot, feats, proprio, arrays, work.config, ref_logprob) | {"cached_features": float(cached)}
 
 
 # one update per kind of work: (actor, slot, work, the tenant's output dir) -> metrics
