@@ -308,7 +308,10 @@ def test_gc_apply_freezes_sets_the_threshold_and_pauses_are_counted():
         assert done["frozen"] > 0 and gc.get_threshold()[0] == 5000
         gc.collect()
         view = pauses.view()
-        assert view["count"][2] >= 2 and view["total_ms"][2] >= 0 and view["frozen"] == gc.get_freeze_count()
+        assert view["count"][2] >= 2 and view["total_ms"][2] >= 0
+        # the permanent generation only shrinks after a freeze (another thread of this process may free a frozen
+        # object at any moment), so the view's count lies between the freeze's and now's
+        assert 0 < gc.get_freeze_count() <= view["frozen"] <= done["frozen"]
         pauses.reset()
         assert pauses.view()["count"] == [0, 0, 0]
     finally:
