@@ -18,6 +18,8 @@ PPO's learning-rate annealing, 120 updates, a final deterministic evaluation of 
         --final-eval 50 --anneal-lr --tag _anneal120
     PYTHONPATH=$PWD .venv/bin/python experiments/rl_learning/seed_spread.py --side table \
         --compare service_const120,service_anneal120 --out anneal_lr.json
+
+The same, annealed from twice the demo's learning rate (``--lr 1e-3 --tag _anneal120_lr1e-3``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ PPO = {"gamma": 0.8, "gae_lambda": 0.9, "update_epochs": 8, "minibatch_size": 20
 WINDOW = 15
 
 
-def service(seeds: list[int], updates: int, out: Path, ppo: dict, final_eval: int) -> None:
+def service(seeds: list[int], updates: int, out: Path, ppo: dict, final_eval: int, lr: float = 5e-4) -> None:
     import torch
 
     from nexus.client.api import Nexus
@@ -48,7 +50,7 @@ def service(seeds: list[int], updates: int, out: Path, ppo: dict, final_eval: in
     with tempfile.TemporaryDirectory(prefix="nexus-seeds-") as root, Nexus.local(root) as nx:
         jobs = {}
         for s in seeds:
-            t = nx.create_tenant(TenantSpec(name=f"s{s}", env=ENV, action_head="oft", lr=5e-4, grad_clip=0.5,
+            t = nx.create_tenant(TenantSpec(name=f"s{s}", env=ENV, action_head="oft", lr=lr, grad_clip=0.5,
                                             max_inflight=1, seed=s))
             jobs[s] = t.rl(updates=updates, episodes_per_batch=16, collectors=1, ppo=ppo)
             tenants[s] = t
@@ -59,7 +61,7 @@ def service(seeds: list[int], updates: int, out: Path, ppo: dict, final_eval: in
             curves[str(s)] = [h["success_rate"] for h in history if h["kind"] == "rollout"]
             if final_eval:  # deterministic episodes of the last version, as the demo's final evaluation
                 finals[str(s)] = tenants[s].evaluate(episodes=final_eval).result(timeout=3600)["success_rate"]
-    out.write_text(json.dumps({"side": "service", "env": ENV, "ppo": ppo, "curves": curves,
+    out.write_text(json.dumps({"side": "service", "env": ENV, "ppo": ppo, "lr": lr, "curves": curves,
                                "final_eval_episodes": final_eval, "final_eval_success": finals}, indent=1))
 
 
@@ -99,6 +101,7 @@ def main() -> None:
     p.add_argument("--updates", type=int, default=60)
     p.add_argument("--dir", type=Path, default=HERE / "seed_spread")
     p.add_argument("--anneal-lr", action="store_true", help="service side: PPO's learning-rate annealing on")
+    p.add_argument("--lr", type=float, default=5e-4, help="service side: the tenants' learning rate (the demo's)")
     p.add_argument("--final-eval", type=int, default=0, help="service side: deterministic episodes of the last "
                                                                "version per seed (0: none)")
     p.add_argument("--tag", default="", help="service side: written to service<tag>.json")
@@ -111,7 +114,7 @@ def main() -> None:
         table(args.dir, args.compare.split(","), HERE / args.out)
     elif args.side == "service":
         service(seeds, args.updates, args.dir / f"service{args.tag}.json", PPO | {"anneal_lr": args.anneal_lr},
-                args.final_eval)
+                args.final_eval, args.lr)
     else:
         one_process(seeds, args.updates, args.dir / "one_process.json")
 
