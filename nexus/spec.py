@@ -198,12 +198,17 @@ class RLJob(_Spec):
         return self
 
     @property
+    def settings(self) -> PPOConfig | GRPOConfig:
+        """The chosen algorithm's hyper-parameters."""
+        return self.grpo if self.algorithm == "grpo" else self.ppo
+
+    @property
     def update_epochs(self) -> int:
-        return (self.grpo if self.algorithm == "grpo" else self.ppo).update_epochs
+        return self.settings.update_epochs
 
     def lr_scale(self, index: int) -> float:
         """Update ``index``'s (0-based) share of the tenant's learning rate (the algorithm's ``anneal_lr``)."""
-        return (self.grpo if self.algorithm == "grpo" else self.ppo).lr_scale(index, self.updates)
+        return self.settings.lr_scale(index, self.updates)
 
     @property
     def group_size(self) -> int:
