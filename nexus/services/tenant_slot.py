@@ -178,7 +178,8 @@ class TenantSlot:
 
     @contextmanager
     def lr_scaled(self, scale: float) -> Iterator[None]:
-        """Steps inside the block run at ``scale`` x the slot's learning rate (PPO's annealing); restored after."""
+        """Steps inside the block run at ``scale`` x the slot's learning rate (an RL job's ``anneal_lr``); restored
+        after."""
         groups = self.engine.optimizer.param_groups
         kept = [g["lr"] for g in groups]
         for g in groups:
