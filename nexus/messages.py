@@ -75,6 +75,9 @@ class BatchRef(_Plain):
     policy_version: int
     tenant: str
     parts: tuple[str, ...] = ()  # more files of the same batch (its episodes were split over rollout tasks)
+    # when its last episode ended (wall clock; 0: not said). An emulated producer says it on its devices' clock,
+    # from which the emulated actor's update of the batch may start, whatever the messages took on the host
+    ended_at: float = 0.0
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -84,7 +87,7 @@ class BatchRef(_Plain):
     def from_dict(cls, d: dict[str, Any]) -> BatchRef:
         return cls(path=str(d["path"]), rows=int(d["rows"]), episodes=int(d["episodes"]),
                    policy_version=int(d["policy_version"]), tenant=str(d["tenant"]),
-                   parts=tuple(str(p) for p in d.get("parts") or ()))
+                   parts=tuple(str(p) for p in d.get("parts") or ()), ended_at=float(d.get("ended_at") or 0.0))
 
     @classmethod
     def joined(cls, refs: list[BatchRef]) -> BatchRef:
@@ -94,7 +97,7 @@ class BatchRef(_Plain):
         paths = [p for r in refs for p in r.paths]
         return cls(path=paths[0], rows=sum(r.rows for r in refs), episodes=sum(r.episodes for r in refs),
                    policy_version=min(r.policy_version for r in refs), tenant=refs[0].tenant,
-                   parts=tuple(paths[1:]))
+                   parts=tuple(paths[1:]), ended_at=max(r.ended_at for r in refs))
 
 
 @dataclass(frozen=True)

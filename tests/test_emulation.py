@@ -6,9 +6,11 @@ isolated policy really isolates, and the accounting holds per device (busy <= wa
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -116,25 +118,64 @@ def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tm
     assert eng.queue.batcher.max_wait_s == pytest.approx(ServiceConfig(root="/x").infer_max_wait_s / 10)
     assert eng.set_batching(0.02, 4) == {"max_wait_s": pytest.approx(0.02), "max_batch": 4}
     assert eng.queue.batcher.max_wait_s == pytest.approx(0.002)
-    # a request's wait: behind the device's forwards plus at most T; the host's lateness beyond is not the device's
+    # a group starts on the device's timeline when it was ready (its last request in; its first one's T up when
+    # it fired on time) or when the forward before ended, plus 1/k of the host's lateness beyond (k = 10 here)
     eng._free_at = 100.0
-    assert eng.queue.wait_of(101.0, 101.5) == pytest.approx(0.002)  # the device was idle: T at most
-    assert eng.queue.wait_of(99.0, 101.5) == pytest.approx(1.002)  # it arrived during a forward
-    assert eng.queue.wait_of(99.9, 100.0005) == pytest.approx(0.1005)  # fired before T was up
-    # a forward that overslept is paid back by the next ones, so forwards average their calibrated time
-    eng.clock.owe(0.003)
-    assert eng.clock.ask(0.004) == pytest.approx(0.001) and eng.clock.ask(0.004) == pytest.approx(0.004)
-    eng.clock.owe(0.010)
-    assert eng.clock.ask(0.004) == 0.0 and eng.clock.ask(0.004) == 0.0 and eng.clock.ask(0.004) == pytest.approx(0.002)
-    eng.clock.owe(60.0)  # a stall of the host is not the device's to pay back
-    assert eng.clock.debt == 1.0
+    assert eng.queue.waits_of([101.0], 101.5, "all_waiting") == [pytest.approx(0.05)]  # the device was idle
+    assert eng.queue.waits_of([101.0], 101.1, "timeout") == [pytest.approx(0.002 + 0.0098)]  # T: the device's
+    assert eng.queue.waits_of([99.0], 101.5, "full") == [pytest.approx(1.15)]  # it arrived during a forward
+    assert eng.queue.waits_of([99.9, 100.5], 101.5, "all_waiting") == [pytest.approx(0.7), pytest.approx(0.1)]
+    assert eng._start == pytest.approx(100.6)
+    assert eng.queue.waits_of([99.9], 99.95, "timeout") == [pytest.approx(0.1)]  # fired before T was up
+    # the forward sleeps to the device's end: a group that started long ago on the device's clock sleeps nothing,
+    # and the device's timeline moves by the calibrated time, not by the host's
+    eng.heads.specs["a"] = (SimpleNamespace(env="maniskill/pushcube-state", action_head="oft"),
+                            SimpleNamespace(action_dim=4))
+    eng.heads.live["a"] = (3, None)
+    eng.queue.waits_of([time.monotonic() - 5.0], time.monotonic(), "all_waiting")
+    started = eng._start
+    t0 = time.perf_counter()
+    outs = asyncio.run(eng._forward_group([SimpleNamespace(tenant="a", version=None)] * 2))
+    assert time.perf_counter() - t0 < 0.5 and [o["version"] for o in outs] == [3, 3]
+    assert eng._free_at == pytest.approx(started + eng._busy) and eng._busy > 0
+    assert eng.queue.compute_of(123.0) == eng._busy  # the compute a producer is told: the device's
     eng.close()
 
 
-def test_an_emulated_engine_charges_each_forward_its_calibrated_time_one_after_the_other(tmp_path):
-    import asyncio
-    from types import SimpleNamespace
+def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_clock(tmp_path):
+    from nexus.messages import BatchRef
+    from nexus.services.device_clock import DeviceClock
+    from nexus.services.emulated_actor import UpdateTimeline
 
+    # a producer's host time (messaging, a late timer) is paid out of its next sleeps, less the 1/k of it a run at
+    # the devices' speed would see too (k = 4 here); at k = 1 all of it is the run's own
+    clock = DeviceClock(4.0)
+    clock.owe(0.004)
+    assert clock.ask(0.004) == pytest.approx(0.001) and clock.ask(0.004) == pytest.approx(0.004)
+    clock.owe(0.010)
+    assert clock.ask(0.004) == 0.0 and clock.ask(0.004) == pytest.approx(0.0005)
+    assert clock.slept == pytest.approx(0.016)
+    one = DeviceClock()
+    one.owe(5.0)
+    assert one.debt == 0.0 and one.ask(0.004) == 0.004
+    # a batch split over rollout tasks ended when its last part did; what is not said stays 0
+    parts = [BatchRef("a", 8, 1, 3, "t", ended_at=5.0), BatchRef("b", 8, 1, 2, "t", ended_at=7.0)]
+    assert BatchRef.joined(parts).ended_at == 7.0
+    assert BatchRef.from_dict({**parts[0].to_dict(), "ended_at": None}).ended_at == 0.0
+    assert BatchRef.from_dict(BatchRef.joined(parts).to_dict()) == BatchRef.joined(parts)
+    # an update starts when its batch (or its job's update before) ended, unless its devices were still busy;
+    # never after now, and at now when nothing is known
+    line = UpdateTimeline(2, k=10.0)
+    now = time.time()
+    assert line.start([0, 1], now - 0.5) == pytest.approx(now - 0.45, abs=0.01)  # + 1/10 of the host's 0.5 s
+    line.end([0, 1], now - 0.2, "j")
+    assert line.start([0], now - 0.5) == pytest.approx(now - 0.18, abs=0.01)  # its device ended later
+    assert line.job_end == {"j": pytest.approx(now - 0.2)}
+    assert line.start([1], now + 9.0) <= time.time() and line.start([1], 0.0) >= now
+    assert UpdateTimeline(1).start([0], now - 0.5) >= now  # k = 1: the host's time is all the run's
+
+
+def test_an_emulated_engine_charges_each_forward_its_calibrated_time_one_after_the_other(tmp_path):
     from nexus.services.emulated_engine import EmulatedEngine
     from nexus.services.inference_queue import Group
 

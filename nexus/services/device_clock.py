@@ -1,20 +1,24 @@
-"""An emulated device's clock (``ServiceConfig.emulation``): it sleeps calibrated service times, less the host's
-time owed from before — messaging, event-loop and timer lateness — which is the same milliseconds at any time
-scale k and would otherwise grow k-fold in emulated seconds. Used by the emulated producer (synchronous steps)
-and the emulated engine (forwards on its event loop)."""
+"""An emulated producer's clock (``ServiceConfig.emulation``): it sleeps calibrated service times, less the host's
+time owed from before — messaging, event-loop and timer lateness. Those are the same milliseconds at any time
+scale k, so k-fold in emulated seconds: of each, the devices' clock keeps the share a run at the devices' real
+speed would see (1/k: all of it at k = 1, where emulated and host seconds are one) and the producer owes the rest.
+(The emulated engine and actor keep a timeline of their devices instead, with the same rule: :func:`host_share`.)"""
 
 from __future__ import annotations
 
-import asyncio
-import math
 import time
 
 
-class DeviceClock:
-    """``cap``: the most host time ever owed (a stall of the host is not the device's to pay back)."""
+def host_share(late: float, k: float) -> float:
+    """Of ``late`` seconds of host time, what a run at the devices' real speed would see of it: 1/k."""
+    return max(0.0, late) / max(k, 1.0)
 
-    def __init__(self, cap: float = math.inf) -> None:
-        self.cap = cap
+
+class DeviceClock:
+    """``k``: the time scale (host time beyond the devices' is owed less its share :func:`host_share`)."""
+
+    def __init__(self, k: float = 1.0) -> None:
+        self.k = k
         self.debt = 0.0  # host time not yet taken off a later sleep
         self.slept = 0.0  # calibrated time spent, whatever was actually slept
         self.queued = 0.0  # time waited for a device shared with other work
@@ -30,7 +34,7 @@ class DeviceClock:
         return seconds - pay
 
     def owe(self, seconds: float) -> None:
-        self.debt = min(self.debt + max(0.0, seconds), self.cap)
+        self.debt += max(0.0, seconds) - host_share(seconds, self.k)
 
     def spend(self, seconds: float, queued: float = 0.0) -> None:
         """Sleep ``seconds`` of device time in this thread, after ``queued`` seconds waiting for a shared device
@@ -42,11 +46,3 @@ class DeviceClock:
             t0 = time.perf_counter()
             time.sleep(asked)
             self.owe(time.perf_counter() - t0 - asked)
-
-    async def spend_async(self, seconds: float) -> None:
-        """:meth:`spend` on an event loop (the emulated engine's forwards)."""
-        asked = self.ask(seconds)
-        t0 = time.perf_counter()
-        if asked > 0:
-            await asyncio.sleep(asked)
-        self.owe(time.perf_counter() - t0 - asked)

@@ -22,11 +22,38 @@ from nexus.data.tenant_dirs import job_seq
 from nexus.engine_client import EngineSet
 from nexus.errors import SpecError, Unavailable
 from nexus.messages import EngineEndpoint, OpWork, RLWork, SlotInfo, TenantSetup, UpdateRequest, UpdateResult
+from nexus.services.device_clock import host_share
 from nexus.services.lanes import Lanes, lane_label
 from nexus.services.slot_rebuild import rebuild_each
 from nexus.signals import emit
 
 TOKEN_WEIGHTS = b"emulated-head"  # what a weight-sync message carries instead of a head
+
+
+class UpdateTimeline:
+    """The actor devices' own clock (wall-clock seconds): an update starts when it could — its batch ended, its
+    job's update before it ended — or when its devices ended their work before, whichever is later, and lasts its
+    calibrated time. The host's dispatch of it (a round trip through the scheduler, the same milliseconds at any
+    time scale k, k-fold in emulated seconds) is on it by the share a run at the devices' speed would see (1/k):
+    the rank sleeps to the devices' end, less when the update reached it late."""
+
+    def __init__(self, n: int, k: float = 1.0) -> None:
+        self.k = k  # the time scale
+        self.free_at = [0.0] * n  # each device's end of its last update
+        self.job_end: dict[str, float] = {}  # a job's last update's end
+
+    def start(self, lanes: list[int], ready_at: float) -> float:
+        """The update's start on ``lanes``: ``ready_at`` (never after now; 0: now) or the lanes' last end, plus the
+        share of the host's time since that a run at the devices' speed would see (``host_share``)."""
+        now = time.time()
+        base = max(min(ready_at, now) if ready_at > 0 else now, *(self.free_at[i] for i in lanes))
+        return base + host_share(now - base, self.k)
+
+    def end(self, lanes: list[int], t1: float, job: str | None) -> None:
+        for i in lanes:
+            self.free_at[i] = t1
+        if job:
+            self.job_end[job] = t1
 
 
 class EmulatedActorHost:
@@ -40,6 +67,7 @@ class EmulatedActorHost:
         self.times = emu.times()
         self.group = emu.group
         self.lanes = Lanes(emu.devices.actor)
+        self.timeline = UpdateTimeline(emu.devices.actor, self.times.k)
         self.versions: dict[str, int] = {}  # tenant -> its slot's version
         self.synced: dict[str, int] = {}
         self.offloaded: dict[str, int] = {}
@@ -110,14 +138,18 @@ def run_update(actor: EmulatedActorHost, req: UpdateRequest, data: Any = None) -
     kind, rows, epochs = _work_size(req.work)
     engines = EngineSet(get_worker(), req.engines)
     with actor.lanes.hold(actor.group) as lanes:
-        t0 = time.time()
         duration = actor.times.update_s(kind, rows, epochs, len(lanes))
-        time.sleep(duration)
-        version = actor.versions[name] = actor.versions[name] + 1
+        version = actor.versions[name] + 1
+        push = actor.writes and req.sync.should_push(version)
+        t0 = actor.timeline.start(lanes, _ready_at(actor, req))
+        t1 = t0 + duration + (actor.times.sync_s() if push else 0.0)
+        _sleep_until(t0 + duration)
+        actor.versions[name] = version
         sync_s = 0.0
-        if actor.writes and req.sync.should_push(version):
+        if push:
             sync_s = _push(actor, engines, name, version)
-        t1 = time.time()
+        _sleep_until(t1)
+        actor.timeline.end(lanes, t1, req.job)
     pushed = float(len(TOKEN_WEIGHTS)) if engines.pushed_to else 0.0
     for i, lane in enumerate(lanes):  # every device of the group was busy: each is charged (the push once)
         emit("update", tenant=name, job=req.job, what=kind, t0=t0, t1=t1, device=actor.label(lane),
@@ -128,13 +160,23 @@ def run_update(actor: EmulatedActorHost, req: UpdateRequest, data: Any = None) -
                         push_errors=tuple(engines.errors))
 
 
-def _push(actor: EmulatedActorHost, engines: EngineSet, tenant: str, version: int) -> float:
-    """A real weight-sync message (token payload) to every engine; its calibrated cost on the lanes."""
-    t0 = time.perf_counter()
-    engines.load_weights(tenant, version, TOKEN_WEIGHTS).result()
-    left = actor.times.sync_s() - (time.perf_counter() - t0)
+def _ready_at(actor: EmulatedActorHost, req: UpdateRequest) -> float:
+    """When the item could start on the devices' clock: its batch's end (an RL update) and its job's update before
+    it; 0 when neither is known (its start is then its arrival here)."""
+    batch = getattr(req.work, "batch", None)
+    return max(batch.ended_at if batch is not None else 0.0, actor.timeline.job_end.get(req.job or "", 0.0))
+
+
+def _sleep_until(t: float) -> None:
+    left = t - time.time()
     if left > 0:
         time.sleep(left)
+
+
+def _push(actor: EmulatedActorHost, engines: EngineSet, tenant: str, version: int) -> float:
+    """A real weight-sync message (token payload) to every engine; its calibrated cost is on the lanes."""
+    t0 = time.perf_counter()
+    engines.load_weights(tenant, version, TOKEN_WEIGHTS).result()
     actor.synced[tenant] = version
     return time.perf_counter() - t0
 

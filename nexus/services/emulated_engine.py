@@ -5,6 +5,7 @@ zero actions. Heads are version counters: weight-sync messages move them like re
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections import Counter
@@ -14,7 +15,7 @@ import numpy as np
 
 from nexus.config import ServiceConfig
 from nexus.features import TenantSchema
-from nexus.services.device_clock import DeviceClock
+from nexus.services.device_clock import host_share
 from nexus.services.engine_stats import EngineMeter
 from nexus.services.head_versions import HeadVersions
 from nexus.services.inference import InferenceEngine
@@ -52,19 +53,25 @@ class EmulatedEngine(InferenceEngine):
         self.heads = EmulatedHeads()  # type: ignore[assignment]
         self.meter = EngineMeter(pending=lambda: len(self.queue), device=device)
         self._busy = 0.0  # the calibrated time of the group now (or last) running
-        # a timer wakes late by what the host's loop was busy with (a forward of 2 ms at k = 20 slept as is takes
-        # ~3): the lateness is taken off the next forwards, so they average their calibrated time at any k and load
-        self.clock = DeviceClock(cap=1.0)
-        self._free_at = 0.0  # when the emulated device ended its last forward (monotonic)
+        # The device keeps its own timeline (monotonic seconds): a group starts when it was ready — its last
+        # request in, or its first one's T up when it fired on time — or when the device ended the forward before,
+        # plus the share of the host's lateness beyond that a run at the devices' speed would see (``host_share``:
+        # the event loop and timers are the same milliseconds at any k; a forward of 2 ms at k = 20 slept as is takes
+        # ~3), and ends its calibrated time later. The engine sleeps to that end, and a request's wait and compute
+        # are the device's; the rest of the host's time is in the producer's round trip, which it pays back.
+        self._start = 0.0  # the running group's start on the device's timeline
+        self._free_at = 0.0  # the end of the device's last forward
         self._charged_to = 0.0  # where the last forward charged to the device ends (wall clock, as spans)
-        self.queue.wait_of = self._device_wait
+        self.queue.waits_of = self._device_waits
+        self.queue.compute_of = lambda measured: self._busy
         self.set_batching(config.infer_max_wait_s, config.infer_max_batch)
 
-    def _device_wait(self, arrival: float, now: float) -> float:
-        """A request's wait on the device's clock: behind the forwards before it, plus at most the group wait T.
-        The rest (the host's event loop and timers, the same milliseconds at any k) is the host's, which the
-        producer pays back off its steps like its messaging."""
-        return min(now - arrival, max(0.0, self._free_at - arrival) + self.queue.batcher.max_wait_s)
+    def _device_waits(self, arrivals: list[float], now: float, reason: str) -> list[float]:
+        """The group's start on the device's timeline, and each request's wait from its arrival to it."""
+        ready = min(arrivals) + self.queue.batcher.max_wait_s if reason == "timeout" else max(arrivals)
+        base = max(self._free_at, min(ready, now))
+        self._start = base + host_share(now - base, self.times.k)
+        return [max(0.0, self._start - a) for a in arrivals]
 
     # The group wait T is a time on the devices' clock like every service time: divided by k here, reported in
     # emulated seconds (a T of 5 ms left as is would be 100 emulated ms at k = 20).
@@ -81,8 +88,10 @@ class EmulatedEngine(InferenceEngine):
         milliseconds a device would not spend."""
         families = Counter(self._family(r.tenant) for r in group)
         self._busy = self.times.forward_s(dict(families), len({r.tenant for r in group}))
-        await self.clock.spend_async(self._busy)
-        self._free_at = time.monotonic()
+        self._free_at = self._start + self._busy
+        left = self._free_at - time.monotonic()
+        if left > 0:
+            await asyncio.sleep(left)
         return self._outputs(group)
 
     def _family(self, tenant: str) -> str:
@@ -93,9 +102,9 @@ class EmulatedEngine(InferenceEngine):
 
     def _record(self, g: Group) -> None:
         """Charge the device the calibrated forward time, one forward after the other. The sleep is not it: it is
-        longer when the timer wakes late and shorter, down to nothing, when it pays that lateness back
-        (``DeviceClock``), so charging the sleep (capped at the calibrated time) lost the paid-back part, more
-        of it the larger k and the busier the host."""
+        longer when the timer wakes late and shorter, down to nothing, when the group reached the device's timeline
+        late (its start is behind the host's), so charging the sleep lost that part, more of it the larger k and
+        the busier the host."""
         t0 = max(g.t0, self._charged_to)
         self._charged_to = t0 + self._busy
         super()._record(dataclasses.replace(g, busy_s=self._busy, t0=t0, t1=self._charged_to))

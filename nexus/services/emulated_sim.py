@@ -73,7 +73,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
         link = ProducerLink(engine, name, req.version, req.deterministic, req.job,
                             f"{name}/{req.job}/{uuid.uuid4().hex[:8]}", features=False, features_max_dim=0)
         obs = observation(req.tenant.schema)
-        clock = DeviceClock()
+        clock = DeviceClock(times.k)
         wait = rtt = engine_wait = compute = 0.0
         requests = rows = 0
         versions: set[int] = set()
@@ -99,6 +99,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
         finally:
             link.close()
         t1 = time.time()
+        ended = t1 - clock.debt  # on the devices' clock: the host time still owed is not the devices'
     rng = np.random.default_rng([emu.seed, req.seed % 2**32, req.offset])
     success = rng.random(req.episodes) < cost.success
     returns = rng.random(req.episodes) * length * (0.5 + success)
@@ -115,5 +116,5 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
     batch = None
     if rl:
         batch = BatchRef(path="", rows=steps_total, episodes=req.episodes, policy_version=min(versions, default=0),
-                         tenant=name)
+                         tenant=name, ended_at=ended)
     return RolloutResult(stats=stats, versions=sorted(versions), batch=batch)

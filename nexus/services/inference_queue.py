@@ -52,8 +52,11 @@ class InferenceQueue:
         self._on_group = on_group
         self._timer: asyncio.TimerHandle | None = None
         self._firing = False
-        # a request's wait, from its arrival and its group's firing (an emulated engine counts its device's)
-        self.wait_of: Callable[[float, float], float] = lambda arrival, now: now - arrival
+        # the group's requests' waits, from their arrivals, the firing time and its reason, and the group's compute
+        # from the measured one: the host's times here; an emulated engine counts its device's
+        self.waits_of: Callable[[list[float], float, str], list[float]] = lambda arrivals, now, reason: [
+            now - a for a in arrivals]
+        self.compute_of: Callable[[float], float] = lambda measured: measured
 
     def __len__(self) -> int:
         return len(self.batcher)
@@ -109,10 +112,10 @@ class InferenceQueue:
         now = time.monotonic()
         group = [r for c in calls for r in c.rows]
         try:
-            waits = [self.wait_of(c.t_arrival, now) for c in calls]  # before the forward moves the device's clock
+            waits = self.waits_of([c.t_arrival for c in calls], now, reason)  # before the forward moves its clock
             t0, wall0 = time.perf_counter(), time.time()
             outs = await self._forward(group)
-            busy = time.perf_counter() - t0
+            busy = self.compute_of(time.perf_counter() - t0)
             self._on_group(Group(group, len(calls), reason, busy, wall0, time.time(),
                                  [w for c, w in zip(calls, waits, strict=True) for _ in c.rows]))
             start = 0
