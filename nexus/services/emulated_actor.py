@@ -185,6 +185,7 @@ def finish_job(actor: EmulatedActorHost, tenant: str, output_dir: str, record: d
                version: int | None = None, engines: tuple[EngineEndpoint, ...] = ()) -> dict[str, Any]:
     """The job's record in the tenant's output dir, and the last version pushed if lazy sync held it back."""
     out = TenantOutputDir(output_dir)
+    actor.timeline.job_end.pop(str(record.get("job")), None)  # the job's updates are over
     if not actor.writes:
         return {"artifacts": []}
     if record.get("history") is None:
@@ -194,6 +195,7 @@ def finish_job(actor: EmulatedActorHost, tenant: str, output_dir: str, record: d
     current = actor.versions.get(tenant)
     if engines and current is not None and actor.synced.get(tenant) != current:
         sync_s = _push(actor, EngineSet(get_worker(), engines), tenant, current)
+        _sleep_until(time.time() + actor.times.sync_s() - sync_s)  # the push's calibrated cost, as before a job ends
         res["sync"] = {"version": current, "pushed": True, "weight_sync_s": sync_s}
     return res
 
