@@ -126,9 +126,10 @@ def paper(args) -> dict[str, Any]:
     sweep: dict[str, Any] = {}
     for k in [float(x) for x in args.ks.split(",") if x]:
         pols = list(dict.fromkeys(["fifo", best]))
-        i = iso if k == args.k else run_layout(wl, "1-1-2", k, [iso_pol], producers_per_sim=iso_m)[0]
+        i = iso if k == args.k else run_layout(wl, "1-1-2", k, [iso_pol], rounds=args.sweep_rounds,
+                                               producers_per_sim=iso_m)[0]
         ss = [r for r in shared if r["policy"] in pols] if k == args.k else run_layout(
-            wl, "2-2-4", k, [policy(p) for p in pols], producers_per_sim=m)
+            wl, "2-2-4", k, [policy(p) for p in pols], rounds=args.sweep_rounds, producers_per_sim=m)
         sweep[f"{k:g}"] = {r["policy"]: {**compare(i, r), "makespan_s": r["makespan_s"], "iso_makespan_s":
                                          i["makespan_s"]} for r in ss}
     spread = {}
@@ -261,6 +262,8 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1, help="runs per policy at the main k (median device time)")
+    ap.add_argument("--sweep-rounds", type=int, default=1, help="runs per policy at each other k of the sweep (the "
+                    "same rule: the median, the slower of two)")
     ap.add_argument("--collectors", type=int, default=2, help="producers per RL job (paper: 2, one per simulator "
                     "device of the isolated server)")
     ap.add_argument("--producers-per-sim", type=int, default=1, help="producers a simulator device of the shared "
