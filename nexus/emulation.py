@@ -38,6 +38,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from nexus.errors import SpecError, describe_errors
 
+# a place (a simulator slot, a device lane) granted later than this after it was asked for had to be waited for
+WAITED_S = 0.001
+
+
+def ready_from(ready_at: float, asked: float, granted: float) -> float:
+    """When an emulated task could start on the devices' clock (wall clock; 0: not said): ``ready_at``, the end of
+    the work that let it start, unless its place was waited for (asked at ``asked``, granted at ``granted``): then
+    from the grant."""
+    return ready_at if not ready_at or granted - asked <= WAITED_S else granted
+
 
 class DeviceCounts(BaseModel):
     """Devices per service: the paper's server is 2-2-4 (actor, inference, simulators)."""

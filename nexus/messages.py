@@ -214,6 +214,7 @@ class UpdateResult:
     pushed_to: tuple[str, ...] = ()  # engines that acknowledged the new weights
     push_errors: tuple[str, ...] = ()
     outputs: dict[str, Any] | None = None  # a ``forward``'s per-row results (log-probs, values, entropies)
+    ended_at: float = 0.0  # when it ended on an emulated actor's devices' clock (wall clock; 0: not said)
 
 
 # -- simulators -----------------------------------------------------------------------------------------
@@ -234,6 +235,9 @@ class RolloutRequest:
     route: EngineEndpoint | None = None
     emulation: EmulationSettings | None = None  # an emulated service: calibrated simulator time
     group_size: int = 1  # GRPO: episode e is reset with seed + e // group_size (a group shares its start)
+    # when the control plane could have started it on an emulated service's devices' clock: the end of the batch or
+    # update that let it start (wall clock; 0: at its arrival)
+    ready_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,12 @@ def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_c
     assert BatchRef.joined(parts).ended_at == 7.0
     assert BatchRef.from_dict({**parts[0].to_dict(), "ended_at": None}).ended_at == 0.0
     assert BatchRef.from_dict(BatchRef.joined(parts).to_dict()) == BatchRef.joined(parts)
+    # a rollout task starts from the end of the batch or update that let it start, unless it waited for its place
+    from nexus.emulation import WAITED_S, ready_from
+
+    assert ready_from(100.0, 105.0, 105.0 + WAITED_S / 2) == 100.0  # granted at once: the host's dispatch is owed
+    assert ready_from(100.0, 105.0, 107.0) == 107.0  # it waited 2 s for a simulator place: from the grant
+    assert ready_from(0.0, 105.0, 107.0) == 0.0  # nothing said (a real service, an evaluation)
     # an update starts when its batch (or its job's update before) ended, unless its devices were still busy;
     # never after now, and at now when nothing is known
     line = UpdateTimeline(2, k=10.0)

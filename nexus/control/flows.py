@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,7 @@ from nexus.control import tasks
 from nexus.control.queues import TrainingItem
 from nexus.control.shares import even_shares
 from nexus.control.sim_slots import SimSlots
-from nexus.emulation import EmulationSettings
+from nexus.emulation import EmulationSettings, ready_from
 from nexus.errors import JobFailed
 from nexus.messages import BatchRef, GRPOWork, OpWork, RLWork, RolloutRequest, RolloutResult, SFTWork, SyncRule
 
@@ -115,7 +116,9 @@ async def _rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **r
     """One rollout task on a SIM slot (taken from the fair share first, when there is one)."""
     if ctx.sim_slots is None:
         return await _run_rollout(ctx, t, js, key, **req)
+    asked = time.time()
     async with ctx.sim_slots.slot(t.name):
+        req["ready_at"] = ready_from(req.get("ready_at", 0.0), asked, time.time())
         return await _run_rollout(ctx, t, js, key, **req)
 
 
@@ -206,11 +209,14 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
     producer_totals = dict.fromkeys(("sim_s", "action_wait_s", "requests", "rows", "timed", "rtt_s",
                                      "engine_wait_s", "compute_s", "messaging_s"), 0.0)
 
+    ready = 0.0  # the last end of this job's batches and updates on an emulated service's devices' clock
+
     def collect(offset: int, attempt: int) -> None:
         key = f"nexus-rollout-{js.job_id}-{offset}" + (f"-r{attempt}" if attempt else "")
         task = _spawn(_batch_rollout(ctx, t, js, key, episodes=spec.episodes_per_batch,
                                      seed=t.spec.seed * 1_000_003, offset=offset, group_size=spec.group_size,
-                                     split=ctx.batch_split(spec.split, spec.episodes_per_batch, t.spec.env)))
+                                     split=ctx.batch_split(spec.split, spec.episodes_per_batch, t.spec.env),
+                                     ready_at=ready))
         rollouts[task] = (offset, attempt)
 
     if spec.group_size > 1:  # whole groups: offsets stay multiples of the group size
@@ -244,6 +250,7 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
                         collect(offset, attempt + 1)  # same episodes, same seeds; keeps its admission slot
                         continue
                     assert out.batch is not None  # an RL rollout stores its batch
+                    ready = max(ready, out.batch.ended_at)
                     ctx.health.progress(role, episodes=episodes + out.stats["episodes"])
                     episodes += out.stats["episodes"]
                     env_steps += out.stats["steps"]
@@ -258,6 +265,7 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
                     items.add(_spawn(ctx.dispatcher.submit(item)))
                 else:
                     items.discard(f)
+                    ready = max(ready, float(f.result().get("ended_at", 0.0)))
                     ctx.rl_item_done(js, f.result(), tally)
     finally:
         open_rollouts = list(rollouts)

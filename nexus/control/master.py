@@ -134,7 +134,10 @@ class Master:
                 self.health.error(m.role, f"weight push: {e}")
         if not isinstance(item.work, OpWork) or item.work.op == "save_weights":
             self.runtime.spawn(self.pool.on_published(t.setup(), res.pushed_to))
-        return {"version": res.version, "metrics": dict(res.metrics), "outputs": res.outputs}
+        out = {"version": res.version, "metrics": dict(res.metrics), "outputs": res.outputs}
+        if res.ended_at:  # an emulated actor's end on its devices' clock (its next rollout may start from it)
+            out["ended_at"] = res.ended_at
+        return out
 
     async def _send_tracker(self, address: str, calls: list[list[Any]]) -> list[Any]:
         return await self.runtime.call(address, "nexus_tracker", timeout=300, calls=calls)

@@ -157,7 +157,7 @@ def run_update(actor: EmulatedActorHost, req: UpdateRequest, data: Any = None) -
     metrics = {"update_s": t1 - t0, "emulated_s": duration, "rows": float(rows), "loss": 0.0,
                "weight_sync_s": sync_s}
     return UpdateResult(version=version, metrics=metrics, pushed_to=tuple(engines.pushed_to),
-                        push_errors=tuple(engines.errors))
+                        push_errors=tuple(engines.errors), ended_at=t1)
 
 
 def _ready_at(actor: EmulatedActorHost, req: UpdateRequest) -> float:

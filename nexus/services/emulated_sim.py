@@ -22,7 +22,7 @@ import numpy as np
 from distributed import get_worker
 
 from nexus import catalog
-from nexus.emulation import EmulationSettings
+from nexus.emulation import EmulationSettings, ready_from
 from nexus.engine_client import EngineClient
 from nexus.features import Observation, TenantSchema
 from nexus.messages import BatchRef, RolloutRequest, RolloutResult
@@ -66,14 +66,18 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
     kind = "rollout" if rl else "eval"
     name = req.tenant.name
     lanes = sim_lanes(sim, emu)
+    asked = time.time()
     with lanes.hold(1) as (lane,), sim.producer(f"{req.job}:{req.offset}", req.job or "", name, kind) as progress:
         t0 = time.time()
+        clock = DeviceClock(times.k)
+        ready = ready_from(req.ready_at, asked, t0)
+        if ready:  # the host's dispatch since the batch or update that let it start ended is owed
+            clock.owe(t0 - ready)
         routes = {name: req.route} if req.route is not None else None
         engine = EngineClient(get_worker(), routes=routes, on_answer=progress.tick)
         link = ProducerLink(engine, name, req.version, req.deterministic, req.job,
                             f"{name}/{req.job}/{uuid.uuid4().hex[:8]}", features=False, features_max_dim=0)
         obs = observation(req.tenant.schema)
-        clock = DeviceClock(times.k)
         wait = rtt = engine_wait = compute = 0.0
         requests = rows = 0
         versions: set[int] = set()
