@@ -51,7 +51,7 @@ from nexus.control.supervisor import Supervisor
 from nexus.control.tenants import TenantPhase, TenantRegistry
 from nexus.control.tracking_link import TrackerLink
 from nexus.errors import NotFound, Unavailable
-from nexus.messages import OpWork
+from nexus.messages import OpWork, UpdateResult
 from nexus.paging import Page
 
 logger = logging.getLogger("nexus.master")
@@ -134,10 +134,7 @@ class Master:
                 self.health.error(m.role, f"weight push: {e}")
         if not isinstance(item.work, OpWork) or item.work.op == "save_weights":
             self.runtime.spawn(self.pool.on_published(t.setup(), res.pushed_to))
-        out = {"version": res.version, "metrics": dict(res.metrics), "outputs": res.outputs}
-        if res.ended_at:  # an emulated actor's end on its devices' clock (its next rollout may start from it)
-            out["ended_at"] = res.ended_at
-        return out
+        return update_reply(res)
 
     async def _send_tracker(self, address: str, calls: list[list[Any]]) -> list[Any]:
         return await self.runtime.call(address, "nexus_tracker", timeout=300, calls=calls)
@@ -260,3 +257,12 @@ class Master:
                 raise Unavailable(f"the service is not ready after {timeout:g} s: {status.service_view(self.parts)}")
             await asyncio.sleep(0.2)
         return status.service_view(self.parts)
+
+
+def update_reply(res: UpdateResult) -> dict[str, Any]:
+    """What a training item's caller gets back; an emulated actor's end on its devices' clock when it says one (the
+    job's next rollout may start from it)."""
+    out = {"version": res.version, "metrics": dict(res.metrics), "outputs": res.outputs}
+    if res.ended_at:
+        out["ended_at"] = res.ended_at
+    return out
