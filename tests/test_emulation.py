@@ -120,7 +120,7 @@ def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tm
     assert eng.queue.batcher.max_wait_s == pytest.approx(0.002)
     # a group starts on the device's timeline when it was ready (its last request in; its first one's T up when
     # it fired on time) or when the forward before ended, plus 1/k of the host's lateness beyond (k = 10 here)
-    eng._free_at = 100.0
+    eng.timeline.free_at[0] = 100.0
     assert eng.queue.waits_of([101.0], 101.5, "all_waiting") == [pytest.approx(0.05)]  # the device was idle
     assert eng.queue.waits_of([101.0], 101.1, "timeout") == [pytest.approx(0.002 + 0.0098)]  # T: the device's
     assert eng.queue.waits_of([99.0], 101.5, "full") == [pytest.approx(1.15)]  # it arrived during a forward
@@ -137,7 +137,7 @@ def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tm
     t0 = time.perf_counter()
     outs = asyncio.run(eng._forward_group([SimpleNamespace(tenant="a", version=None)] * 2))
     assert time.perf_counter() - t0 < 0.5 and [o["version"] for o in outs] == [3, 3]
-    assert eng._free_at == pytest.approx(started + eng._busy) and eng._busy > 0
+    assert eng.timeline.free_at[0] == pytest.approx(started + eng._busy) and eng._busy > 0
     assert eng.queue.compute_of(123.0) == eng._busy  # the compute a producer is told: the device's
     eng.close()
 

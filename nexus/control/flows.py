@@ -265,8 +265,9 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
                     items.add(_spawn(ctx.dispatcher.submit(item)))
                 else:
                     items.discard(f)
-                    ready = max(ready, float(f.result().get("ended_at", 0.0)))
-                    ctx.rl_item_done(js, f.result(), tally)
+                    res = f.result()
+                    ready = max(ready, float(res.get("ended_at", 0.0)))
+                    ctx.rl_item_done(js, res, tally)
     finally:
         open_rollouts = list(rollouts)
         await _cancel_all(open_rollouts + list(items))

@@ -2,7 +2,7 @@
 time owed from before — messaging, event-loop and timer lateness. Those are the same milliseconds at any time
 scale k, so k-fold in emulated seconds: of each, the devices' clock keeps the share a run at the devices' real
 speed would see (1/k: all of it at k = 1, where emulated and host seconds are one) and the producer owes the rest.
-(The emulated engine and actor keep a timeline of their devices instead, with the same rule: :func:`host_share`.)"""
+(The emulated engine and actor keep their devices' :class:`DeviceTimeline` instead, with the same rule.)"""
 
 from __future__ import annotations
 
@@ -46,3 +46,23 @@ class DeviceClock:
             t0 = time.perf_counter()
             time.sleep(asked)
             self.owe(time.perf_counter() - t0 - asked)
+
+
+class DeviceTimeline:
+    """``n`` devices' own clock (the caller's time base: monotonic or wall seconds), for work that sleeps to its end
+    on it (the emulated engine's forwards, the actor's updates): a piece starts when it was ready or when its devices
+    ended their work before, whichever is later, plus the share of the host's lateness since that a run at the
+    devices' speed would see (:func:`host_share`)."""
+
+    def __init__(self, n: int, k: float = 1.0) -> None:
+        self.k = k  # the time scale
+        self.free_at = [0.0] * n  # each device's end of its last piece of work
+
+    def start(self, lanes: list[int], ready: float, now: float) -> float:
+        """The start on ``lanes`` of a piece ready at ``ready`` (never after ``now``)."""
+        base = max(min(ready, now), *(self.free_at[i] for i in lanes))
+        return base + host_share(now - base, self.k)
+
+    def end(self, lanes: list[int], t: float) -> None:
+        for i in lanes:
+            self.free_at[i] = t

@@ -22,7 +22,7 @@ from nexus.data.tenant_dirs import job_seq
 from nexus.engine_client import EngineSet
 from nexus.errors import SpecError, Unavailable
 from nexus.messages import EngineEndpoint, OpWork, RLWork, SlotInfo, TenantSetup, UpdateRequest, UpdateResult
-from nexus.services.device_clock import host_share
+from nexus.services.device_clock import DeviceTimeline
 from nexus.services.lanes import Lanes, lane_label
 from nexus.services.slot_rebuild import rebuild_each
 from nexus.signals import emit
@@ -31,27 +31,24 @@ TOKEN_WEIGHTS = b"emulated-head"  # what a weight-sync message carries instead o
 
 
 class UpdateTimeline:
-    """The actor devices' own clock (wall-clock seconds): an update starts when it could — its batch ended, its
-    job's update before it ended — or when its devices ended their work before, whichever is later, and lasts its
-    calibrated time. The host's dispatch of it (a round trip through the scheduler, the same milliseconds at any
-    time scale k, k-fold in emulated seconds) is on it by the share a run at the devices' speed would see (1/k):
-    the rank sleeps to the devices' end, less when the update reached it late."""
+    """The actor devices' own clock (wall-clock seconds, a :class:`DeviceTimeline`): an update starts when it could —
+    its batch ended, its job's update before it ended — or when its devices ended their work before, whichever is
+    later, and lasts its calibrated time. The host's dispatch of it (a round trip through the scheduler, the same
+    milliseconds at any time scale k, k-fold in emulated seconds) is on it by the share a run at the devices' speed
+    would see (1/k): the rank sleeps to the devices' end, less when the update reached it late."""
 
     def __init__(self, n: int, k: float = 1.0) -> None:
-        self.k = k  # the time scale
-        self.free_at = [0.0] * n  # each device's end of its last update
+        self.devices = DeviceTimeline(n, k)
         self.job_end: dict[str, float] = {}  # a job's last update's end
 
     def start(self, lanes: list[int], ready_at: float) -> float:
         """The update's start on ``lanes``: ``ready_at`` (never after now; 0: now) or the lanes' last end, plus the
-        share of the host's time since that a run at the devices' speed would see (``host_share``)."""
+        host's share."""
         now = time.time()
-        base = max(min(ready_at, now) if ready_at > 0 else now, *(self.free_at[i] for i in lanes))
-        return base + host_share(now - base, self.k)
+        return self.devices.start(lanes, ready_at if ready_at > 0 else now, now)
 
     def end(self, lanes: list[int], t1: float, job: str | None) -> None:
-        for i in lanes:
-            self.free_at[i] = t1
+        self.devices.end(lanes, t1)
         if job:
             self.job_end[job] = t1
 

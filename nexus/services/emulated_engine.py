@@ -15,7 +15,7 @@ import numpy as np
 
 from nexus.config import ServiceConfig
 from nexus.features import TenantSchema
-from nexus.services.device_clock import host_share
+from nexus.services.device_clock import DeviceTimeline
 from nexus.services.engine_stats import EngineMeter
 from nexus.services.head_versions import HeadVersions
 from nexus.services.inference import InferenceEngine
@@ -59,8 +59,8 @@ class EmulatedEngine(InferenceEngine):
         # the event loop and timers are the same milliseconds at any k; a forward of 2 ms at k = 20 slept as is takes
         # ~3), and ends its calibrated time later. The engine sleeps to that end, and a request's wait and compute
         # are the device's; the rest of the host's time is in the producer's round trip, which it pays back.
+        self.timeline = DeviceTimeline(1, self.times.k)  # monotonic seconds, as the queue's arrivals
         self._start = 0.0  # the running group's start on the device's timeline
-        self._free_at = 0.0  # the end of the device's last forward
         self._charged_to = 0.0  # where the last forward charged to the device ends (wall clock, as spans)
         self.queue.waits_of = self._device_waits
         self.queue.compute_of = lambda measured: self._busy
@@ -69,8 +69,7 @@ class EmulatedEngine(InferenceEngine):
     def _device_waits(self, arrivals: list[float], now: float, reason: str) -> list[float]:
         """The group's start on the device's timeline, and each request's wait from its arrival to it."""
         ready = min(arrivals) + self.queue.batcher.max_wait_s if reason == "timeout" else max(arrivals)
-        base = max(self._free_at, min(ready, now))
-        self._start = base + host_share(now - base, self.times.k)
+        self._start = self.timeline.start([0], ready, now)
         return [max(0.0, self._start - a) for a in arrivals]
 
     # The group wait T is a time on the devices' clock like every service time: divided by k here, reported in
@@ -88,8 +87,9 @@ class EmulatedEngine(InferenceEngine):
         milliseconds a device would not spend."""
         families = Counter(self._family(r.tenant) for r in group)
         self._busy = self.times.forward_s(dict(families), len({r.tenant for r in group}))
-        self._free_at = self._start + self._busy
-        left = self._free_at - time.monotonic()
+        end = self._start + self._busy
+        self.timeline.end([0], end)
+        left = end - time.monotonic()
         if left > 0:
             await asyncio.sleep(left)
         return self._outputs(group)
