@@ -60,6 +60,7 @@ from nexus.model.layers import PROPRIO_SCALE
 from nexus.model.lora import TenantAdapter
 from nexus.model.policy import TenantPolicy
 from nexus.model.preprocessor import TenantPreprocessor
+from nexus.model.proprio_norm import CLIP, MIN_VAR
 from nexus.spec import TenantSpec
 
 __all__ = ["MANIFEST", "ExportedPolicy", "initial_state", "is_policy_dir", "load", "read_manifest", "write"]
@@ -77,10 +78,20 @@ def backbone_reference(backbone: SharedBackbone) -> dict[str, Any]:
             "hf_config": backbone.model.config.to_dict()}
 
 
-def normalization(action_stats: dict[str, Any] | None) -> dict[str, Any]:
+def proprio_normalization(spec: TenantSpec, state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """How the head reads the state (``TenantSpec.proprio_norm``), with a running normalization's statistics."""
+    if spec.proprio_norm == "tanh":
+        return {"transform": "tanh", "scale": PROPRIO_SCALE,
+                "formula": "head input = tanh(state / scale), a fixed squashing without statistics"}
+    var = state_dict["proprio_norm.var"].double()
+    return {"transform": "running", "clip": CLIP, "min_var": MIN_VAR,
+            "count": int(state_dict["proprio_norm.count"]), "mean": state_dict["proprio_norm.mean"].tolist(),
+            "var": var.tolist(), "formula": "head input = clip((state - mean) / sqrt(var + min_var), -clip, clip), "
+                                            "statistics of the states of the tenant's RL batches"}
 
-    return {"proprio": {"transform": "tanh", "scale": PROPRIO_SCALE,
-                        "formula": "head input = tanh(state / scale), a fixed squashing without statistics"},
+
+def normalization(proprio: dict[str, Any], action_stats: dict[str, Any] | None) -> dict[str, Any]:
+    return {"proprio": proprio,
             "images": {"resize": "bilinear to image_size x image_size (RGB uint8)"},
             "action": {"transform": "identity",
                        "note": "actions are in the environment's own action space, unclipped; the service "
@@ -126,7 +137,7 @@ def write(path: str | Path, *, spec: TenantSpec, schema: TenantSchema, version: 
             "schema": asdict(schema), "camera_order": [c.name for c in schema.cameras],
             "image_size": backbone.cfg.image_size, "prompt_format": backbone.cfg.family,
             "compat_key": backbone.cfg.compat_key()})
-        write_json(tmp / NORMALIZATION, normalization(action_stats))
+        write_json(tmp / NORMALIZATION, normalization(proprio_normalization(spec, state_dict), action_stats))
         (tmp / README).write_text(_readme(spec, version, ref))
         files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "tenant": spec.name, "version": version,
@@ -198,7 +209,7 @@ def _load_weights(path: Path, m: dict[str, Any], policy: TenantPolicy) -> None:
     own = {k: v for k, v in policy.state_dict().items() if not k.startswith("lora.")}
     if set(head) != set(own) or any(head[k].shape != own[k].shape for k in own):
         raise SpecError(f"exported policy {str(path)!r}: head weights do not fit a {policy.family!r} head of "
-                        f"this spec (hidden_dim, chunk, schema dims or family differ)")
+                        f"this spec (hidden_dim, chunk, schema dims, family or proprio_norm differ)")
     policy.load_state_dict(head, strict=False)
     if m.get("lora"):
         if policy.lora is None:

@@ -19,21 +19,24 @@ from nexus.validation import validate_tenant
 FEAT = 64  # the tiny Qwen3-VL's width
 
 
-def policy(seed: int, hidden: int = 32, chunk: int | None = None) -> TenantPolicy:
+def policy(seed: int, hidden: int = 32, chunk: int | None = None, norm: str = "tanh") -> TenantPolicy:
     spec, schema = validate_tenant(TenantSpec(name=f"t{seed}", env="maniskill/pushcube-state", seed=seed,
-                                              hidden_dim=hidden))
+                                              hidden_dim=hidden, proprio_norm=norm))
     p = TenantPolicy.from_spec(spec, schema, FEAT, chunk=chunk)
     with torch.no_grad():  # distinct, non-trivial weights (a fresh head's last layer is ~0)
         gen = torch.Generator().manual_seed(seed)
         for w in p.parameters():
             w.add_(0.1 * torch.randn(w.shape, generator=gen))
+        if norm == "running":  # each tenant's own state statistics
+            p.proprio_norm.observe(seed + (seed + 1) * torch.randn(50, 35, generator=gen))
     return p
 
 
-@pytest.mark.parametrize("chunk", [1, 3])
-def test_bank_forward_equals_each_head_alone_with_uneven_rows(chunk):
+@pytest.mark.parametrize(("chunk", "norm"), [(1, "tanh"), (3, "tanh"), (1, "running")])
+def test_bank_forward_equals_each_head_alone_with_uneven_rows(chunk, norm):
     torch.manual_seed(0)
-    policies = {f"t{i}": policy(i, chunk=chunk) for i in range(5)}
+    policies = {f"t{i}": policy(i, chunk=chunk, norm=norm) for i in range(5)}
+    assert head_shape(policy(9, norm="tanh" if norm == "running" else "running")) != head_shape(policies["t0"])
     bank = HeadBank(head_shape(policies["t0"]), capacity=2)  # grows twice on the way
     for name, p in policies.items():
         bank.put(name, p)

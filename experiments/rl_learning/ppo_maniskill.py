@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--target-kl", type=float, default=0.1, help="PPO early stop per update (CleanRL / ManiSkill)")
     ap.add_argument("--updates", type=int, default=0, help="stop after this many updates (0: the budget decides)")
     ap.add_argument("--init-log-std", type=float, default=-0.5, help="the Gaussian head's initial log std")
+    ap.add_argument("--proprio-norm", choices=("tanh", "running"), default="tanh",
+                    help="how the head reads the state (TenantSpec.proprio_norm)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default: ppo_<task>.json next to this file)")
     ap.add_argument("--terminate-on-success", action="store_true",
                     help="end episodes at success (the catalog default); off: fixed-length episodes, as ManiSkill's "
@@ -95,7 +97,7 @@ def main() -> None:
     entry = dataclasses.replace(catalog.env(args.env), terminate_on_success=args.terminate_on_success)
     name = "ppo"
     spec = TenantSpec(name=name, env=args.env, action_head="oft", lr=args.lr, grad_clip=0.5, seed=args.seed,
-                      init_log_std=args.init_log_std)
+                      init_log_std=args.init_log_std, proprio_norm=args.proprio_norm)
     slot = svc.slots[name] = TenantSlot(spec, entry.schema, svc.feat_dim, grad_clip=spec.grad_clip)
     svc.framework.add_tenant(name, slot.policy, TenantPreprocessor(entry.schema, svc.backbone_cfg))
     store = TrajectoryStore(work / "trajectories", name, entry.schema)

@@ -37,7 +37,8 @@ PPO = {"gamma": 0.8, "gae_lambda": 0.9, "update_epochs": 8, "minibatch_size": 20
 WINDOW = 15
 
 
-def service(seeds: list[int], updates: int, out: Path, ppo: dict, final_eval: int, lr: float = 5e-4) -> None:
+def service(seeds: list[int], updates: int, out: Path, ppo: dict, final_eval: int, lr: float = 5e-4,
+            proprio_norm: str = "tanh") -> None:
     import torch
 
     from nexus.client.api import Nexus
@@ -51,7 +52,7 @@ def service(seeds: list[int], updates: int, out: Path, ppo: dict, final_eval: in
         jobs = {}
         for s in seeds:
             t = nx.create_tenant(TenantSpec(name=f"s{s}", env=ENV, action_head="oft", lr=lr, grad_clip=0.5,
-                                            max_inflight=1, seed=s))
+                                            max_inflight=1, seed=s, proprio_norm=proprio_norm))
             jobs[s] = t.rl(updates=updates, episodes_per_batch=16, collectors=1, ppo=ppo)
             tenants[s] = t
         for s, job in jobs.items():
@@ -61,8 +62,9 @@ def service(seeds: list[int], updates: int, out: Path, ppo: dict, final_eval: in
             curves[str(s)] = [h["success_rate"] for h in history if h["kind"] == "rollout"]
             if final_eval:  # deterministic episodes of the last version, as the demo's final evaluation
                 finals[str(s)] = tenants[s].evaluate(episodes=final_eval).result(timeout=3600)["success_rate"]
-    out.write_text(json.dumps({"side": "service", "env": ENV, "ppo": ppo, "lr": lr, "curves": curves,
-                               "final_eval_episodes": final_eval, "final_eval_success": finals}, indent=1))
+    out.write_text(json.dumps({"side": "service", "env": ENV, "ppo": ppo, "lr": lr, "proprio_norm": proprio_norm,
+                               "curves": curves, "final_eval_episodes": final_eval, "final_eval_success": finals},
+                              indent=1))
 
 
 def one_process(seeds: list[int], updates: int, out: Path) -> None:
@@ -104,6 +106,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=5e-4, help="service side: the tenants' learning rate (the demo's)")
     p.add_argument("--final-eval", type=int, default=0, help="service side: deterministic episodes of the last "
                                                                "version per seed (0: none)")
+    p.add_argument("--proprio-norm", choices=("tanh", "running"), default="tanh",
+                   help="service side: how the tenants' heads read the state (TenantSpec.proprio_norm)")
     p.add_argument("--tag", default="", help="service side: written to service<tag>.json")
     p.add_argument("--compare", default="service,one_process", help="table: the JSON files (stems) in --dir")
     p.add_argument("--out", default="seed_spread.json", help="table: written next to this script")
@@ -114,7 +118,7 @@ def main() -> None:
         table(args.dir, args.compare.split(","), HERE / args.out)
     elif args.side == "service":
         service(seeds, args.updates, args.dir / f"service{args.tag}.json", PPO | {"anneal_lr": args.anneal_lr},
-                args.final_eval, args.lr)
+                args.final_eval, args.lr, args.proprio_norm)
     else:
         one_process(seeds, args.updates, args.dir / "one_process.json")
 

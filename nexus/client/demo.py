@@ -92,20 +92,20 @@ def learned_rows(logs: dict[str, dict[str, Any]]) -> list[list[str]]:
             before = sum(a[1] for a in agg[:k]) / k
             after = sum(a[1] for a in agg[-k:]) / k
             rows.append(["push-rl", f"rollout return, first vs last {k} versions", _fmt(before, 1),
-                         f"[b]{_fmt(after, 1)}[/b]", "higher; max 50; PPO baseline 3.4 → 13.8 in 15 CPU min"])
+                         f"[b]{_fmt(after, 1)}[/b]", "higher; max 50"])
         succ = per_version(by_kind(hist).get("rollout", []), "success_rate")
         if len(succ) >= 2:
             k = max(1, len(succ) // 4)
             rows.append(["push-rl", f"rollout success, first vs last {k} versions",
                          _fmt(sum(a[1] for a in succ[:k]) / k), _fmt(sum(a[1] for a in succ[-k:]) / k),
-                         "0-1; PPO baseline 0.07 → 0.53 in 15 CPU min"])
+                         "0-1; 3 seeds, these settings: 0.59-0.71 at v106-120"])
         evals = sorted(by_kind(hist).get("eval", []), key=lambda h: h["step"])
         if evals:
             first, last = evals[0], evals[-1]
             rows.append(["push-rl", "eval success rate (deterministic episodes)",
                          f"{_fmt(first['success_rate'])} (v{first['step']}, {int(first.get('episodes', 0))} ep.)",
                          f"[b]{_fmt(last['success_rate'])}[/b] (v{last['step']}, {int(last.get('episodes', 0))} ep.)",
-                         "0-1; PPO baseline 0.5 after 60k env steps (v75); service 0.53 at v50"])
+                         "0-1; 3 seeds, these settings: 0.60-0.74 at v120 (50 ep.)"])
         if len(evals) > 2:
             rows.append(["push-rl", "eval by version: success (return)", "",
                          "  ".join(f"v{h['step']} {_fmt(h['success_rate'])} ({_fmt(h.get('return'), 1)})"

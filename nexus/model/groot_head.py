@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nexus.model.backbone_features import BackboneFeatures
-from nexus.model.layers import MultiHeadAttention, mlp, normalize_proprio, timestep_embedding
+from nexus.model.layers import MultiHeadAttention, mlp, timestep_embedding
 
 
 class DiTBlock(nn.Module):
@@ -78,7 +78,7 @@ class GR00TActionHead(nn.Module):
         a = self.action_w1(x)
         a = self.action_w3(nn.functional.silu(self.action_w2(torch.cat([a, temb_raw.unsqueeze(1).expand_as(a)], -1))))
         if self.state_encoder is not None:
-            state = self.state_encoder(normalize_proprio(proprio)).unsqueeze(1)
+            state = self.state_encoder(proprio).unsqueeze(1)
             seq = torch.cat([state, a], 1) + self.position.unsqueeze(0)
         else:
             seq = a + self.position[1:].unsqueeze(0)

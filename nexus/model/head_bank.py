@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from nexus.model.layers import normalize_proprio
 from nexus.model.oft_head import OFTActionHead
 from nexus.model.policy import TenantPolicy
+from nexus.model.proprio_norm import CLIP
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class HeadShape:
     hidden: int
     action_dim: int
     chunk: int
+    proprio_norm: str  # "tanh" or "running" (per-slot statistics): nexus.model.proprio_norm
 
 
 def head_shape(policy: TenantPolicy) -> HeadShape | None:
@@ -41,7 +43,7 @@ def head_shape(policy: TenantPolicy) -> HeadShape | None:
     if not isinstance(head, OFTActionHead) or policy.value is None or head.proprio_proj is None:
         return None
     return HeadShape(head.feat_proj.in_features, head.proprio_proj.in_features, head.feat_proj.out_features,
-                     head.action_dim, head.chunk)
+                     head.action_dim, head.chunk, policy.proprio_norm.kind)
 
 
 def _linears(policy: TenantPolicy) -> dict[str, torch.nn.Linear]:
@@ -63,6 +65,8 @@ class HeadBank:
         self.biases: dict[str, torch.Tensor] = {}
         self.queries = torch.zeros(0)
         self.log_std = torch.zeros(0)
+        self.state_mean = torch.zeros(0)  # "running" banks: each slot's state statistics (else unused zeros)
+        self.state_inv_std = torch.zeros(0)
         self._allocate(capacity)
 
     @property
@@ -78,11 +82,14 @@ class HeadBank:
         grown_w = {k: torch.zeros(capacity, i, o) for k, (i, o) in dims.items()}
         grown_b = {k: torch.zeros(capacity, 1, o) for k, (_, o) in dims.items()}
         queries, log_std = torch.zeros(capacity, s.chunk, s.hidden), torch.zeros(capacity, s.chunk * s.action_dim)
+        mean, inv_std = torch.zeros(capacity, s.proprio_dim), torch.ones(capacity, s.proprio_dim)
         if old:
             for k in dims:
                 grown_w[k][:old], grown_b[k][:old] = self.weights[k], self.biases[k]
             queries[:old], log_std[:old] = self.queries, self.log_std
+            mean[:old], inv_std[:old] = self.state_mean, self.state_inv_std
         self.weights, self.biases, self.queries, self.log_std = grown_w, grown_b, queries, log_std
+        self.state_mean, self.state_inv_std = mean, inv_std
         self._free = sorted(set(self._free) | set(range(old, capacity)) - set(self.slots.values()))
 
     def holds(self, tenant: str, policy: TenantPolicy) -> bool:
@@ -103,6 +110,9 @@ class HeadBank:
             self.biases[name][i, 0].copy_(layer.bias)
         self.queries[i].copy_(policy.head.action_queries)
         self.log_std[i].copy_(policy.head.log_std)
+        if self.shape.proprio_norm == "running":
+            self.state_mean[i].copy_(policy.proprio_norm.mean)
+            self.state_inv_std[i].copy_(policy.proprio_norm.inv_std())
         self.held[tenant] = policy
 
     def drop(self, tenant: str) -> None:
@@ -130,7 +140,7 @@ class HeadBank:
         m = int(counts.max())
         x = pooled.new_zeros(used, m, pooled.shape[1])
         p = pooled.new_zeros(used, m, proprio.shape[1])
-        x[slots, pos], p[slots, pos] = pooled, normalize_proprio(proprio.to(pooled.dtype))
+        x[slots, pos], p[slots, pos] = pooled, self._normalized(proprio.to(pooled.dtype), at)
         s = self.shape
         ctx = self._layer("feat_proj", x, span) + self._layer("proprio_proj", p, span)  # [S, m, H]
         tokens = (ctx.unsqueeze(2) + self.queries[span].unsqueeze(1)).reshape(used, m * s.chunk, s.hidden)
@@ -141,6 +151,12 @@ class HeadBank:
         v = F.gelu(self._layer("val1", v, span))
         value = self._layer("val2", v, span).squeeze(-1)
         return mean[slots, pos], self.log_std[at], value[slots, pos]
+
+    def _normalized(self, proprio: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """Each row's state as its tenant's policy normalizes it (``TenantPolicy.proprio_norm``)."""
+        if self.shape.proprio_norm == "running":
+            return ((proprio - self.state_mean[at]) * self.state_inv_std[at]).clamp(-CLIP, CLIP)
+        return normalize_proprio(proprio)
 
     def padded_rows(self, tenants: list[str]) -> int:
         """Rows :meth:`forward` would compute for these rows' tenants, padding included."""

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nexus.model.backbone_features import BackboneFeatures
-from nexus.model.layers import mlp, mlp_plain, normalize_proprio
+from nexus.model.layers import mlp, mlp_plain
 
 
 class OFTActionHead(nn.Module):
@@ -40,16 +40,17 @@ class OFTActionHead(nn.Module):
 
     def forward(self, feat: torch.Tensor | BackboneFeatures, proprio: torch.Tensor,
                 plain: bool = False) -> torch.Tensor:
-        """The Gaussian mean, [N, chunk*action_dim]. ``plain``: the same ops without a module call per layer
+        """The Gaussian mean, [N, chunk*action_dim], of ``proprio`` as the policy normalized it
+        (:mod:`nexus.model.proprio_norm`). ``plain``: the same ops without a module call per layer
         (inference on a plain module: see :func:`~nexus.model.layers.mlp_plain`)."""
         pooled = feat.pooled if isinstance(feat, BackboneFeatures) else feat
         if plain:
             ctx = F.linear(pooled, self.feat_proj.weight, self.feat_proj.bias)
             if self.proprio_proj is not None:
-                ctx = ctx + F.linear(normalize_proprio(proprio), self.proprio_proj.weight, self.proprio_proj.bias)
+                ctx = ctx + F.linear(proprio, self.proprio_proj.weight, self.proprio_proj.bias)
             return mlp_plain(self.decoder, ctx.unsqueeze(1) + self.action_queries.unsqueeze(0)).flatten(1)
         ctx = self.feat_proj(pooled)
         if self.proprio_proj is not None:
-            ctx = ctx + self.proprio_proj(normalize_proprio(proprio))
+            ctx = ctx + self.proprio_proj(proprio)
         tokens = ctx.unsqueeze(1) + self.action_queries.unsqueeze(0)  # [N, chunk, hidden]
         return self.decoder(tokens).flatten(1)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nexus.model.backbone_features import BackboneFeatures
-from nexus.model.layers import MultiHeadAttention, normalize_proprio, timestep_embedding
+from nexus.model.layers import MultiHeadAttention, timestep_embedding
 
 
 class PiExpertLayer(nn.Module):
@@ -81,7 +81,7 @@ class PiActionExpert(nn.Module):
         a = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat([a, temb], -1))))
         has_state = self.state_proj is not None
         if has_state:
-            state = self.state_proj(normalize_proprio(proprio)).unsqueeze(1)  # type: ignore[misc]
+            state = self.state_proj(proprio).unsqueeze(1)  # type: ignore[misc]
             seq = torch.cat([state, a], 1) + self.position.unsqueeze(0)
         else:
             seq = a + self.position[1:].unsqueeze(0)

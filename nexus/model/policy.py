@@ -27,10 +27,11 @@ from nexus.features import TenantSchema
 from nexus.model.backbone_features import BackboneFeatures, DeferredFeatures
 from nexus.model.flow_matching import FlowConfig, integrate
 from nexus.model.groot_head import GR00TActionHead
-from nexus.model.layers import mlp, mlp_plain, normalize_proprio
+from nexus.model.layers import mlp, mlp_plain
 from nexus.model.lora import TenantAdapter
 from nexus.model.oft_head import OFTActionHead
 from nexus.model.pi_head import PiActionExpert
+from nexus.model.proprio_norm import build_proprio_norm
 from nexus.spec import RL_ACTION_HEADS, TenantSpec
 
 FAMILIES = ("oft", "groot", "pi")
@@ -52,6 +53,7 @@ class ActionHeadConfig:
     hidden_dim: int = 256  # width of the head / expert
     chunk: int = 1  # actions predicted per observation
     init_log_std: float = -0.5  # oft: initial Gaussian std (log)
+    proprio_norm: str = "tanh"  # how the state is scaled before the head reads it (nexus.model.proprio_norm)
     heads: int = 4  # groot / pi: attention heads
     depth: int | None = None  # groot: DiT blocks (4); pi: expert layers = backbone layers attended (2)
     flow_steps: int | None = None  # Euler steps at inference: groot 4 (GR00T N1), pi 10 (π0)
@@ -66,7 +68,8 @@ class ActionHeadConfig:
     @classmethod
     def from_spec(cls, spec: TenantSpec, chunk: int | None = None) -> ActionHeadConfig:
         return cls(family=spec.action_head, hidden_dim=spec.hidden_dim,
-                   chunk=chunk if chunk is not None else spec.chunk, init_log_std=spec.init_log_std)
+                   chunk=chunk if chunk is not None else spec.chunk, init_log_std=spec.init_log_std,
+                   proprio_norm=spec.proprio_norm)
 
     @property
     def resolved_depth(self) -> int:
@@ -88,7 +91,7 @@ def build_action_head(cfg: ActionHeadConfig, feat_dim: int, schema: TenantSchema
 
 
 class ValueHead(nn.Module):
-    """MLP(pooled feature ⊕ normalized proprio) -> scalar state value."""
+    """MLP(pooled feature ⊕ normalized proprio) -> scalar state value (``proprio`` comes normalized)."""
 
     def __init__(self, feat_dim: int, proprio_dim: int, hidden_dim: int = 256) -> None:
         super().__init__()
@@ -97,7 +100,7 @@ class ValueHead(nn.Module):
     def forward(self, feat: torch.Tensor | BackboneFeatures, proprio: torch.Tensor,
                 plain: bool = False) -> torch.Tensor:
         pooled = feat.pooled if isinstance(feat, BackboneFeatures) else feat
-        x = torch.cat([pooled, normalize_proprio(proprio)], dim=-1)
+        x = torch.cat([pooled, proprio], dim=-1)
         return (mlp_plain(self.net, x) if plain else self.net(x)).squeeze(-1)
 
 
@@ -111,12 +114,14 @@ class TenantPolicy(nn.Module):
     """
 
     def __init__(self, head: nn.Module, value: ValueHead | None, cfg: ActionHeadConfig,
-                 lora: TenantAdapter | None = None) -> None:
+                 lora: TenantAdapter | None = None, proprio_dim: int = 0) -> None:
         super().__init__()
         self.head = head
         self.value = value
         self.cfg = cfg
         self.lora = lora
+        # the state as the head and critic read it; "running" statistics are buffers (they sync with the weights)
+        self.proprio_norm = build_proprio_norm(cfg.proprio_norm, proprio_dim)
 
     @classmethod
     def from_spec(cls, spec: TenantSpec, schema: TenantSchema, feat_dim: int, chunk: int | None = None,
@@ -141,7 +146,7 @@ class TenantPolicy(nn.Module):
                     raise ValueError(f"tenant {spec.name!r} has a LoRA adapter: its backbone projection shapes "
                                      "(lora_shapes) are needed to build it")
                 lora = TenantAdapter(spec.lora, lora_shapes)
-        return cls(head, value, cfg, lora)
+        return cls(head, value, cfg, lora, schema.proprio_dim)
 
     @classmethod
     def from_bytes(cls, data: bytes, spec: TenantSpec, schema: TenantSchema, feat_dim: int, chunk: int | None = None,
@@ -193,7 +198,7 @@ class TenantPolicy(nn.Module):
         feats = BackboneFeatures.of(feat if isinstance(feat, BackboneFeatures) else torch.as_tensor(feat))
         if self.prefix_layers:  # fails clearly when the prefix tokens this family reads are missing
             feats = feats.with_layers(self.prefix_layers)
-        return feats.to(p.device, p.dtype), torch.as_tensor(proprio).to(p.device, p.dtype)
+        return feats.to(p.device, p.dtype), self.proprio_norm(torch.as_tensor(proprio).to(p.device, p.dtype))
 
     # -- actions -----------------------------------------------------------------------------------
 

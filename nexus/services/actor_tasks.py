@@ -34,6 +34,7 @@ from nexus.messages import (
     UpdateResult,
     Work,
 )
+from nexus.model.proprio_norm import RunningProprio
 from nexus.services import export, ops
 from nexus.services.actor_host import ActorHost, metered
 from nexus.services.slot_rebuild import rebuild_each
@@ -136,7 +137,17 @@ def update_rl(actor: ActorHost, slot: TenantSlot, work: RLWork) -> dict[str, flo
     own = None if slot.world_size == 1 else shard(table.num_rows, slot.rank, slot.world_size).rows
     feats, proprio, cached = actor.batch_features(slot, table, arrays, work.use_cached_features, own)
     with slot.lr_scaled(work.lr_scale):
-        return ppo.update(slot, feats, proprio, arrays, work.config) | {"cached_features": float(cached)}
+        metrics = ppo.update(slot, feats, proprio, arrays, work.config) | {"cached_features": float(cached)}
+    observe_states(slot, arrays)
+    return metrics
+
+
+def observe_states(slot: TenantSlot, arrays: dict) -> None:
+    """After an RL update: a ``running`` proprio normalization folds in the whole batch's states (every rank the
+    same rows: the ranks keep identical statistics); the next version acts and trains with them."""
+    norm = slot.policy.proprio_norm
+    if isinstance(norm, RunningProprio) and "state" in arrays:
+        norm.observe(arrays["state"])
 
 
 def update_grpo(actor: ActorHost, slot: TenantSlot, work: GRPOWork, output_dir: str) -> dict[str, float]:
@@ -153,7 +164,9 @@ def update_grpo(actor: ActorHost, slot: TenantSlot, work: GRPOWork, output_dir: 
         with torch.no_grad():
             ref_logprob, _, _ = ref.evaluate(feats, proprio, torch.as_tensor(np.array(arrays["action"][mine])))
     with slot.lr_scaled(work.lr_scale):
-        return grpo.update(slot, feats, proprio, arrays, work.config, ref_logprob) | {"cached_features": float(cached)}
+        metrics = grpo.update(slot, feats, proprio, arrays, work.config, ref_logprob)
+    observe_states(slot, arrays)
+    return metrics | {"cached_features": float(cached)}
 
 
 # one update per kind of work: (actor, slot, work, the tenant's output dir) -> metrics
