@@ -119,8 +119,8 @@ class TenantSpec(_Spec):
     init_log_std: float = -0.5
     proprio_norm: Literal["tanh", "running"] = Field(
         "tanh", description="how the head reads the state: tanh(x / 3) (fixed), or running: standardized by the "
-        "running mean / variance of the states of the tenant's RL jobs' batches (CleanRL's observation "
-        "normalization; SFT steps and low-level ops leave the statistics as they are)")
+        "running mean / variance of the states of the tenant's training batches, SFT and RL (CleanRL's "
+        "observation normalization; low-level ops leave the statistics as they are)")
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0, description="max gradient norm of every optimizer step")

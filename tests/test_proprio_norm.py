@@ -123,3 +123,24 @@ def test_an_update_scores_its_batch_with_the_statistics_it_was_collected_under_t
     np.testing.assert_allclose(norm.mean.numpy(), cols["state"].mean(0), rtol=1e-4, atol=1e-6)
     published = TenantPolicy.from_bytes(slot.export_weights(), setup.spec, setup.schema, host.feat_dim)
     torch.testing.assert_close(published.proprio_norm.mean, norm.mean)  # the engines get them with the weights
+
+
+def test_sft_steps_fold_in_their_batches_states(tmp_path):
+    """An SFT tenant's statistics settle on its dataset's states (RL after SFT reads the scale SFT trained at)."""
+    from nexus.messages import SFTWork
+    from nexus.model.preprocessor import TenantPreprocessor
+    from nexus.services.actor_host import ActorHost
+    from nexus.services.actor_tasks import update_sft
+    from nexus.services.tenant_slot import TenantSlot
+
+    host = ActorHost(ServiceConfig(root=str(tmp_path)))
+    schema = catalog.dataset("pickcube-scripted").schema
+    spec = TenantSpec(name="s", dataset="pickcube-scripted", hidden_dim=32, proprio_norm="running", seed=5)
+    host.slots["s"] = slot = TenantSlot(spec, schema, host.feat_dim)
+    host.framework.add_tenant("s", slot.policy, TenantPreprocessor(schema, host.backbone_cfg))
+    states = [host.dataset("pickcube-scripted").sample_batch(8, step, spec.seed)["state"] for step in (0, 1)]
+    for step in (0, 1):
+        update_sft(host, slot, SFTWork("pickcube-scripted", step, 8))
+    norm = slot.policy.proprio_norm
+    assert int(norm.count) == 16
+    np.testing.assert_allclose(norm.mean.numpy(), np.concatenate(states).mean(0), rtol=1e-4, atol=1e-6)

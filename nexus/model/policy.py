@@ -91,7 +91,7 @@ def build_action_head(cfg: ActionHeadConfig, feat_dim: int, schema: TenantSchema
 
 
 class ValueHead(nn.Module):
-    """MLP(pooled feature ⊕ normalized proprio) -> scalar state value (``proprio`` comes normalized)."""
+    """MLP(pooled feature ⊕ proprio, as the policy normalized it) -> scalar state value."""
 
     def __init__(self, feat_dim: int, proprio_dim: int, hidden_dim: int = 256) -> None:
         super().__init__()

@@ -2,16 +2,17 @@
 (``TenantSpec.proprio_norm``).
 
 - ``tanh``: tanh(x / 3), the same for every tenant, no statistics (the default).
-- ``running``: each dimension standardized by the running mean and variance of the states of the tenant's RL
-  batches, clipped to ±5 (the observation normalization of CleanRL's and Stable-Baselines3's PPO). A task
-  whose informative states are small (PushCube's cube and goal positions: ~2-6 cm of spread, tanh(x / 3)
-  makes them ~0.01) then reads them at unit scale: PPO on PushCube learned ~2x faster per update
-  (``experiments/rl_learning/README.md``).
+- ``running``: each dimension standardized by the running mean and variance of the states of the tenant's
+  training batches (SFT steps and RL updates; low-level ops leave them), clipped to ±5: the observation
+  normalization of CleanRL's and Stable-Baselines3's PPO. A task whose informative states are small (PushCube's
+  cube and goal positions: ~2-6 cm of spread, tanh(x / 3) makes them ~0.01) then reads them at unit scale: PPO on
+  PushCube learned ~2x faster per update (``experiments/rl_learning/README.md``).
 
 The statistics are buffers of the policy, so they travel with its weights: to the inference engines at each
 weight sync, into checkpoints and exports. The actor folds a batch's states in *after* the update that trained
-on it (:func:`nexus.services.actor_tasks.update_rl`): an update scores its batch with the statistics the
-batch was collected under, and the next version acts with the statistics it was trained for.
+on it (:func:`nexus.services.actor_tasks.observe_states`): an update scores its batch with the statistics the
+batch was collected under; the new version then collects its batch, and is trained on it, with the updated ones.
+An SFT tenant's statistics settle on its dataset's states, so RL after SFT starts from the scale SFT trained at.
 """
 
 from __future__ import annotations

@@ -115,6 +115,7 @@ def update_sft(actor: ActorHost, slot: TenantSlot, work: SFTWork) -> dict[str, f
     mine = _rows(batch, part)
     feats, proprio = actor.features(slot.name, ds.observations(mine))
     metrics = sft.update(slot, feats, proprio, targets(mine), work.step, part)
+    observe_states(slot, batch)
     if work.eval_heldout:
         held = ds.heldout()
         part = shard(len(held["episode"]), slot.rank, slot.world_size)
@@ -143,8 +144,8 @@ def update_rl(actor: ActorHost, slot: TenantSlot, work: RLWork) -> dict[str, flo
 
 
 def observe_states(slot: TenantSlot, arrays: dict) -> None:
-    """After an RL update: a ``running`` proprio normalization folds in the whole batch's states (every rank the
-    same rows: the ranks keep identical statistics); the next version acts and trains with them."""
+    """After an SFT step or RL update: a ``running`` proprio normalization folds in the whole batch's states (every
+    rank the same rows: the ranks keep identical statistics); the next version acts and trains with them."""
     norm = slot.policy.proprio_norm
     if isinstance(norm, RunningProprio) and "state" in arrays:
         norm.observe(arrays["state"])
