@@ -14,6 +14,7 @@ import torch
 from nexus import catalog
 from nexus.algorithms.ppo import PPOConfig
 from nexus.config import ServiceConfig
+from nexus.features import TenantSchema
 from nexus.model.policy import TenantPolicy
 from nexus.model.proprio_norm import CLIP, MIN_VAR, RunningProprio
 from nexus.policy import proprio_normalization
@@ -45,20 +46,19 @@ def test_running_statistics_merge_batches_as_one_pass_and_standardize():
     assert int(norm.count) == 300
 
 
-def _policy(norm: str) -> TenantPolicy:
+def _policy(norm: str) -> tuple[TenantPolicy, TenantSpec, TenantSchema]:
     spec, schema = validate_tenant(TenantSpec(name="n", env=PUSH, hidden_dim=32, proprio_norm=norm))
-    return TenantPolicy.from_spec(spec, schema, FEAT)
+    return TenantPolicy.from_spec(spec, schema, FEAT), spec, schema
 
 
 def test_the_statistics_travel_with_the_weights_and_tanh_tenants_keep_their_state_dict():
-    assert not any(k.startswith("proprio_norm.") for k in _policy("tanh").state_dict())  # stored weights still load
-    p = _policy("running")
+    assert not any(k.startswith("proprio_norm.") for k in _policy("tanh")[0].state_dict())  # stored weights load
+    p, spec, schema = _policy("running")
     assert {"proprio_norm.mean", "proprio_norm.var", "proprio_norm.count"} <= set(p.state_dict())
     states = np.random.default_rng(1).normal(0.3, 0.05, size=(64, 35))
     p.proprio_norm.observe(states)
     buf = io.BytesIO()
     torch.save(p.state_dict(), buf)
-    spec, schema = validate_tenant(TenantSpec(name="n", env=PUSH, hidden_dim=32, proprio_norm="running"))
     q = TenantPolicy.from_bytes(buf.getvalue(), spec, schema, FEAT)
     assert int(q.proprio_norm.count) == 64
     feat, proprio = torch.randn(4, FEAT), torch.as_tensor(states[:4], dtype=torch.float32)
@@ -68,7 +68,9 @@ def test_the_statistics_travel_with_the_weights_and_tanh_tenants_keep_their_stat
     np.testing.assert_allclose(described["mean"], states.mean(0), rtol=1e-5)
     assert proprio_normalization(spec.model_copy(update={"proprio_norm": "tanh"}), {})["transform"] == "tanh"
     fresh = copy.deepcopy(p)  # the same weights without the statistics: the head reads other numbers
-    fresh.proprio_norm.count.zero_(), fresh.proprio_norm.mean.zero_(), fresh.proprio_norm.var.fill_(1.0)
+    fresh.proprio_norm.count.zero_()
+    fresh.proprio_norm.mean.zero_()
+    fresh.proprio_norm.var.fill_(1.0)
     assert not torch.allclose(fresh.act(feat, proprio, deterministic=True)[0],
                               p.act(feat, proprio, deterministic=True)[0])
 

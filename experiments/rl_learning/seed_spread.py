@@ -19,7 +19,9 @@ PPO's learning-rate annealing, 120 updates, a final deterministic evaluation of 
     PYTHONPATH=$PWD .venv/bin/python experiments/rl_learning/seed_spread.py --side table \
         --compare service_const120,service_anneal120 --out anneal_lr.json
 
-The same, annealed from twice the demo's learning rate (``--lr 1e-3 --tag _anneal120_lr1e-3``).
+The same, annealed from twice the demo's learning rate (``--lr 1e-3 --tag _anneal120_lr1e-3``), and with the state
+standardized by running statistics (``--proprio-norm running --tag _anneal120_running``; ``--compare
+service_anneal120,service_anneal120_running --out proprio_norm.json``).
 """
 
 from __future__ import annotations
