@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from nexus.model.layers import normalize_proprio
 from nexus.model.oft_head import OFTActionHead
 from nexus.model.policy import TenantPolicy
-from nexus.model.proprio_norm import CLIP
+from nexus.model.proprio_norm import standardize
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class HeadBank:
     def _normalized(self, proprio: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
         """Each row's state as its tenant's policy normalizes it (``TenantPolicy.proprio_norm``)."""
         if self.shape.proprio_norm == "running":
-            return ((proprio - self.state_mean[at]) * self.state_inv_std[at]).clamp(-CLIP, CLIP)
+            return standardize(proprio, self.state_mean[at], self.state_inv_std[at])
         return normalize_proprio(proprio)
 
     def padded_rows(self, tenants: list[str]) -> int:

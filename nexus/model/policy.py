@@ -198,7 +198,7 @@ class TenantPolicy(nn.Module):
         feats = BackboneFeatures.of(feat if isinstance(feat, BackboneFeatures) else torch.as_tensor(feat))
         if self.prefix_layers:  # fails clearly when the prefix tokens this family reads are missing
             feats = feats.with_layers(self.prefix_layers)
-        return feats.to(p.device, p.dtype), self.proprio_norm(torch.as_tensor(proprio).to(p.device, p.dtype))
+        return feats.to(p.device, p.dtype), self.proprio_norm.normalize(torch.as_tensor(proprio).to(p.device, p.dtype))
 
     # -- actions -----------------------------------------------------------------------------------
 

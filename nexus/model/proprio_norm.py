@@ -28,13 +28,24 @@ CLIP = 5.0  # standardized states beyond ±5 are clipped (a rare joint-velocity 
 MIN_VAR = 1e-4  # a variance floor: a state that never moved (a constant flag) is not blown up by noise
 
 
+def standardize(proprio: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor) -> torch.Tensor:
+    """The running normalization's formula (one tenant's statistics, or each row's tenant's in the head bank)."""
+    return ((proprio - mean) * inv_std).clamp(-CLIP, CLIP)
+
+
 class TanhProprio(nn.Module):
     """tanh(x / 3): no statistics, no buffers (a tenant's state dict is what it was before this option)."""
 
     kind = "tanh"
 
-    def forward(self, proprio: torch.Tensor) -> torch.Tensor:
+    def normalize(self, proprio: torch.Tensor) -> torch.Tensor:
+        """The state as the head reads it (called as a method, not a module: it is on every action's path)."""
         return normalize_proprio(proprio)
+
+    forward = normalize
+
+    def observe(self, states: np.ndarray | torch.Tensor) -> None:
+        """Nothing to learn from states."""
 
 
 class RunningProprio(nn.Module):
@@ -49,8 +60,10 @@ class RunningProprio(nn.Module):
         # an integer: a policy cast to half precision keeps an exact count
         self.register_buffer("count", torch.zeros((), dtype=torch.long))
 
-    def forward(self, proprio: torch.Tensor) -> torch.Tensor:
-        return ((proprio - self.mean) * self.inv_std()).clamp(-CLIP, CLIP)
+    def normalize(self, proprio: torch.Tensor) -> torch.Tensor:
+        return standardize(proprio, self.mean, self.inv_std())
+
+    forward = normalize
 
     def inv_std(self) -> torch.Tensor:
         return torch.rsqrt(self.var + MIN_VAR)

@@ -34,7 +34,6 @@ from nexus.messages import (
     UpdateResult,
     Work,
 )
-from nexus.model.proprio_norm import RunningProprio
 from nexus.services import export, ops
 from nexus.services.actor_host import ActorHost, metered
 from nexus.services.slot_rebuild import rebuild_each
@@ -144,11 +143,10 @@ def update_rl(actor: ActorHost, slot: TenantSlot, work: RLWork) -> dict[str, flo
 
 
 def observe_states(slot: TenantSlot, arrays: dict) -> None:
-    """After an SFT step or RL update: a ``running`` proprio normalization folds in the whole batch's states (every
+    """After an SFT step or RL update: the tenant's proprio normalization folds in the whole batch's states (every
     rank the same rows: the ranks keep identical statistics); the next version acts and trains with them."""
-    norm = slot.policy.proprio_norm
-    if isinstance(norm, RunningProprio) and "state" in arrays:
-        norm.observe(arrays["state"])
+    if "state" in arrays:
+        slot.policy.proprio_norm.observe(arrays["state"])
 
 
 def update_grpo(actor: ActorHost, slot: TenantSlot, work: GRPOWork, output_dir: str) -> dict[str, float]:
