@@ -27,7 +27,7 @@ from nexus import scheduling
 from nexus.emulation import EmulationSettings
 from nexus.errors import SpecError, describe_errors
 from nexus.paths import private_write_bytes
-from nexus.scheduling import SchedulerPolicy
+from nexus.scheduling import SchedulerPolicy, SplitRule
 
 ENV_VAR = "NEXUS_SERVICE_CONFIG"
 # Hugging Face ``model_type`` of each backbone family's checkpoints (config.json)
@@ -37,7 +37,7 @@ CHECKPOINT_MODEL_TYPES = {"qwen3vl": ("qwen3_vl",), "paligemma": ("paligemma",)}
 POLICY_FIELDS: dict[str, tuple[str | None, str]] = {
     "queue_order": ("dispatch", "queue_order"), "isolated": ("dispatch", "isolated"),
     "max_concurrent_updates": ("dispatch", "max_concurrent_updates"), "eval_fanout": ("dispatch", "eval_fanout"),
-    "rollout_split": ("dispatch", "rollout_split"),
+    "rollout_split": ("dispatch", "rollout_split"), "rollout_split_rule": ("dispatch", "rollout_split_rule"),
     "default_max_inflight": ("dispatch", "default_max_inflight"),
     "default_max_staleness": ("dispatch", "default_max_staleness"),
     "infer_max_wait_s": (None, "infer_max_wait_s"), "infer_max_batch": (None, "infer_max_batch"),
@@ -112,8 +112,10 @@ class DispatchSettings(BaseModel):
     queue_order: Literal["fifo", "priority", "critical"] = Field("priority", description="training queue order")
     isolated: bool = Field(False, description="isolated baseline: tenants' jobs one after another")
     eval_fanout: int = Field(2, ge=1, description="rollout tasks per evaluation job")
-    rollout_split: int = Field(1, ge=1, description="an RL batch over up to this many rollout tasks while "
-                               "simulator places are free (1: the job's own split)")
+    rollout_split: int = Field(1, ge=1, description="an RL batch over up to this many rollout tasks (1: the job's "
+                               "own split)")
+    rollout_split_rule: SplitRule = Field("free", description="'free': split only over simulator places free now; "
+                                          "'always': every RL batch")
     default_max_inflight: int = Field(2, ge=1, description="TenantSpec.max_inflight when a tenant leaves it unset")
     default_max_staleness: int = Field(128, ge=0, description="TenantSpec.max_staleness when a tenant leaves it "
                                        "unset")

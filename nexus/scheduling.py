@@ -24,6 +24,10 @@ from nexus.errors import SpecError, describe_errors
 DEFAULT = "priority"  # the default: the best median efficiency in experiments/multitenant/ (priority.toml)
 
 
+# when a policy's rollout_split applies: while simulator places are free now, or to every RL batch
+SplitRule = Literal["free", "always"]
+
+
 class SchedulerPolicy(BaseModel):
     """One ``schedulers/<name>.toml`` file (flat keys; unknown keys are refused)."""
 
@@ -47,8 +51,12 @@ class SchedulerPolicy(BaseModel):
                                        "unset")
     eval_fanout: int = Field(2, ge=1, description="rollout tasks an evaluation job splits its episodes over")
     rollout_split: int = Field(1, ge=1, description="an RL batch is split over up to this many rollout tasks at "
-                               "once (one wave of a producer's envs each) while simulator places are free that "
-                               "no tenant waits for; 1: each job's own RLJob.split only")
+                               "once (one wave of a producer's envs each; when: rollout_split_rule); 1: each job's "
+                               "own RLJob.split only")
+    rollout_split_rule: SplitRule = Field(
+        "free", description="when rollout_split applies: 'free' (only while that many simulator places are free "
+        "that no tenant waits for: the split follows the moment's free places) or 'always' (every RL batch, the "
+        "parts queueing for places like any rollout task: the split does not depend on timing)")
     sync_policy: Literal["lazy", "eager"] = Field("lazy", description="weight sync to inference (DataPathSettings)")
     sync_every: int = Field(0, ge=0, description="lazy sync: also push every N versions (0: never)")
 

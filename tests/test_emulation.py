@@ -68,6 +68,7 @@ def test_emulation_settings_in_the_service_config():
         EmulationSettings(calibration="paper_gpu", producers_per_sim=0)
     elastic = ServiceConfig(root="/tmp/x", scheduler="elastic")  # the policy's split reaches the dispatch settings
     assert elastic.dispatch.rollout_split == 4 and ServiceConfig(root="/tmp/x").dispatch.rollout_split == 1
+    assert elastic.dispatch.rollout_split_rule == "always"
     assert DeviceCounts.parse("16-16-32").total == 64
     with pytest.raises(SpecError, match="actor-inference-simulator"):
         DeviceCounts.parse("2-2")
@@ -224,6 +225,7 @@ def test_critical_order_puts_unblocking_work_first_then_the_longest_remaining_ch
 
 
 def test_an_rl_batch_is_split_over_free_simulator_places_up_to_the_policy_and_one_wave_each():
+    from nexus import scheduling
     from nexus.config import DataPathSettings
     from nexus.control.flows import FlowContext
     from nexus.control.sim_slots import SimSlots
@@ -243,6 +245,11 @@ def test_an_rl_batch_is_split_over_free_simulator_places_up_to_the_policy_and_on
     assert ctx.batch_split(1, 64, push) == 1  # one free place: no split
     cap[0] = 3
     assert ctx.batch_split(1, 64, push) == 2
+    ctx.follow(scheduling.load("elastic"))  # rule "always": the split no longer follows the moment's free places
+    assert (ctx.rollout_split, ctx.rollout_split_rule) == (4, "always")
+    cap[0] = 2
+    assert ctx.batch_split(1, 64, push) == 4
+    assert ctx.batch_split(1, 16, push) == 2  # still one wave each
 
 
 # -- one emulated 2-2-4 service ----------------------------------------------------------------------------
@@ -363,9 +370,9 @@ def test_the_isolated_policy_really_isolates_on_emulated_devices(nx):
             assert p["t1"] <= q["t0"] + 1e-3 or q["t1"] <= p["t0"] + 1e-3, (p, q)
 
 
-def test_the_elastic_policy_splits_an_rl_batch_over_free_simulators_and_keeps_its_episodes(nx):
+def test_the_elastic_policy_splits_an_rl_batch_over_simulators_and_keeps_its_episodes(nx):
     """One RL batch of 8 episodes (K = 4 envs a producer): one rollout task under ``priority``, two at once under
-    ``elastic`` (4 of the 2-2-4 service's 4 simulator places are free); the same episodes either way."""
+    ``elastic`` (on two of the 2-2-4 service's 4 simulator devices); the same episodes either way."""
     from nexus import scheduling
 
     got = {}

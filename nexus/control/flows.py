@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nexus import catalog
-from nexus.config import DataPathSettings, QosSettings
+from nexus.config import DataPathSettings, DispatchSettings, QosSettings
 from nexus.control import tasks
 from nexus.control.queues import TrainingItem
 from nexus.control.shares import even_shares
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from nexus.control.queues import TrainingQueue
     from nexus.control.runtime import DaskRuntime
     from nexus.control.tenants import TenantState
+    from nexus.scheduling import SchedulerPolicy, SplitRule
     from nexus.spec import RLJob
 
 logger = logging.getLogger("nexus.flows")
@@ -51,6 +52,7 @@ class FlowContext:
     datapath: DataPathSettings = field(default_factory=DataPathSettings)
     eval_fanout: int = 2  # rollout tasks per evaluation job at once (the scheduling policy's eval_fanout)
     rollout_split: int = 1  # an RL batch over up to this many rollout tasks (the policy's rollout_split)
+    rollout_split_rule: SplitRule = "free"  # only while simulator places are free now, or "always"
     emulation: EmulationSettings | None = None  # an emulated service's calibration, sent with every rollout
     qos: QosSettings | None = None  # the simulators' fair share and evaluation task size (None: Dask's order)
     sim_slots: SimSlots | None = None  # built from ``qos`` unless given
@@ -64,15 +66,23 @@ class FlowContext:
         """An evaluation's rollout tasks run at most this many episodes each."""
         return self.qos.sim_task_episodes if self.qos is not None else 1_000_000
 
+    def follow(self, policy: DispatchSettings | SchedulerPolicy) -> None:
+        """The scheduling policy's knobs for the flows that start from now on (the service's dispatch settings
+        at boot, a switched policy later: both name them alike)."""
+        self.eval_fanout, self.rollout_split = policy.eval_fanout, policy.rollout_split
+        self.rollout_split_rule = policy.rollout_split_rule
+
     def batch_split(self, split: int, episodes: int, env: str) -> int:
-        """Rollout tasks for one RL batch: the job's ``split``, or more while simulator places are free that no
-        tenant waits for — up to the policy's ``rollout_split``, and no more than one wave of a producer's envs
-        each (a part with fewer episodes than a producer's envs would not end sooner)."""
+        """Rollout tasks for one RL batch: the job's ``split``, or more — up to the policy's ``rollout_split``, no
+        more than one wave of a producer's envs each (a part with fewer episodes than a producer's envs would not
+        end sooner), and under the rule ``"free"`` no more than the simulator places free now that no tenant waits
+        for (``"always"``: the parts queue for places like any rollout task, so the split does not race timing)."""
         if self.rollout_split <= split or self.sim_slots is None:
             return split
         envs = max(self.datapath.envs_per_producer, catalog.env(env).num_envs)
         waves = -(-episodes // envs)
-        return max(split, min(self.rollout_split, waves, self.sim_slots.free()))
+        free = waves if self.rollout_split_rule == "always" else self.sim_slots.free()
+        return max(split, min(self.rollout_split, waves, free))
 
     def sync_rule(self, live_consumers: bool) -> SyncRule:
         """Lazy weight sync (decided on the actor, ``SyncRule.should_push``): a tenant's RL job reads its live

@@ -145,7 +145,7 @@ class JobManager:
         """A new scheduling policy for jobs that start from now on: shared or isolated admission, the
         evaluation fan-out, the RL batches' split and the weight-sync rule (``sync_policy``, ``sync_every``)."""
         self.admission.apply(policy)
-        self.ctx.eval_fanout, self.ctx.rollout_split = policy.eval_fanout, policy.rollout_split
+        self.ctx.follow(policy)
         self.ctx.datapath = self.ctx.datapath.model_copy(update=policy_settings(policy, "datapath"))
 
     def log(self, js: JobState, metrics: dict[str, Any], step: int, kind: str) -> None:

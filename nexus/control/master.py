@@ -76,8 +76,8 @@ class Master:
         self.op_runs = OpRuns(self.tracker, config.ops_idle_s)
         ctx = flows.FlowContext(self.dispatcher, self.queue, self.pool, self.health, self.runtime,
                                 config.dispatch.rollout_attempts, log=lambda *a: None, datapath=config.datapath,
-                                eval_fanout=config.dispatch.eval_fanout, rollout_split=config.dispatch.rollout_split,
                                 qos=config.qos, emulation=config.emulation)
+        ctx.follow(config.dispatch)
         self.jobs = JobManager(self.registry, ctx, self.actors, self.runtime, self.tracker, self.monitoring,
                                self._event, self._flush_engine_signals, config.limits_for,
                                isolated=config.dispatch.isolated)
