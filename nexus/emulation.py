@@ -42,11 +42,14 @@ from nexus.errors import SpecError, describe_errors
 WAITED_S = 0.001
 
 
-def ready_from(ready_at: float, asked: float, granted: float) -> float:
+def ready_from(ready_at: float, asked: float, granted: float, freed_at: float = 0.0) -> float:
     """When an emulated task could start on the devices' clock (wall clock; 0: not said): ``ready_at``, the end of
     the work that let it start, unless its place was waited for (asked at ``asked``, granted at ``granted``): then
-    from the grant."""
-    return ready_at if not ready_at or granted - asked <= WAITED_S else granted
+    from when the place's last holder ended on the devices' clock (``freed_at``; its task came back to the
+    scheduler a few host milliseconds later) or, when that is not known, from the grant."""
+    if not ready_at or granted - asked <= WAITED_S:
+        return ready_at
+    return max(ready_at, freed_at) if freed_at else granted
 
 
 class DeviceCounts(BaseModel):

@@ -170,6 +170,10 @@ def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_c
     assert ready_from(100.0, 105.0, 105.0 + WAITED_S / 2) == 100.0  # granted at once: the host's dispatch is owed
     assert ready_from(100.0, 105.0, 107.0) == 107.0  # it waited 2 s for a simulator place: from the grant
     assert ready_from(0.0, 105.0, 107.0) == 0.0  # nothing said (a real service, an evaluation)
+    # ... from when the place's last holder ended on the devices' clock, when that is known (not the host's grant)
+    assert ready_from(100.0, 105.0, 107.0, freed_at=106.2) == 106.2
+    assert ready_from(100.0, 105.0, 107.0, freed_at=99.0) == 100.0  # freed before this task was ready
+    assert ready_from(100.0, 105.0, 105.0 + WAITED_S / 2, freed_at=104.0) == 100.0  # not waited for: unchanged
     # an update starts when its batch (or its job's update before) ended, unless its devices were still busy;
     # never after now, and at now when nothing is known
     line = UpdateTimeline(2, k=10.0)

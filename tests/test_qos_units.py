@@ -322,6 +322,30 @@ def test_gc_apply_freezes_sets_the_threshold_and_pauses_are_counted():
 
 
 # -- simulators' fair share -------------------------------------------------------------------------
+def test_a_waiter_granted_a_released_slot_gets_its_last_holder_s_end_on_the_devices_clock():
+    """An emulated rollout that waited for its place starts when the place's holder ended on the devices' clock
+    (``Place.ended_at`` -> the next one's ``freed_at``), not when the holder's task came back to the scheduler."""
+    cap = [1]
+    slots = SimSlots(lambda: cap[0], fair=True, recheck_s=0.05)
+
+    async def main() -> None:
+        async with slots.slot("a") as first:
+            assert first.freed_at == 0.0  # free at once
+            waiting = asyncio.ensure_future(slots.acquire("b"))
+            await asyncio.sleep(0.01)
+            assert not waiting.done()
+            first.ended_at = 1234.5
+        assert await asyncio.wait_for(waiting, 1) == 1234.5
+        late = [asyncio.ensure_future(slots.acquire(t)) for t in ("c", "d")]
+        await asyncio.sleep(0.01)
+        cap[0] = 3  # two places at once, none released: no holder's end to pass on
+        assert await asyncio.wait_for(asyncio.gather(*late), 1) == [0.0, 0.0]
+        slots.release("b", 99.0)
+        assert slots.busy == 2
+
+    asyncio.run(main())
+
+
 def test_sim_slots_go_to_the_tenant_holding_fewest_and_cancelled_waiters_leave():
     cap = [2]
     slots = SimSlots(lambda: cap[0], fair=True, recheck_s=0.05)
@@ -350,6 +374,8 @@ def test_sim_slots_go_to_the_tenant_holding_fewest_and_cancelled_waiters_leave()
 
     asyncio.run(main())
     unfair = SimSlots(lambda: 1, fair=False)
+    assert asyncio.run(unfair.acquire("a")) == 0.0  # free at once: no end to start from
+    unfair.release("a")
     asyncio.run(unfair.acquire("a"))
     asyncio.run(unfair.acquire("a"))  # Dask's order: granted at once, Dask queues the task
     assert unfair.busy == 2

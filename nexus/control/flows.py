@@ -127,9 +127,11 @@ async def _rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **r
     if ctx.sim_slots is None:
         return await _run_rollout(ctx, t, js, key, **req)
     asked = time.time()
-    async with ctx.sim_slots.slot(t.name):
-        req["ready_at"] = ready_from(req.get("ready_at", 0.0), asked, time.time())
-        return await _run_rollout(ctx, t, js, key, **req)
+    async with ctx.sim_slots.slot(t.name) as place:
+        req["ready_at"] = ready_from(req.get("ready_at", 0.0), asked, time.time(), place.freed_at)
+        out = await _run_rollout(ctx, t, js, key, **req)
+        place.ended_at = out.batch.ended_at if out.batch is not None else 0.0  # the next holder's start
+        return out
 
 
 async def _run_rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **req: Any) -> RolloutResult:

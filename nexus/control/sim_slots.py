@@ -35,7 +35,16 @@ if TYPE_CHECKING:
 class _Waiter:
     seq: int
     tenant: str = field(compare=False)
-    future: asyncio.Future = field(compare=False)
+    future: asyncio.Future = field(compare=False)  # its result: the freed place's ``Place.ended_at``
+
+
+@dataclass
+class Place:
+    """A slot held by a rollout task: ``freed_at``, when its last holder's work ended on an emulated service's
+    devices' clock (0: not known, or not waited for); the holder sets ``ended_at`` likewise for the next one."""
+
+    freed_at: float = 0.0
+    ended_at: float = 0.0
 
 
 class SimSlots:
@@ -56,20 +65,21 @@ class SimSlots:
         return max(0, self.capacity() - self.busy - len(self._waiting))
 
     @asynccontextmanager
-    async def slot(self, tenant: str) -> AsyncIterator[None]:
+    async def slot(self, tenant: str) -> AsyncIterator[Place]:
         """Hold one SIM slot for ``tenant`` while the block runs (a rollout task)."""
-        await self.acquire(tenant)
+        place = Place(freed_at=await self.acquire(tenant))
         try:
-            yield
+            yield place
         finally:
-            self.release(tenant)
+            self.release(tenant, place.ended_at)
 
-    async def acquire(self, tenant: str) -> None:
+    async def acquire(self, tenant: str) -> float:
+        """Wait for a slot; returns the ``ended_at`` its last holder left (0: not known, or free at once)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         if not self.fair:
             self._take(tenant)
-            return
+            return 0.0
         w = _Waiter(next(self._seq), tenant, loop.create_future())
         self._waiting.append(w)
         try:
@@ -86,28 +96,33 @@ class SimSlots:
             if w in self._waiting:
                 self._waiting.remove(w)
             elif w.future.done() and not w.future.cancelled():  # granted while being cancelled: hand it back
-                self.release(tenant)
+                self.release(tenant, w.future.result())
             raise
         self.waited_s += loop.time() - t0
+        return w.future.result()
 
-    def release(self, tenant: str) -> None:
+    def release(self, tenant: str, ended_at: float = 0.0) -> None:
+        """Hand a slot back; ``ended_at`` (the holder's end on an emulated service's devices' clock) goes to the
+        waiter it is granted to."""
         self.held[tenant] -= 1
         if self.held[tenant] <= 0:
             del self.held[tenant]
-        self._grant()
+        self._grant(ended_at)
 
     def _take(self, tenant: str) -> None:
         self.held[tenant] += 1
         self.granted += 1
 
-    def _grant(self) -> None:
-        """Free slots to waiters: the tenant holding the fewest first, then the longest waiting."""
+    def _grant(self, freed_at: float = 0.0) -> None:
+        """Free slots to waiters: the tenant holding the fewest first, then the longest waiting; the first one
+        granted gets the slot just released and its holder's end (``freed_at``)."""
         free = self.capacity() - self.busy
         while free > 0 and self._waiting:
             w = min(self._waiting, key=lambda x: (self.held[x.tenant], x.seq))
             self._waiting.remove(w)
             self._take(w.tenant)
-            w.future.set_result(None)
+            w.future.set_result(freed_at)
+            freed_at = 0.0
             free -= 1
 
     @classmethod
