@@ -111,17 +111,21 @@ def compare(iso: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
             / max(shared["slots"]["simulator"] * shared["makespan_s"], 1e-9), "ceiling": ceiling(iso, shared)}
 
 
-def ceiling(iso: dict[str, Any], shared: dict[str, Any]) -> dict[str, float]:
-    """What no order, split or policy can pass while every device keeps its service: the workload's simulator
-    stepping (the isolated run's, the same episodes) on the shared server's simulator devices, every one stepping
-    all the time, bounds the shared makespan below; at that makespan, the efficiency and the actor's and
-    inference's utilizations of this run's own busy time (an actor group's update keeps both its devices busy)."""
+def ceiling(iso: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    """What no order, split or policy can pass while every device keeps its service: each service's work on its
+    own devices, every one busy all the time, bounds the shared makespan below — the simulators' stepping (the
+    isolated run's, the same episodes), the actor's and inference's busy time (this run's own: an actor group's
+    update keeps all its devices busy); the largest of the three is the bound (``bound_by``: on 2-2-4, the
+    simulators). At that makespan: the efficiency, and the actor's and inference's utilizations."""
     stepping = iso.get("simulator_split_s", {}).get("stepping", 0.0)  # older runs did not keep it
-    makespan = stepping / max(shared["slots"]["simulator"], 1)
+    busy, slots = shared["busy_s"], shared["slots"]
+    bounds = {"simulator": stepping / max(slots["simulator"], 1), "actor": busy["actor"] / max(slots["actor"], 1),
+              "inference": busy["inference"] / max(slots["inference"], 1)}
+    bound_by = max(bounds, key=lambda s: bounds[s])
+    makespan = bounds[bound_by] if stepping > 0 else 0.0
     if makespan <= 0:
         return {}
-    busy, slots = shared["busy_s"], shared["slots"]
-    return {"makespan_s": makespan, "reached": makespan / shared["makespan_s"],
+    return {"makespan_s": makespan, "bound_by": bound_by, "reached": makespan / shared["makespan_s"],
             "efficiency": iso["device_s"] / (sum(slots.values()) * makespan),
             "actor_util": busy["actor"] / (slots["actor"] * makespan),
             "inference_util": busy["inference"] / (slots["inference"] * makespan)}
