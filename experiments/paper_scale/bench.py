@@ -78,10 +78,12 @@ def summarize(run: dict[str, Any]) -> str:
 
 
 def run_layout(workload: Workload, devices: str, k: float, policies: list[dict[str, Any]],
-               actor_group: int = 0, rounds: int = 1, producers_per_sim: int = 1) -> list[dict[str, Any]]:
+               actor_group: int = 0, rounds: int = 1, producers_per_sim: int = 1,
+               boot: str | None = None) -> list[dict[str, Any]]:
     """Each policy ``rounds`` times on one service (policies in turn, so host noise spreads over all); per
-    policy the run of median device time, with every round's device time kept."""
-    svc = EmulatedService(workload, devices, CAL, k, policies[0]["name"], actor_group=actor_group,
+    policy the run of median device time, with every round's device time kept. The service boots with the
+    catalog policy ``boot`` (default: the first policy's name)."""
+    svc = EmulatedService(workload, devices, CAL, k, boot or policies[0]["name"], actor_group=actor_group,
                           producers_per_sim=producers_per_sim)
     try:
         got: dict[str, list[dict[str, Any]]] = {p["name"]: [] for p in policies}

@@ -10,7 +10,8 @@ and on the best-planned splits, under ``elastic`` and ``elastic`` with the ``cri
 the makespan waits on), each against the same isolated 1-1-2 run (two rounds each, the slower kept, k = 3);
 then both policies on the best split again at each k of ``--ks``, against a fresh isolated run at that k.
 
-    python experiments/paper_scale/layouts.py    # ~25 min on 2 cores -> layouts.json
+    python experiments/paper_scale/layouts.py           # ~14 min on 2 cores -> layouts.json
+    python experiments/paper_scale/layouts.py --alone   # then each job alone on its best split (~3 min)
 """
 
 from __future__ import annotations
@@ -74,6 +75,26 @@ def show(r: dict[str, Any]) -> None:
           f"{1000 * r['action_wait_p99_s']:.1f} ms", flush=True)
 
 
+def alone(args) -> None:
+    """``--alone``: each job of the workload alone on ``layouts.json``'s best split, one after another (the
+    isolated admission, the best policy's other knobs). The longest job alone bounds the shared makespan as well:
+    its chain of collections and updates cannot run faster with others beside it."""
+    doc = json.loads(Path(args.out).read_text())
+    layout, name = doc["best"]["layout"], doc["best"]["policy"]
+    pol = {**variants()[name], "name": f"{name}-alone", "isolated": True}
+    run = bench.run_layout(bench.paper_workload(), layout, args.k, [pol], rounds=args.rounds,
+                           producers_per_sim=args.producers_per_sim, boot="isolated")[0]
+    shared = next(r for r in doc["runs"] if (r["layout"], r["policy"]) == (layout, name))
+    longest = max(run["job_s"], key=lambda j: run["job_s"][j])
+    doc["alone"] = {"layout": layout, "policy": name, "k": args.k, "job_s": run["job_s"], "longest": longest,
+                    "longest_s": run["job_s"][longest], "shared_makespan_s": shared["makespan_s"],
+                    "command": "python experiments/paper_scale/layouts.py " + " ".join(sys.argv[1:])}
+    print(f"alone on {layout} ({name}): " + ", ".join(f"{j} {t:.1f} s" for j, t in run["job_s"].items())
+          + f"; the longest, {longest}, is {100 * run['job_s'][longest] / shared['makespan_s']:.1f} % of the shared "
+          f"makespan {shared['makespan_s']:.1f} s", flush=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1, default=float))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=float, default=3.0)
@@ -83,7 +104,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of each policy per service (the slower kept)")
     ap.add_argument("--ks", default="5,10,20", help="time scales for the best (split, policy)")
     ap.add_argument("--out", default=str(HERE / "layouts.json"))
+    ap.add_argument("--alone", action="store_true", help="only: each job alone on the best split of --out, added "
+                    "to it (alone)")
     args = ap.parse_args()
+    if args.alone:
+        return alone(args)
     t0, m = time.time(), args.producers_per_sim
     wl = bench.paper_workload()
     iso = bench.run_layout(wl, "1-1-2", args.k, [policy("isolated")])[0]  # steady: one round
