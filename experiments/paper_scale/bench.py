@@ -133,6 +133,14 @@ def ceiling(iso: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
             "inference_util": busy["inference"] / (slots["inference"] * makespan)}
 
 
+def against_ceiling(row: dict[str, Any]) -> str:
+    """A ``compare`` row's figures next to their ceilings, and how much of its bound the run reached."""
+    c = row["ceiling"]
+    return (f"efficiency {row['efficiency']:.3f} (ceiling {c['efficiency']:.3f}), actor {row['actor_util']:.3f} "
+            f"({c['actor_util']:.3f}), inference {row['inference_util']:.3f} ({c['inference_util']:.3f}); makespan "
+            f"at {100 * c['reached']:.1f} % of its bound (by the {c['bound_by']})")
+
+
 def paper(args) -> dict[str, Any]:
     wl = paper_workload(args.sft_steps, args.collectors)
     m = args.producers_per_sim
@@ -147,10 +155,7 @@ def paper(args) -> dict[str, Any]:
     table = {r["policy"]: compare(iso, r) for r in shared}
     best = max(table, key=lambda p: table[p]["efficiency"])
     for name, row in table.items():
-        c = row["ceiling"]
-        print(f"  {name:9s} efficiency {row['efficiency']:.3f} (ceiling {c['efficiency']:.3f}), actor "
-              f"{row['actor_util']:.3f} ({c['actor_util']:.3f}), inference {row['inference_util']:.3f} "
-              f"({c['inference_util']:.3f}); makespan at {100 * c['reached']:.1f} % of its bound", flush=True)
+        print(f"  {name:9s} {against_ceiling(row)}", flush=True)
     sweep: dict[str, Any] = {}
     for k in [float(x) for x in args.ks.split(",") if x]:
         pols = list(dict.fromkeys(["fifo", best]))

@@ -67,12 +67,9 @@ def row_of(iso: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
 
 
 def show(r: dict[str, Any]) -> None:
-    c = r["ceiling"]
-    print(f"{r['layout']} {r['policy']:16s} k={r['k']:g}: efficiency {r['efficiency']:.3f} (ceiling "
-          f"{c['efficiency']:.3f}, bound by {c['bound_by']}), actor {r['actor_util']:.3f}, inference "
-          f"{r['inference_util']:.3f}, simulator stepping {r['simulator_stepping']:.3f}; makespan "
-          f"{r['makespan_s']:.1f} s = {100 * c['reached']:.1f} % of its bound; action p99 "
-          f"{1000 * r['action_wait_p99_s']:.1f} ms", flush=True)
+    print(f"{r['layout']} {r['policy']:16s} k={r['k']:g}: {bench.against_ceiling(r)}; makespan {r['makespan_s']:.1f} "
+          f"s, simulator stepping {r['simulator_stepping']:.3f}, action p99 {1000 * r['action_wait_p99_s']:.1f} ms",
+          flush=True)
 
 
 def alone(args) -> None:
