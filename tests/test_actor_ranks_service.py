@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from nexus.client.api import Nexus
-from nexus.client.faults import kill_worker, wait_for
+from nexus.client.faults import kill_worker_while, wait_for
 from nexus.services.worker_plugin import slot_states
 from nexus.spec import TenantSpec
 
@@ -75,9 +75,9 @@ def test_sigkill_of_rank_1_mid_update_is_survived(nx):
                                      ppo={"update_epochs": 8, "minibatch_size": 8}),
             "sft": nx.tenant("sft").sft(steps=40, batch_size=32)}
     wait_for(lambda: jobs["sft"].info()["progress"].get("steps", 0) >= 3, 600, what="the SFT job training")
-    wait_for(lambda: nx.status()["actor"]["running"], 120, 0.02, "an update running")
     mid = {t: _published(nx, t) for t in ("sft", "rl")}
-    kill_worker(nx, "actor-1")
+    # frozen while an update runs, so the kill cannot land between two updates
+    kill_worker_while(nx, "actor-1", lambda: nx.status()["actor"]["running"])
     results = {t: j.result(timeout=600) for t, j in jobs.items()}
     assert results["sft"]["steps"] == 40 and results["rl"]["updates"] == 3
     for t in ("sft", "rl"):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from nexus.client.api import Nexus
-from nexus.client.faults import kill_worker, wait_for, worker_of_role
+from nexus.client.faults import kill_worker, kill_worker_while, wait_for, worker_of_role
 from nexus.errors import NotFound, SpecError, Unavailable
 from nexus.features import Observation
 from nexus.spec import TenantSpec
@@ -235,8 +235,7 @@ def test_kill_actor_worker_mid_update(nx):
     lost_before = nx.status()["service"]["retried_items"]["role_lost"]
 
     def kill():
-        wait_for(lambda: nx.status()["actor"]["running"], 120, 0.05, "an update running")
-        kill_worker(nx, "actor-0")
+        kill_worker_while(nx, "actor-0", lambda: nx.status()["actor"]["running"])
         return "actor-0"
 
     # updates of many minibatches: the kill lands while one runs, not just after it

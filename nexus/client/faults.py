@@ -2,6 +2,8 @@
 
 * :func:`kill_worker` — SIGKILL (or another signal) to the process of the worker with a given name (its
   nanny restarts it, as after a crash);
+* :func:`kill_worker_while` — the same, at a moment a condition holds with the worker frozen (a kill
+  "mid-update" that cannot land between two updates);
 * :func:`worker_of_role` — the worker currently hosting a role (``engine/0``, ``actor/0``, ``tracker``);
 * :func:`kill_service` — SIGKILL every process of a :class:`nexus.cluster.LocalService` at once (a host
   crash): scheduler, nannies and workers.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -34,6 +37,25 @@ def kill_worker(nx, name: str, sig: int = signal.SIGKILL) -> int:
     pid = worker_pids(nx)[name]
     os.kill(pid, sig)
     return pid
+
+
+def kill_worker_while(nx, name: str, busy: Callable[[], Any], timeout: float = 120, settle_s: float = 0.5) -> int:
+    """SIGKILL the worker named ``name`` while ``busy()`` holds; returns its pid.
+
+    Polling ``busy()`` and then killing races: what ran may end between the two. So the worker is frozen
+    (SIGSTOP) first and ``busy()`` asked again after ``settle_s`` (replies already on their way land): what
+    is still running then cannot end before the kill. If ``busy()`` no longer holds, the worker resumes and
+    the wait starts again."""
+    pid = worker_pids(nx)[name]
+    deadline = time.time() + timeout
+    while True:
+        wait_for(busy, max(deadline - time.time(), 0.0), 0.02, f"{name} busy")
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(settle_s)
+        if busy():
+            os.kill(pid, signal.SIGKILL)
+            return pid
+        os.kill(pid, signal.SIGCONT)
 
 
 def kill_service(service) -> list[int]:
