@@ -1,15 +1,20 @@
 """How close the best policy comes to what fixed roles allow, and whether the obvious levers move it.
 
-The paper's workload (``bench.py paper``) on 2-2-4 with ``elastic`` and simulator devices running m producers,
-against the paper's isolated 1-1-2, one round each at k = 3, on one emulated service per layout; each variant
-prints its efficiency and utilizations next to their **ceiling** (``bench.ceiling``: the workload's simulator
-stepping on the 4 simulator devices, every one stepping all the time, bounds the makespan) and how much of that
-bound the run reached. Variants (``--variants``, ``;``-separated ``m,split,inflight[,rule]``): m producers per
-simulator device, ``elastic``'s ``rollout_split``, the RL tenants' ``max_inflight`` (0: the policy's default, 2;
-a third batch in flight overlaps a job's rollouts with its updates — the isolated baseline is run again with it,
-since it helps a tenant alone too) and ``rollout_split_rule`` (default: ``elastic``'s).
+The paper's workload (``bench.py paper``) on a split of the 8 devices (``--layout``: the paper's 2-2-4, or
+``layouts.py``'s best, 1-2-5) with ``elastic`` and simulator devices running m producers, against the paper's
+isolated 1-1-2, at k = 3, on one emulated service per variant (``--rounds`` each, the slower kept); each variant
+prints its efficiency and utilizations next to their **ceiling** (``bench.ceiling``: the busiest service's work
+on its own devices, every one busy all the time, bounds the makespan) and how much of that bound the run reached.
+Variants (``--variants``, ``;``-separated ``m,split,inflight`` then optional ``rule``, or ``key=value`` among
+``rule``, ``order``, ``batch``, ``wait``): m producers per simulator device, ``elastic``'s ``rollout_split``, the
+RL tenants' ``max_inflight`` (0: the policy's default, 2; a third batch in flight overlaps a job's rollouts with
+its updates — the isolated baseline is run again with it, since it helps a tenant alone too),
+``rollout_split_rule`` (default: ``elastic``'s), the training queue's order (``queue_order``) and the inference
+group's size B and wait T (``infer_max_batch``, ``infer_max_wait_s``).
 
     python experiments/paper_scale/levers.py    # ~10 min on 2 cores -> levers.json
+    python experiments/paper_scale/levers.py --layout 1-2-5 --rounds 2 --out experiments/paper_scale/levers_1-2-5.json \
+        --variants "2,4,0,order=critical;2,4,0,order=critical,batch=32;3,4,0,order=critical;2,4,3,order=critical"
 """
 
 from __future__ import annotations
@@ -37,35 +42,71 @@ def workload(inflight: int) -> Workload:
     return wl
 
 
+KNOBS = {"rule": "rollout_split_rule", "order": "queue_order", "batch": "infer_max_batch", "wait": "infer_max_wait_s"}
+
+
+def parse_variant(text: str) -> tuple[int, int, int, dict[str, Any]]:
+    """``m,split,inflight[,rule][,key=value...]`` -> (m, split, inflight, the policy's overrides)."""
+    fields = text.split(",")
+    m, split, inflight = (int(x) for x in fields[:3])
+    over: dict[str, Any] = {}
+    for f in fields[3:]:
+        key, _, value = f.partition("=") if "=" in f else ("rule", "=", f)
+        if key not in KNOBS:
+            raise SystemExit(f"variant {text!r}: unknown lever {key!r} (known: {', '.join(KNOBS)})")
+        over[KNOBS[key]] = int(value) if key == "batch" else float(value) if key == "wait" else value
+    return m, split, inflight, over
+
+
+def actor_idle(run: dict[str, Any], split_at: float) -> dict[str, float]:
+    """Seconds of the run in which no actor device worked, before and after ``split_at`` (seconds since its start;
+    the SFT job's end: until then its steps are the filler the RL tenants' gaps can take)."""
+    spans = sorted((s["t0"] - run["t0"], s["t1"] - run["t0"]) for s in run["spans"] if s["service"] == "actor")
+    idle, end = [0.0, 0.0], 0.0
+    for a, b in [*spans, (run["makespan_s"], run["makespan_s"])]:
+        if a > end:
+            idle[0] += max(0.0, min(a, split_at) - end)
+            idle[1] += max(0.0, a - max(end, split_at))
+        end = max(end, b)
+    return {"before_sft_end": idle[0], "after_sft_end": idle[1]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=float, default=3.0)
+    ap.add_argument("--layout", default="2-2-4", help="the shared server's actor-inference-simulator split")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each variant (the slower kept)")
     ap.add_argument("--variants", default="2,4,0;2,4,0,free;3,4,0;3,6,0;2,4,3",
-                    help="m,split,inflight[,rule] per variant (the first is elastic as bench.py paper_shared_sims "
-                    "runs it)")
+                    help="m,split,inflight[,rule][,order=..,batch=..,wait=..] per variant (the first is elastic as "
+                    "bench.py paper_shared_sims runs it)")
     ap.add_argument("--out", default=str(HERE / "levers.json"))
     args = ap.parse_args()
     t0 = time.time()
-    variants = [v.split(",") for v in args.variants.split(";") if v]
+    variants = [parse_variant(v) for v in args.variants.split(";") if v]
     iso: dict[int, dict[str, Any]] = {}
     rows = []
-    for fields in variants:
-        m, split, inflight = (int(x) for x in fields[:3])
-        rule = fields[3] if len(fields) > 3 else policy("elastic")["rollout_split_rule"]
+    for m, split, inflight, over in variants:
+        pol = policy("elastic", rollout_split=split, **over)
         wl = workload(inflight)
         if inflight not in iso:
             iso[inflight] = bench.run_layout(wl, "1-1-2", args.k, [policy("isolated")])[0]
         i = iso[inflight]
-        shared = bench.run_layout(wl, "2-2-4", args.k, [policy("elastic", rollout_split=split,
-                                                              rollout_split_rule=rule)], producers_per_sim=m)[0]
-        row = {"producers_per_sim": m, "rollout_split": split, "max_inflight": inflight or 2, "rule": rule,
+        shared = bench.run_layout(wl, args.layout, args.k, [pol], rounds=args.rounds, producers_per_sim=m)[0]
+        row = {"layout": args.layout, "producers_per_sim": m, "rollout_split": split, "max_inflight": inflight or 2,
+               "rule": pol["rollout_split_rule"], "queue_order": pol["queue_order"],
+               "infer_max_batch": pol["infer_max_batch"], "infer_max_wait_s": pol["infer_max_wait_s"],
                "isolated_makespan_s": i["makespan_s"], "isolated_device_s": i["device_s"],
-               "makespan_s": shared["makespan_s"], "device_s": shared["device_s"], **bench.compare(i, shared),
-               "completion_s": shared["completion_s"], "action_wait_p99_s": shared["action_wait_all_s"]["p99"]}
+               "makespan_s": shared["makespan_s"], "device_s": shared["device_s"],
+               "rounds_device_s": shared["rounds_device_s"], **bench.compare(i, shared),
+               "completion_s": shared["completion_s"], "action_wait_p99_s": shared["action_wait_all_s"]["p99"],
+               "actor_idle_s": actor_idle(shared, shared["completion_s"]["sft"])}
         rows.append(row)
-        print(f"m={m} split={split} ({rule}) inflight={row['max_inflight']}: {bench.against_ceiling(row)}; makespan "
-              f"{row['makespan_s']:.1f} s, isolated {i['makespan_s']:.1f} s", flush=True)
-    doc = {"variants": rows, "k": args.k, "meta": {
+        print(f"{args.layout} m={m} split={split} ({row['rule']}, {row['queue_order']}, B={row['infer_max_batch']}) "
+              f"inflight={row['max_inflight']}: {bench.against_ceiling(row)}; makespan {row['makespan_s']:.1f} s, "
+              f"isolated {i['makespan_s']:.1f} s, action p99 {1000 * row['action_wait_p99_s']:.1f} ms, actor idle "
+              f"{row['actor_idle_s']['before_sft_end']:.1f} s before the SFT job's end, "
+              f"{row['actor_idle_s']['after_sft_end']:.1f} s after", flush=True)
+    doc = {"variants": rows, "k": args.k, "layout": args.layout, "rounds": args.rounds, "meta": {
         "command": "python experiments/paper_scale/levers.py " + " ".join(sys.argv[1:]), "bench_s": time.time() - t0,
         "load_avg_end": os.getloadavg(), "cpu_count": os.cpu_count()}}
     Path(args.out).write_text(json.dumps(doc, indent=1, default=float))
