@@ -14,7 +14,8 @@ group's size B and wait T (``infer_max_batch``, ``infer_max_wait_s``).
 
     python experiments/paper_scale/levers.py    # ~10 min on 2 cores -> levers.json
     python experiments/paper_scale/levers.py --layout 1-2-5 --rounds 2 --out experiments/paper_scale/levers_1-2-5.json \
-        --variants "2,4,0,order=critical;2,4,0,order=critical,batch=32;3,4,0,order=critical;2,4,3,order=critical"
+        --variants "2,4,0,order=critical;2,4,0;2,4,0,order=critical,batch=32,wait=0.005;3,4,0,order=critical;\
+2,4,3,order=critical"
 """
 
 from __future__ import annotations
@@ -48,13 +49,19 @@ KNOBS = {"rule": "rollout_split_rule", "order": "queue_order", "batch": "infer_m
 def parse_variant(text: str) -> tuple[int, int, int, dict[str, Any]]:
     """``m,split,inflight[,rule][,key=value...]`` -> (m, split, inflight, the policy's overrides)."""
     fields = text.split(",")
-    m, split, inflight = (int(x) for x in fields[:3])
+    try:
+        m, split, inflight = (int(x) for x in fields[:3])
+    except ValueError:
+        raise SystemExit(f"variant {text!r}: expected m,split,inflight (integers) first") from None
     over: dict[str, Any] = {}
     for f in fields[3:]:
         key, _, value = f.partition("=") if "=" in f else ("rule", "=", f)
         if key not in KNOBS:
             raise SystemExit(f"variant {text!r}: unknown lever {key!r} (known: {', '.join(KNOBS)})")
-        over[KNOBS[key]] = int(value) if key == "batch" else float(value) if key == "wait" else value
+        try:
+            over[KNOBS[key]] = int(value) if key == "batch" else float(value) if key == "wait" else value
+        except ValueError:
+            raise SystemExit(f"variant {text!r}: {key}={value!r} is not a number") from None
     return m, split, inflight, over
 
 

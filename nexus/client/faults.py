@@ -51,8 +51,13 @@ def kill_worker_while(nx, name: str, busy: Callable[[], Any], timeout: float = 1
     while True:
         wait_for(busy, max(deadline - time.time(), 0.0), 0.02, f"{name} busy")
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(settle_s)
-        if busy():
+        try:
+            time.sleep(settle_s)
+            still = busy()
+        except BaseException:
+            os.kill(pid, signal.SIGCONT)  # never leave a worker frozen behind an error
+            raise
+        if still:
             os.kill(pid, signal.SIGKILL)
             return pid
         os.kill(pid, signal.SIGCONT)
