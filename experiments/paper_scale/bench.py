@@ -120,13 +120,13 @@ def ceiling(iso: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     update keeps all its devices busy); the largest of the three is the bound (``bound_by``: on 2-2-4, the
     simulators). At that makespan: the efficiency, and the actor's and inference's utilizations."""
     stepping = iso.get("simulator_split_s", {}).get("stepping", 0.0)  # older runs did not keep it
+    if stepping <= 0:
+        return {}
     busy, slots = shared["busy_s"], shared["slots"]
     bounds = {"simulator": stepping / max(slots["simulator"], 1), "actor": busy["actor"] / max(slots["actor"], 1),
               "inference": busy["inference"] / max(slots["inference"], 1)}
-    bound_by = max(bounds, key=lambda s: bounds[s])
-    makespan = bounds[bound_by] if stepping > 0 else 0.0
-    if makespan <= 0:
-        return {}
+    bound_by = max(bounds, key=bounds.__getitem__)
+    makespan = bounds[bound_by]
     return {"makespan_s": makespan, "bound_by": bound_by, "reached": makespan / shared["makespan_s"],
             "efficiency": iso["device_s"] / (sum(slots.values()) * makespan),
             "actor_util": busy["actor"] / (slots["actor"] * makespan),

@@ -49,7 +49,7 @@ def plan(total: int, iso: dict[str, Any], dp_efficiency: float) -> list[dict[str
             s = total - a - i
             speedup = a * dp_efficiency ** math.log2(a)
             bounds = {"actor": actor / speedup, "inference": infer / i, "simulator": stepping / s}
-            by = max(bounds, key=lambda k: bounds[k])
+            by = max(bounds, key=bounds.__getitem__)
             rows.append({"layout": f"{a}-{i}-{s}", "bounds_s": bounds, "bound_by": by, "bound_s": bounds[by],
                          "efficiency_ceiling": iso["device_s"] / (total * bounds[by])})
     return sorted(rows, key=lambda r: r["bound_s"])
