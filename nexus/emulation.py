@@ -21,7 +21,9 @@ A calibration is a TOML file with its ``source`` (``calibrations/``, or a path):
 
 ``producers_per_sim`` m lets a simulator device run m producers at once (the SIM resource and threads are
 devices x m): a device steps one producer's envs at a time, the others queue for it, so what sharing buys
-is the device time a lone producer leaves idle while it waits for actions.
+is the device time a lone producer leaves idle while it waits for actions. ``sim_placement`` says which device a
+producer takes: the one with the fewest producers (``"fewest"``), or the one whose producers step the least of
+their time (``"load"``: each producer's share is its calibrated chunk of steps over that chunk and one forward).
 
 ``time_scale`` k divides every service time, so long workloads run in minutes; the benchmark checks that
 its figures do not move with k. Plain data, no torch, no I/O at import.
@@ -33,6 +35,7 @@ import math
 import os
 import tomllib
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -135,6 +138,10 @@ class EmulationSettings(BaseModel):
     producers_per_sim: int = Field(1, ge=1, le=8, description="rollout producers one simulator device runs at "
                                    "once; their steps take turns on it (a GPU simulator steps one producer's envs "
                                    "while another's wait for actions)")
+    sim_placement: Literal["fewest", "load"] = Field(
+        "fewest", description="the simulator device a producer takes: the one with the fewest producers, or the one "
+        "whose producers step the least of their time (their calibrated share summed): a device whose producers "
+        "step most of the time is left to producers that mostly wait for actions")
     seed: int = Field(0, ge=0, description="emulated episode outcomes")
     table: Calibration | None = Field(None, description="the loaded calibration (filled in; workers never "
                                       "re-read the file)")
@@ -183,6 +190,18 @@ class ServiceTimes:
         c = self.cal.update.get(kind, self.cal.update["sft"])
         speedup = devices * self.cal.dp_efficiency ** math.log2(devices) if devices > 1 else 1.0
         return (c.call_s + c.row_s * rows * max(epochs, 1)) / speedup / self.k
+
+    def family(self, env: str, action_head: str) -> str:
+        """The forward cost a tenant's rows take: its env's when the calibration has one (a camera env), else its
+        action head family's (``forward_s`` falls back to ``default`` for one it does not have)."""
+        return env if env in self.cal.forward else action_head
+
+    def stepping_share(self, env: str, envs: int, family: str) -> float:
+        """The share of its device's time a lone producer of ``envs`` envs spends stepping: a chunk of steps over
+        that chunk and the forward that answers it (resets and the host's time left out)."""
+        chunk = self.step_s(env, envs) * self.env(env).chunk
+        total = chunk + self.forward_s({family: envs}, tenants=1)
+        return chunk / total if total > 0 else 0.0
 
     def env(self, name: str) -> EnvCost:
         c = self.cal.env.get(name) or self.cal.env.get("default")

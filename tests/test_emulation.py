@@ -111,6 +111,45 @@ def test_shared_lanes_spread_first_and_their_device_work_takes_turns():
         Lanes(2, share=0)
 
 
+def test_shared_lanes_take_the_least_loaded_device_when_holders_say_their_load():
+    """``EmulationSettings.sim_placement = "load"``: a producer that steps most of its time is not put to take turns
+    with another such producer while a device holds one that mostly waits for actions."""
+    lanes = Lanes(2, share=2)
+    with lanes.hold(load=0.9) as heavy, lanes.hold(load=0.3) as light:
+        assert (heavy, light) == ([0], [1])
+        with lanes.hold(load=0.3) as third:
+            assert third == [1]  # by count alone it would be lane 0 (1 holder each, the lower index)
+            with lanes.hold(load=0.9) as fourth:
+                assert fourth == [0]  # lane 1 is full: the only room left
+        with lanes.hold(load=0.5) as again:
+            assert again == [1]  # the third's load left with it: lane 1 holds 0.3 against 0.9
+    with lanes.hold() as a, lanes.hold() as b, lanes.hold() as c:
+        assert (a, b, c) == ([0], [1], [0])  # nothing said, nothing left over: spread by count, as before
+
+
+def test_a_producers_stepping_share_and_what_it_tells_its_device_lanes():
+    from nexus.services.emulated_sim import producer_load
+    from nexus.spec import TenantSpec
+
+    cal = load_calibration("paper_gpu")
+    one, ten = ServiceTimes(cal, 1.0), ServiceTimes(cal, 10.0)
+    lift = one.stepping_share("robosuite/lift-state", 8, "oft")
+    push = one.stepping_share("maniskill/pushcube-state", 8, "oft")
+    assert 0 < push < lift < 1  # robosuite's long steps keep its device busier than ManiSkill's
+    assert ten.stepping_share("robosuite/lift-state", 8, "oft") == pytest.approx(lift)  # a share: no k in it
+    chunk = (0.030 + 0.004 * 8) * 8  # paper_gpu.toml: step_s + env_s * K per step, 8 steps per action chunk
+    assert lift == pytest.approx(chunk / (chunk + 0.045 + 0.00298 * 8))  # ... over that and one forward of 8 rows
+    assert one.family("maniskill/pickcube-rgb", "oft") == "oft" and one.family("x", "groot") == "groot"
+
+    spec = TenantSpec(name="t", env="robosuite/lift-state", action_dim=7, hidden_dim=32)
+    for placement, expected in (("fewest", 0.0), ("load", lift)):
+        emu = EmulationSettings(calibration="paper_gpu", time_scale=10, sim_placement=placement)
+        req = SimpleNamespace(emulation=emu, env=spec.env, tenant=SimpleNamespace(spec=spec))
+        assert producer_load(req, 8) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="sim_placement"):
+        EmulationSettings(calibration="paper_gpu", sim_placement="emptiest")
+
+
 def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tmp_path):
     from nexus.services.emulated_engine import EmulatedEngine
 

@@ -79,18 +79,19 @@ def summarize(run: dict[str, Any]) -> str:
 
 def run_layout(workload: Workload, devices: str, k: float, policies: list[dict[str, Any]],
                actor_group: int = 0, rounds: int = 1, producers_per_sim: int = 1,
-               boot: str | None = None) -> list[dict[str, Any]]:
+               boot: str | None = None, sim_placement: str = "fewest") -> list[dict[str, Any]]:
     """Each policy ``rounds`` times on one service (policies in turn, so host noise spreads over all); per
     policy the run of median device time, with every round's device time kept. The service boots with the
     catalog policy ``boot`` (default: the first policy's name)."""
     svc = EmulatedService(workload, devices, CAL, k, boot or policies[0]["name"], actor_group=actor_group,
-                          producers_per_sim=producers_per_sim)
+                          producers_per_sim=producers_per_sim, sim_placement=sim_placement)
     try:
         got: dict[str, list[dict[str, Any]]] = {p["name"]: [] for p in policies}
         for _ in range(rounds):
             for p in policies:
                 r = svc.run(p)
                 r["k"], r["devices"], r["producers_per_sim"] = k, devices, producers_per_sim
+                r["sim_placement"] = sim_placement
                 print(f"  {devices} k={k:g} {summarize(r)}", flush=True)
                 got[p["name"]].append(r)
         out = []

@@ -59,13 +59,15 @@ class EmulatedService:
     """One emulated service (a device layout, a calibration, a time scale) running workloads under policies."""
 
     def __init__(self, workload: Workload, devices: str, calibration: str, k: float, first_policy: str,
-                 actor_group: int = 0, seed: int = 0, producers_per_sim: int = 1) -> None:
+                 actor_group: int = 0, seed: int = 0, producers_per_sim: int = 1,
+                 sim_placement: str = "fewest") -> None:
         from nexus.emulation import DeviceCounts
 
         self.workload, self.k = workload, k
         self.devices = DeviceCounts.parse(devices)
         emu = {"calibration": calibration, "time_scale": k, "devices": self.devices.model_dump(),
-               "actor_group": actor_group, "seed": seed, "producers_per_sim": producers_per_sim}
+               "actor_group": actor_group, "seed": seed, "producers_per_sim": producers_per_sim,
+               "sim_placement": sim_placement}
         self.root = Path(tempfile.mkdtemp(prefix="nexus-emulated-")) / "service"
         self.nx = Nexus.local(self.root, emulation=emu, scheduler=first_policy,
                               datapath=workload.datapath or None)

@@ -6,11 +6,13 @@ isolated 1-1-2, at k = 3, on one emulated service per variant (``--rounds`` each
 prints its efficiency and utilizations next to their **ceiling** (``bench.ceiling``: the busiest service's work
 on its own devices, every one busy all the time, bounds the makespan) and how much of that bound the run reached.
 Variants (``--variants``, ``;``-separated ``m,split,inflight`` then optional ``rule``, or ``key=value`` among
-``rule``, ``order``, ``batch``, ``wait``): m producers per simulator device, ``elastic``'s ``rollout_split``, the
-RL tenants' ``max_inflight`` (0: the policy's default, 2; a third batch in flight overlaps a job's rollouts with
-its updates — the isolated baseline is run again with it, since it helps a tenant alone too),
-``rollout_split_rule`` (default: ``elastic``'s), the training queue's order (``queue_order``) and the inference
-group's size B and wait T (``infer_max_batch``, ``infer_max_wait_s``).
+``rule``, ``order``, ``batch``, ``wait``, ``route``, ``place``): m producers per simulator device, ``elastic``'s
+``rollout_split``, the RL tenants' ``max_inflight`` (0: the policy's default, 2; a third batch in flight overlaps
+a job's rollouts with its updates — the isolated baseline is run again with it, since it helps a tenant alone too),
+``rollout_split_rule`` (default: ``elastic``'s), the training queue's order (``queue_order``), the inference
+group's size B and wait T (``infer_max_batch``, ``infer_max_wait_s``), the tenants' routing to engines
+(``routing``: ``static`` or by ``load``), and the simulator device a producer takes
+(``place``: ``fewest`` producers, the default, or least ``load``; ``EmulationSettings.sim_placement``).
 
     python experiments/paper_scale/levers.py    # ~10 min on 2 cores -> levers.json
     python experiments/paper_scale/levers.py --layout 1-2-5 --rounds 2 --out experiments/paper_scale/levers_1-2-5.json \
@@ -43,26 +45,35 @@ def workload(inflight: int) -> Workload:
     return wl
 
 
-KNOBS = {"rule": "rollout_split_rule", "order": "queue_order", "batch": "infer_max_batch", "wait": "infer_max_wait_s"}
+KNOBS = {"rule": "rollout_split_rule", "order": "queue_order", "batch": "infer_max_batch", "wait": "infer_max_wait_s",
+         "route": "routing", "place": "sim_placement"}
+PLACEMENTS = ("fewest", "load")
 
 
-def parse_variant(text: str) -> tuple[int, int, int, dict[str, Any]]:
-    """``m,split,inflight[,rule][,key=value...]`` -> (m, split, inflight, the policy's overrides)."""
+def parse_variant(text: str) -> tuple[int, int, int, dict[str, Any], str]:
+    """``m,split,inflight[,rule][,key=value...]`` -> (m, split, inflight, the policy's overrides, the simulator
+    placement: a setting of the emulated devices, not of the policy)."""
     fields = text.split(",")
     try:
         m, split, inflight = (int(x) for x in fields[:3])
     except ValueError:
         raise SystemExit(f"variant {text!r}: expected m,split,inflight (integers) first") from None
     over: dict[str, Any] = {}
+    place = "fewest"
     for f in fields[3:]:
         key, _, value = f.partition("=") if "=" in f else ("rule", "=", f)
         if key not in KNOBS:
             raise SystemExit(f"variant {text!r}: unknown lever {key!r} (known: {', '.join(KNOBS)})")
+        if key == "place":
+            if value not in PLACEMENTS:
+                raise SystemExit(f"variant {text!r}: place={value!r} (known: {', '.join(PLACEMENTS)})")
+            place = value
+            continue
         try:
             over[KNOBS[key]] = int(value) if key == "batch" else float(value) if key == "wait" else value
         except ValueError:
             raise SystemExit(f"variant {text!r}: {key}={value!r} is not a number") from None
-    return m, split, inflight, over
+    return m, split, inflight, over, place
 
 
 def actor_idle(run: dict[str, Any], split_at: float) -> dict[str, float]:
@@ -92,15 +103,17 @@ def main() -> None:
     variants = [parse_variant(v) for v in args.variants.split(";") if v]
     iso: dict[int, dict[str, Any]] = {}
     rows = []
-    for m, split, inflight, over in variants:
+    for m, split, inflight, over, place in variants:
         pol = policy("elastic", rollout_split=split, **over)
         wl = workload(inflight)
         if inflight not in iso:
             iso[inflight] = bench.run_layout(wl, "1-1-2", args.k, [policy("isolated")])[0]
         i = iso[inflight]
-        shared = bench.run_layout(wl, args.layout, args.k, [pol], rounds=args.rounds, producers_per_sim=m)[0]
-        row = {"layout": args.layout, "producers_per_sim": m, "rollout_split": split, "max_inflight": inflight or 2,
-               "rule": pol["rollout_split_rule"], "queue_order": pol["queue_order"],
+        shared = bench.run_layout(wl, args.layout, args.k, [pol], rounds=args.rounds, producers_per_sim=m,
+                                  sim_placement=place)[0]
+        row = {"layout": args.layout, "producers_per_sim": m, "sim_placement": place, "rollout_split": split,
+               "max_inflight": inflight or 2,
+               "rule": pol["rollout_split_rule"], "queue_order": pol["queue_order"], "routing": pol["routing"],
                "infer_max_batch": pol["infer_max_batch"], "infer_max_wait_s": pol["infer_max_wait_s"],
                "isolated_makespan_s": i["makespan_s"], "isolated_device_s": i["device_s"],
                "makespan_s": shared["makespan_s"], "device_s": shared["device_s"],
@@ -108,7 +121,8 @@ def main() -> None:
                "completion_s": shared["completion_s"], "action_wait_p99_s": shared["action_wait_all_s"]["p99"],
                "actor_idle_s": actor_idle(shared, shared["completion_s"]["sft"])}
         rows.append(row)
-        print(f"{args.layout} m={m} split={split} ({row['rule']}, {row['queue_order']}, B={row['infer_max_batch']}) "
+        print(f"{args.layout} m={m} ({place}) split={split} ({row['rule']}, {row['queue_order']}, "
+              f"B={row['infer_max_batch']}) "
               f"inflight={row['max_inflight']}: {bench.against_ceiling(row)}; makespan {row['makespan_s']:.1f} s, "
               f"isolated {i['makespan_s']:.1f} s, action p99 {1000 * row['action_wait_p99_s']:.1f} ms, actor idle "
               f"{row['actor_idle_s']['before_sft_end']:.1f} s before the SFT job's end, "

@@ -98,7 +98,7 @@ class EmulatedEngine(InferenceEngine):
         """The forward cost a tenant's rows take: its env's when the calibration has one (a camera env), else
         its action head family's."""
         spec = self.heads.specs[tenant][0]
-        return spec.env if spec.env in self.times.cal.forward else spec.action_head
+        return self.times.family(spec.env, spec.action_head)
 
     def _record(self, g: Group) -> None:
         """Charge the device the calibrated forward time, one forward after the other. The sleep is not it: it is

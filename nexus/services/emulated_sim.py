@@ -46,6 +46,16 @@ def sim_lanes(sim: SimHost, emu: EmulationSettings) -> Lanes:
         return lanes
 
 
+def producer_load(req: RolloutRequest, envs: int) -> float:
+    """What the producer tells its worker's lanes (``EmulationSettings.sim_placement``): with ``"load"``, the share
+    of a device's time it steps alone; with ``"fewest"``, nothing (0), so lanes are told apart by their count."""
+    emu = req.emulation
+    if emu is None or emu.sim_placement != "load":
+        return 0.0
+    times, spec = emu.times(), req.tenant.spec
+    return times.stepping_share(req.env, envs, times.family(spec.env, spec.action_head))
+
+
 def observation(schema: TenantSchema) -> Observation:
     """A blank observation of the tenant's schema (what the engine's request gate checks)."""
     return Observation(state=np.zeros(schema.proprio_dim, np.float32),
@@ -67,7 +77,8 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
     name = req.tenant.name
     lanes = sim_lanes(sim, emu)
     asked = time.time()
-    with lanes.hold(1) as (lane,), sim.producer(f"{req.job}:{req.offset}", req.job or "", name, kind) as progress:
+    with (lanes.hold(1, load=producer_load(req, min(k, req.episodes))) as (lane,),
+          sim.producer(f"{req.job}:{req.offset}", req.job or "", name, kind) as progress):
         t0 = time.time()
         clock = DeviceClock(times.k)
         ready = ready_from(req.ready_at, asked, t0)

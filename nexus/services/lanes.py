@@ -3,7 +3,9 @@ count), and each piece of work runs on lanes it holds until it ends, so every sp
 (``<worker>#<lane>``, the slots :mod:`nexus.control.accounting` counts).
 
 A lane may be shared by ``share`` holders (simulator devices running several producers): they hold it at once,
-but its device work runs one piece at a time (:meth:`Lanes.occupy`)."""
+but its device work runs one piece at a time (:meth:`Lanes.occupy`). A holder may say what share of a device's
+time it expects to use (its ``load``): then a new holder takes the open lane with the least load held, so two
+producers that step most of the time do not end up taking turns on one device while another steps little."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def lane_label(worker_name: str, count: int, lane: int) -> str:
 
 class Lanes:
     """``n`` devices, each held by up to ``share`` holders; :meth:`hold` waits until ``k`` lanes have room
-    (work beyond the devices queues, as on hardware) and takes the least held ones."""
+    (work beyond the devices queues, as on hardware) and takes the least loaded, then least held ones."""
 
     def __init__(self, n: int, share: int = 1) -> None:
         if n < 1:
@@ -29,27 +31,32 @@ class Lanes:
             raise ValueError(f"a lane has room for at least one holder, got {share}")
         self.n, self.share = n, share
         self._holders = [0] * n
+        self._load = [0.0] * n  # the holders' expected shares of each device's time, summed
         self._free_at = [0.0] * n  # perf_counter time at which the work queued on each device ends
         self._cv = threading.Condition()
 
     def _open(self) -> list[int]:
         return sorted((i for i in range(self.n) if self._holders[i] < self.share),
-                      key=lambda i: (self._holders[i], i))
+                      key=lambda i: (self._load[i], self._holders[i], i))
 
     @contextmanager
-    def hold(self, k: int = 1) -> Iterator[list[int]]:
+    def hold(self, k: int = 1, load: float = 0.0) -> Iterator[list[int]]:
+        """``k`` lanes for the block; ``load``: the share of each device's time this holder expects to use (0: not
+        said, lanes are told apart by their holders' count alone)."""
         k = max(1, min(k, self.n))
         with self._cv:
             self._cv.wait_for(lambda: len(self._open()) >= k)
             got = self._open()[:k]
             for i in got:
                 self._holders[i] += 1
+                self._load[i] += load
         try:
             yield got
         finally:
             with self._cv:
                 for i in got:
                     self._holders[i] -= 1
+                    self._load[i] = max(0.0, self._load[i] - load) if self._holders[i] else 0.0
                 self._cv.notify_all()
 
     def occupy(self, lane: int, seconds: float, ahead: float = 0.0) -> float:
