@@ -145,7 +145,7 @@ def test_a_producers_stepping_share_and_what_it_tells_its_device_lanes():
     for placement, expected in (("fewest", 0.0), ("load", lift)):
         emu = EmulationSettings(calibration="paper_gpu", time_scale=10, sim_placement=placement)
         req = SimpleNamespace(emulation=emu, env=spec.env, tenant=SimpleNamespace(spec=spec))
-        assert producer_load(req, 8) == pytest.approx(expected)
+        assert producer_load(req, emu.times(), 8) == pytest.approx(expected)
     with pytest.raises(ValueError, match="sim_placement"):
         EmulationSettings(calibration="paper_gpu", sim_placement="emptiest")
 

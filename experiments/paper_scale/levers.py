@@ -28,13 +28,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench  # noqa: E402
 from emulated import Workload, policy  # noqa: E402
+
+from nexus.emulation import EmulationSettings  # noqa: E402
 
 
 def workload(inflight: int) -> Workload:
@@ -47,7 +49,7 @@ def workload(inflight: int) -> Workload:
 
 KNOBS = {"rule": "rollout_split_rule", "order": "queue_order", "batch": "infer_max_batch", "wait": "infer_max_wait_s",
          "route": "routing", "place": "sim_placement"}
-PLACEMENTS = ("fewest", "load")
+PLACEMENTS = get_args(EmulationSettings.model_fields["sim_placement"].annotation)  # the setting's own choices
 
 
 def parse_variant(text: str) -> tuple[int, int, int, dict[str, Any], str]:

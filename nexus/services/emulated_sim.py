@@ -22,7 +22,7 @@ import numpy as np
 from distributed import get_worker
 
 from nexus import catalog
-from nexus.emulation import EmulationSettings, ready_from
+from nexus.emulation import EmulationSettings, ServiceTimes, ready_from
 from nexus.engine_client import EngineClient
 from nexus.features import Observation, TenantSchema
 from nexus.messages import BatchRef, RolloutRequest, RolloutResult
@@ -46,13 +46,13 @@ def sim_lanes(sim: SimHost, emu: EmulationSettings) -> Lanes:
         return lanes
 
 
-def producer_load(req: RolloutRequest, envs: int) -> float:
+def producer_load(req: RolloutRequest, times: ServiceTimes, envs: int) -> float:
     """What the producer tells its worker's lanes (``EmulationSettings.sim_placement``): with ``"load"``, the share
     of a device's time it steps alone; with ``"fewest"``, nothing (0), so lanes are told apart by their count."""
     emu = req.emulation
     if emu is None or emu.sim_placement != "load":
         return 0.0
-    times, spec = emu.times(), req.tenant.spec
+    spec = req.tenant.spec
     return times.stepping_share(req.env, envs, times.family(spec.env, spec.action_head))
 
 
@@ -77,7 +77,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
     name = req.tenant.name
     lanes = sim_lanes(sim, emu)
     asked = time.time()
-    with (lanes.hold(1, load=producer_load(req, min(k, req.episodes))) as (lane,),
+    with (lanes.hold(1, load=producer_load(req, times, k)) as (lane,),
           sim.producer(f"{req.job}:{req.offset}", req.job or "", name, kind) as progress):
         t0 = time.time()
         clock = DeviceClock(times.k)
