@@ -25,6 +25,10 @@ is the device time a lone producer leaves idle while it waits for actions. ``sim
 producer takes: the one with the fewest producers (``"fewest"``), or the one whose producers step the least of
 their time (``"load"``: each producer's share is its calibrated chunk of steps over that chunk and one forward).
 
+``lend_actor`` lets the actor's devices step simulators while no update runs on them (a device that changes role
+when the actor starves): the actor rank lends them to the simulator workers when an update ends and takes them back
+when the next arrives (:mod:`nexus.services.lent_devices`).
+
 ``time_scale`` k divides every service time, so long workloads run in minutes; the benchmark checks that
 its figures do not move with k. Plain data, no torch, no I/O at import.
 """
@@ -142,6 +146,10 @@ class EmulationSettings(BaseModel):
         "fewest", description="the simulator device a producer takes: the one with the fewest producers, or the one "
         "whose producers step the least of their time (their calibrated share summed): a device whose producers "
         "step most of the time is left to producers that mostly wait for actions")
+    lend_actor: bool = Field(False, description="the actor rank lends its devices to the simulator workers between "
+                             "updates: a producer whose own device is busy runs its next reset or env step on an "
+                             "idle actor device; the next update takes its devices back and starts once the piece "
+                             "queued on them ends")
     seed: int = Field(0, ge=0, description="emulated episode outcomes")
     table: Calibration | None = Field(None, description="the loaded calibration (filled in; workers never "
                                       "re-read the file)")

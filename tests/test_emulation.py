@@ -19,6 +19,7 @@ from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
 from nexus.emulation import Calibration, DeviceCounts, EmulationSettings, ServiceTimes, load_calibration
 from nexus.errors import SpecError
 from nexus.services.lanes import Lanes, lane_label
+from nexus.services.lent_devices import LentDevices
 
 EMU = {"calibration": "paper_gpu", "time_scale": 20, "devices": {"actor": 2, "inference": 2, "simulator": 4}}
 
@@ -125,6 +126,30 @@ def test_shared_lanes_take_the_least_loaded_device_when_holders_say_their_load()
             assert again == [1]  # the third's load left with it: lane 1 holds 0.3 against 0.9
     with lanes.hold() as a, lanes.hold() as b, lanes.hold() as c:
         assert (a, b, c) == ([0], [1], [0])  # nothing said, nothing left over: spread by count, as before
+
+
+def test_a_busy_simulator_device_borrows_a_lent_one_until_its_owner_takes_it_back():
+    """``EmulationSettings.lend_actor``: a piece of device work whose own device is busy runs on a device another
+    service lends, when it starts sooner there; taken back, the device runs no new piece and its owner learns when
+    the one queued on it ends. A chunk of steps goes there one step at a time."""
+    lanes, lent = Lanes(1), LentDevices()
+    assert lanes.occupy_or_borrow(0, 0.5, lent=lent) == (0.0, None, 0.5)  # nothing lent: its own device, idle
+    wait, dev, ran = lanes.occupy_or_borrow(0, 0.2, lent=lent)
+    assert dev is None and ran == 0.2 and 0.45 < wait <= 0.5  # nothing lent yet: it queues behind its device's piece
+    lent.lend(["actor-0#0"], free_at=time.time() + 0.1)  # idle from 0.1 s on
+    wait, dev, ran = lanes.occupy_or_borrow(0, 0.3, lent=lent)
+    assert dev == "actor-0#0" and ran == 0.3 and 0.05 < wait <= 0.1  # sooner there than behind 0.7 s on its own
+    assert lent.stepped_s == pytest.approx(0.3)
+    wait, dev, ran = lanes.occupy_or_borrow(0, 0.4, lent=lent, unit=0.1)
+    assert dev == "actor-0#0" and ran == 0.1 and 0.35 < wait <= 0.4  # one step, behind the lent device's 0.4
+    back = lent.reclaim(["actor-0#0"])
+    assert time.time() + 0.45 < back <= time.time() + 0.5  # the owner starts once the pieces on it end
+    assert lent.lent == []
+    wait, dev, ran = lanes.occupy_or_borrow(0, 0.3, lent=lent, unit=0.1)
+    assert dev is None and ran == 0.3 and 0.6 < wait <= 0.7  # taken back: the rest on its own device, however late
+    lent.lend(["actor-0#0", "actor-0#1"], free_at=time.time())  # lent again: its queued pieces are not forgotten
+    assert lanes.occupy_or_borrow(0, 0.1, lent=lent)[1] == "actor-0#1"
+    assert Lanes(1).occupy_or_borrow(0, 0.1, lent=lent) == (0.0, None, 0.1)  # an idle own device is never left
 
 
 def test_a_producers_stepping_share_and_what_it_tells_its_device_lanes():
@@ -476,3 +501,28 @@ def test_a_simulator_device_shared_by_two_producers_steps_one_at_a_time(tmp_path
         # without turns would step both at once, in about half of it)
         held = max(a["t1"], b["t1"]) - a["t0"]
         assert held >= 0.95 * (a["sim_s"] + b["sim_s"]), (held, a, b)
+
+
+def test_an_idle_actor_lends_its_device_to_a_busy_simulator_and_takes_it_back_for_its_updates(tmp_path):
+    """``lend_actor``: two producers on one simulator device step on the actor's device too while no update runs
+    there (their pieces say how much ran there), and the actor's updates are charged to the actor alone."""
+    from nexus.client.api import Nexus
+    from nexus.spec import TenantSpec
+
+    emu = {**EMU, "devices": {"actor": 1, "inference": 1, "simulator": 1}, "producers_per_sim": 2, "lend_actor": True}
+    with Nexus.local(tmp_path / "svc", emulation=emu, scheduler="fifo", datapath={"envs_per_producer": 4}) as nx:
+        nx.create_tenant(TenantSpec(name="lender", env="robosuite/lift-state", action_dim=7, hidden_dim=32, seed=3))
+        t0 = time.time()
+        out = nx.tenant("lender").rl(updates=4, episodes_per_batch=4, collectors=2).result(timeout=300)
+        t1 = time.time()
+        nx.flush()
+        assert out["updates"] == 4 and out["episodes"] == 16
+        spans = [s for s in nx.call("nexus_monitoring", since=t0)["spans"] if s["t0"] >= t0 - 1e-3]
+        rollouts = [s for s in spans if s["service"] == "simulator"]
+        updates = [s for s in spans if s["service"] == "actor"]
+        lent = sum(s["lent_s"] for s in rollouts)
+        assert len(updates) == 4 and 0 < lent < sum(s["sim_s"] for s in rollouts), rollouts
+        acc = nx.internal("nexus_accounting", t0=t0, t1=t1)
+        assert acc["services"]["actor"]["busy_s"] == pytest.approx(sum(s["t1"] - s["t0"] for s in updates), rel=1e-6)
+        assert acc["services"]["simulator"]["slots"] == 1  # the lent device is still the actor's slot
+

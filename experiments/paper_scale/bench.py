@@ -52,8 +52,9 @@ SFT_SPEC = {"dataset": "pickcube-scripted", "env": "maniskill/pickcube-state", "
 RL_UPDATES = {"libero-lift": 5, "ms-push": 24, "ms-pick-rgb": 20}
 SHARED_POLICIES = ["fifo", "priority", "grouped", "critical", "balanced", "adaptive", "elastic"]
 # results.json sections that ran the paper's workload on 2-2-4 against its isolated 1-1-2 (the headline's
-# candidates; "paper_collectors1" is another workload): simulator devices running 1 producer, or 2 at once
-HEADLINE = ("paper", "paper_shared_sims")
+# candidates; "paper_collectors1" is another workload): simulator devices running 1 producer, or 2 at once, or 2
+# with the actor lending its idle devices to the simulators
+HEADLINE = ("paper", "paper_shared_sims", "paper_lend")
 
 
 def rl_job(updates: int, episodes: int = 16, collectors: int = 2) -> dict[str, Any]:
@@ -79,19 +80,21 @@ def summarize(run: dict[str, Any]) -> str:
 
 def run_layout(workload: Workload, devices: str, k: float, policies: list[dict[str, Any]],
                actor_group: int = 0, rounds: int = 1, producers_per_sim: int = 1,
-               boot: str | None = None, sim_placement: str = "fewest") -> list[dict[str, Any]]:
+               boot: str | None = None, emulation: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Each policy ``rounds`` times on one service (policies in turn, so host noise spreads over all); per
     policy the run of median device time, with every round's device time kept. The service boots with the
-    catalog policy ``boot`` (default: the first policy's name)."""
+    catalog policy ``boot`` (default: the first policy's name); ``emulation``: more of the devices' settings
+    (``EmulationSettings``: ``sim_placement``, ``lend_actor``)."""
     svc = EmulatedService(workload, devices, CAL, k, boot or policies[0]["name"], actor_group=actor_group,
-                          producers_per_sim=producers_per_sim, sim_placement=sim_placement)
+                          producers_per_sim=producers_per_sim, emulation=emulation)
     try:
         got: dict[str, list[dict[str, Any]]] = {p["name"]: [] for p in policies}
         for _ in range(rounds):
             for p in policies:
                 r = svc.run(p)
                 r["k"], r["devices"], r["producers_per_sim"] = k, devices, producers_per_sim
-                r["sim_placement"] = sim_placement
+                r["sim_placement"] = (emulation or {}).get("sim_placement", "fewest")
+                r["lend_actor"] = bool((emulation or {}).get("lend_actor"))
                 print(f"  {devices} k={k:g} {summarize(r)}", flush=True)
                 got[p["name"]].append(r)
         out = []
@@ -119,13 +122,18 @@ def ceiling(iso: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     own devices, every one busy all the time, bounds the shared makespan below — the simulators' stepping (the
     isolated run's, the same episodes), the actor's and inference's busy time (this run's own: an actor group's
     update keeps all its devices busy); the largest of the three is the bound (``bound_by``: on 2-2-4, the
-    simulators). At that makespan: the efficiency, and the actor's and inference's utilizations."""
+    simulators). When the actor lends its idle devices to the simulators (``lend_actor``), the stepping and the
+    actor's work share both services' devices instead (``bound_by`` ``simulator+actor``; a lent device steps at a
+    simulator device's rate). At that makespan: the efficiency, and the actor's and inference's utilizations."""
     stepping = iso.get("simulator_split_s", {}).get("stepping", 0.0)  # older runs did not keep it
     if stepping <= 0:
         return {}
     busy, slots = shared["busy_s"], shared["slots"]
     bounds = {"simulator": stepping / max(slots["simulator"], 1), "actor": busy["actor"] / max(slots["actor"], 1),
               "inference": busy["inference"] / max(slots["inference"], 1)}
+    if shared.get("lend_actor"):
+        bounds["simulator+actor"] = (stepping + busy["actor"]) / max(slots["simulator"] + slots["actor"], 1)
+        del bounds["simulator"]
     bound_by = max(bounds, key=bounds.__getitem__)
     makespan = bounds[bound_by]
     return {"makespan_s": makespan, "bound_by": bound_by, "reached": makespan / shared["makespan_s"],
@@ -150,9 +158,12 @@ def paper(args) -> dict[str, Any]:
     elastic = policy("elastic")  # the isolated run with elastic's batch split
     like = {k: elastic[k] for k in ("rollout_split", "rollout_split_rule")}
     iso_m, iso_pol = (m, policy("isolated", **like)) if args.isolated_like_shared else (1, policy("isolated"))
-    iso = run_layout(wl, "1-1-2", args.k, [iso_pol], rounds=args.rounds, producers_per_sim=iso_m)[0]
+    lend = {"lend_actor": args.lend_actor}  # the shared server's; the isolated one's too when like the shared
+    iso_emu = lend if args.isolated_like_shared else None
+    iso = run_layout(wl, "1-1-2", args.k, [iso_pol], rounds=args.rounds, producers_per_sim=iso_m,
+                     emulation=iso_emu)[0]
     shared = run_layout(wl, "2-2-4", args.k, [policy(p) for p in args.policies.split(",")], rounds=args.rounds,
-                        producers_per_sim=m)
+                        producers_per_sim=m, emulation=lend)
     table = {r["policy"]: compare(iso, r) for r in shared}
     best = max(table, key=lambda p: table[p]["efficiency"])
     for name, row in table.items():
@@ -161,9 +172,9 @@ def paper(args) -> dict[str, Any]:
     for k in [float(x) for x in args.ks.split(",") if x]:
         pols = list(dict.fromkeys(["fifo", best]))
         i = iso if k == args.k else run_layout(wl, "1-1-2", k, [iso_pol], rounds=args.sweep_rounds,
-                                               producers_per_sim=iso_m)[0]
+                                               producers_per_sim=iso_m, emulation=iso_emu)[0]
         ss = [r for r in shared if r["policy"] in pols] if k == args.k else run_layout(
-            wl, "2-2-4", k, [policy(p) for p in pols], rounds=args.sweep_rounds, producers_per_sim=m)
+            wl, "2-2-4", k, [policy(p) for p in pols], rounds=args.sweep_rounds, producers_per_sim=m, emulation=lend)
         sweep[f"{k:g}"] = {r["policy"]: {**compare(i, r), "makespan_s": r["makespan_s"], "iso_makespan_s":
                                          i["makespan_s"]} for r in ss}
     spread = {}
@@ -176,7 +187,8 @@ def paper(args) -> dict[str, Any]:
     draw_timelines([iso, next(r for r in shared if r["policy"] == best)], HERE / png)
     for r in [iso, *shared]:
         r.pop("spans", None)
-    return {"k": args.k, "producers_per_sim": m, "isolated_like_shared": args.isolated_like_shared, "isolated": iso,
+    return {"k": args.k, "producers_per_sim": m, "lend_actor": args.lend_actor,
+            "isolated_like_shared": args.isolated_like_shared, "isolated": iso,
             "shared": shared, "table": table, "best": best, "k_sweep": sweep, "k_spread": spread, "paper": PAPER}
 
 
@@ -306,8 +318,11 @@ def main() -> None:
     ap.add_argument("--isolated-like-shared", action="store_true", help="the isolated baseline with the shared "
                     "server's producers per simulator device and RL batches split over free simulators (elastic's "
                     "rollout_split): what those two give a tenant alone")
+    ap.add_argument("--lend-actor", action="store_true", help="the shared server's actor lends its idle devices to "
+                    "the simulators (EmulationSettings.lend_actor; the isolated baseline keeps the paper's fixed "
+                    "roles unless --isolated-like-shared)")
     ap.add_argument("--section", default=None, help="the results.json section (default: paper | large); the "
-                    "headline figures come from 'paper' only")
+                    "headline figures come from the best of HEADLINE's sections")
     ap.add_argument("--out", default=str(HERE / "results.json"))
     args = ap.parse_args()
     t0 = time.time()
@@ -330,6 +345,7 @@ def main() -> None:
         doc.update({"efficiency": best["efficiency"], "actor_util": best["actor_util"],
                     "inference_util": best["inference_util"], "best_policy": pol, "best_section": sec,
                     "best_producers_per_sim": doc[sec].get("producers_per_sim", 1),
+                    "best_lend_actor": bool(doc[sec].get("lend_actor")),
                     "ceiling": best.get("ceiling") or ceiling(doc[sec]["isolated"], next(
                         r for r in doc[sec]["shared"] if r["policy"] == pol))})
     if "paper_iso_like_shared" in doc:  # the same against an isolated server that shares its simulators too

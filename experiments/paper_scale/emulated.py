@@ -60,14 +60,14 @@ class EmulatedService:
 
     def __init__(self, workload: Workload, devices: str, calibration: str, k: float, first_policy: str,
                  actor_group: int = 0, seed: int = 0, producers_per_sim: int = 1,
-                 sim_placement: str = "fewest") -> None:
+                 emulation: dict[str, Any] | None = None) -> None:
         from nexus.emulation import DeviceCounts
 
         self.workload, self.k = workload, k
         self.devices = DeviceCounts.parse(devices)
         emu = {"calibration": calibration, "time_scale": k, "devices": self.devices.model_dump(),
                "actor_group": actor_group, "seed": seed, "producers_per_sim": producers_per_sim,
-               "sim_placement": sim_placement}
+               **(emulation or {})}
         self.root = Path(tempfile.mkdtemp(prefix="nexus-emulated-")) / "service"
         self.nx = Nexus.local(self.root, emulation=emu, scheduler=first_policy,
                               datapath=workload.datapath or None)

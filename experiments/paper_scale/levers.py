@@ -6,13 +6,14 @@ isolated 1-1-2, at k = 3, on one emulated service per variant (``--rounds`` each
 prints its efficiency and utilizations next to their **ceiling** (``bench.ceiling``: the busiest service's work
 on its own devices, every one busy all the time, bounds the makespan) and how much of that bound the run reached.
 Variants (``--variants``, ``;``-separated ``m,split,inflight`` then optional ``rule``, or ``key=value`` among
-``rule``, ``order``, ``batch``, ``wait``, ``route``, ``place``): m producers per simulator device, ``elastic``'s
-``rollout_split``, the RL tenants' ``max_inflight`` (0: the policy's default, 2; a third batch in flight overlaps
-a job's rollouts with its updates — the isolated baseline is run again with it, since it helps a tenant alone too),
-``rollout_split_rule`` (default: ``elastic``'s), the training queue's order (``queue_order``), the inference
-group's size B and wait T (``infer_max_batch``, ``infer_max_wait_s``), the tenants' routing to engines
-(``routing``: ``static`` or by ``load``), and the simulator device a producer takes
-(``place``: ``fewest`` producers, the default, or least ``load``; ``EmulationSettings.sim_placement``).
+``rule``, ``order``, ``batch``, ``wait``, ``route``, ``place``, ``lend``): m producers per simulator device,
+``elastic``'s ``rollout_split``, the RL tenants' ``max_inflight`` (0: the policy's default, 2; a third batch in flight
+overlaps a job's rollouts with its updates — the isolated baseline is run again with it, since it helps a tenant alone
+too), ``rollout_split_rule`` (default: ``elastic``'s), the training queue's order (``queue_order``), the inference
+group's size B and wait T (``infer_max_batch``, ``infer_max_wait_s``), the tenants' routing to engines (``routing``:
+``static`` or by ``load``), and the simulator device a producer takes (``place``: ``fewest`` producers, the default,
+or least ``load``; ``EmulationSettings.sim_placement``), and whether the actor lends its idle devices to the
+simulators (``lend``: ``off``, the default, or ``on``; ``EmulationSettings.lend_actor``).
 
     python experiments/paper_scale/levers.py    # ~10 min on 2 cores -> levers.json
     python experiments/paper_scale/levers.py --layout 1-2-5 --rounds 2 --out experiments/paper_scale/levers_1-2-5.json \
@@ -48,34 +49,36 @@ def workload(inflight: int) -> Workload:
 
 
 KNOBS = {"rule": "rollout_split_rule", "order": "queue_order", "batch": "infer_max_batch", "wait": "infer_max_wait_s",
-         "route": "routing", "place": "sim_placement"}
+         "route": "routing", "place": "sim_placement", "lend": "lend_actor"}
 PLACEMENTS = get_args(EmulationSettings.model_fields["sim_placement"].annotation)  # the setting's own choices
+SWITCH = {"on": True, "off": False}
 
 
-def parse_variant(text: str) -> tuple[int, int, int, dict[str, Any], str]:
-    """``m,split,inflight[,rule][,key=value...]`` -> (m, split, inflight, the policy's overrides, the simulator
-    placement: a setting of the emulated devices, not of the policy)."""
+def parse_variant(text: str) -> tuple[int, int, int, dict[str, Any], dict[str, Any]]:
+    """``m,split,inflight[,rule][,key=value...]`` -> (m, split, inflight, the policy's overrides, the emulated
+    devices' settings: ``place`` and ``lend`` are not the policy's)."""
     fields = text.split(",")
     try:
         m, split, inflight = (int(x) for x in fields[:3])
     except ValueError:
         raise SystemExit(f"variant {text!r}: expected m,split,inflight (integers) first") from None
     over: dict[str, Any] = {}
-    place = "fewest"
+    devices: dict[str, Any] = {"sim_placement": "fewest", "lend_actor": False}
     for f in fields[3:]:
         key, _, value = f.partition("=") if "=" in f else ("rule", "=", f)
         if key not in KNOBS:
             raise SystemExit(f"variant {text!r}: unknown lever {key!r} (known: {', '.join(KNOBS)})")
-        if key == "place":
-            if value not in PLACEMENTS:
-                raise SystemExit(f"variant {text!r}: place={value!r} (known: {', '.join(PLACEMENTS)})")
-            place = value
+        if key in ("place", "lend"):
+            choices = PLACEMENTS if key == "place" else tuple(SWITCH)
+            if value not in choices:
+                raise SystemExit(f"variant {text!r}: {key}={value!r} (known: {', '.join(choices)})")
+            devices[KNOBS[key]] = SWITCH[value] if key == "lend" else value
             continue
         try:
             over[KNOBS[key]] = int(value) if key == "batch" else float(value) if key == "wait" else value
         except ValueError:
             raise SystemExit(f"variant {text!r}: {key}={value!r} is not a number") from None
-    return m, split, inflight, over, place
+    return m, split, inflight, over, devices
 
 
 def actor_idle(run: dict[str, Any], split_at: float) -> dict[str, float]:
@@ -103,17 +106,20 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.time()
     variants = [parse_variant(v) for v in args.variants.split(";") if v]
-    iso: dict[int, dict[str, Any]] = {}
+    iso: dict[tuple[int, bool], dict[str, Any]] = {}
     rows = []
-    for m, split, inflight, over, place in variants:
+    for m, split, inflight, over, devices in variants:
         pol = policy("elastic", rollout_split=split, **over)
         wl = workload(inflight)
-        if inflight not in iso:
-            iso[inflight] = bench.run_layout(wl, "1-1-2", args.k, [policy("isolated")])[0]
-        i = iso[inflight]
+        place, lend = devices["sim_placement"], devices["lend_actor"]
+        for lends in {False, lend}:  # the paper's baseline; and one whose actor lends too (it helps a job alone)
+            if (inflight, lends) not in iso:
+                iso[inflight, lends] = bench.run_layout(wl, "1-1-2", args.k, [policy("isolated")],
+                                                        emulation={"lend_actor": lends})[0]
+        i = iso[inflight, False]
         shared = bench.run_layout(wl, args.layout, args.k, [pol], rounds=args.rounds, producers_per_sim=m,
-                                  sim_placement=place)[0]
-        row = {"layout": args.layout, "producers_per_sim": m, "sim_placement": place, "rollout_split": split,
+                                  emulation=devices)[0]
+        row = {"layout": args.layout, "producers_per_sim": m, **devices, "rollout_split": split,
                "max_inflight": inflight or 2,
                "rule": pol["rollout_split_rule"], "queue_order": pol["queue_order"], "routing": pol["routing"],
                "infer_max_batch": pol["infer_max_batch"], "infer_max_wait_s": pol["infer_max_wait_s"],
@@ -121,14 +127,20 @@ def main() -> None:
                "makespan_s": shared["makespan_s"], "device_s": shared["device_s"],
                "rounds_device_s": shared["rounds_device_s"], **bench.compare(i, shared),
                "completion_s": shared["completion_s"], "action_wait_p99_s": shared["action_wait_all_s"]["p99"],
-               "actor_idle_s": actor_idle(shared, shared["completion_s"]["sft"])}
+               "actor_idle_s": actor_idle(shared, shared["completion_s"]["sft"]),
+               "lent_stepping_s": sum(s.get("lent_s", 0.0) for s in shared["spans"] if s["service"] == "simulator"),
+               "isolated_lending_device_s": iso[inflight, lend]["device_s"],
+               "efficiency_vs_isolated_lending": iso[inflight, lend]["device_s"] / shared["device_s"]}
         rows.append(row)
-        print(f"{args.layout} m={m} ({place}) split={split} ({row['rule']}, {row['queue_order']}, "
-              f"B={row['infer_max_batch']}) "
+        print(f"{args.layout} m={m} ({place}{', actor lends' if lend else ''}) split={split} ({row['rule']}, "
+              f"{row['queue_order']}, B={row['infer_max_batch']}) "
               f"inflight={row['max_inflight']}: {bench.against_ceiling(row)}; makespan {row['makespan_s']:.1f} s, "
               f"isolated {i['makespan_s']:.1f} s, action p99 {1000 * row['action_wait_p99_s']:.1f} ms, actor idle "
               f"{row['actor_idle_s']['before_sft_end']:.1f} s before the SFT job's end, "
-              f"{row['actor_idle_s']['after_sft_end']:.1f} s after", flush=True)
+              f"{row['actor_idle_s']['after_sft_end']:.1f} s after"
+              + (f", {row['lent_stepping_s']:.1f} s stepped on lent actor devices; against an isolated run whose "
+                 f"actor lends too ({iso[inflight, lend]['makespan_s']:.1f} s): "
+                 f"{row['efficiency_vs_isolated_lending']:.3f}" if lend else ""), flush=True)
     doc = {"variants": rows, "k": args.k, "layout": args.layout, "rounds": args.rounds, "meta": {
         "command": "python experiments/paper_scale/levers.py " + " ".join(sys.argv[1:]), "bench_s": time.time() - t0,
         "load_avg_end": os.getloadavg(), "cpu_count": os.cpu_count()}}

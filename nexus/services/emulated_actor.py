@@ -23,6 +23,7 @@ from nexus.engine_client import EngineSet
 from nexus.errors import SpecError, Unavailable
 from nexus.messages import EngineEndpoint, OpWork, RLWork, SlotInfo, TenantSetup, UpdateRequest, UpdateResult
 from nexus.services.device_clock import DeviceTimeline
+from nexus.services.device_lender import DeviceLender
 from nexus.services.lanes import Lanes, lane_label
 from nexus.services.slot_rebuild import rebuild_each
 from nexus.signals import emit
@@ -69,6 +70,7 @@ class EmulatedActorHost:
         self.synced: dict[str, int] = {}
         self.offloaded: dict[str, int] = {}
         self.rendezvous = None
+        self.lender = DeviceLender() if emu.lend_actor else None  # idle devices step simulators
 
     @property
     def slots(self) -> dict[str, int]:  # the heartbeat counts slots
@@ -138,7 +140,9 @@ def run_update(actor: EmulatedActorHost, req: UpdateRequest, data: Any = None) -
         duration = actor.times.update_s(kind, rows, epochs, len(lanes))
         version = actor.versions[name] + 1
         push = actor.writes and req.sync.should_push(version)
-        t0 = actor.timeline.start(lanes, _ready_at(actor, req))
+        devices = [actor.label(lane) for lane in lanes]
+        back = actor.lender.reclaim(devices) if actor.lender is not None else 0.0  # their simulator work ends then
+        t0 = max(actor.timeline.start(lanes, _ready_at(actor, req)), back)
         t1 = t0 + duration + (actor.times.sync_s() if push else 0.0)
         _sleep_until(t0 + duration)
         actor.versions[name] = version
@@ -147,9 +151,11 @@ def run_update(actor: EmulatedActorHost, req: UpdateRequest, data: Any = None) -
             sync_s = _push(actor, engines, name, version)
         _sleep_until(t1)
         actor.timeline.end(lanes, t1, req.job)
+        if actor.lender is not None:
+            actor.lender.lend(devices, t1)
     pushed = float(len(TOKEN_WEIGHTS)) if engines.pushed_to else 0.0
-    for i, lane in enumerate(lanes):  # every device of the group was busy: each is charged (the push once)
-        emit("update", tenant=name, job=req.job, what=kind, t0=t0, t1=t1, device=actor.label(lane),
+    for i, device in enumerate(devices):  # every device of the group was busy: each is charged (the push once)
+        emit("update", tenant=name, job=req.job, what=kind, t0=t0, t1=t1, device=device,
              sync_s=sync_s if i == 0 else 0.0, sync_bytes=pushed if i == 0 else 0.0, synced=bool(pushed) and i == 0)
     metrics = {"update_s": t1 - t0, "emulated_s": duration, "rows": float(rows), "loss": 0.0,
                "weight_sync_s": sync_s}

@@ -89,15 +89,26 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
         link = ProducerLink(engine, name, req.version, req.deterministic, req.job,
                             f"{name}/{req.job}/{uuid.uuid4().hex[:8]}", features=False, features_max_dim=0)
         obs = observation(req.tenant.schema)
-        wait = rtt = engine_wait = compute = 0.0
+        wait = rtt = engine_wait = compute = lent_s = 0.0
         requests = rows = 0
         versions: set[int] = set()
+        lent = sim.lent if emu.lend_actor else None
+
+        def run_on_device(seconds: float, unit: float | None = None) -> None:
+            """``seconds`` of device work on the producer's device, or (``lend_actor``) in steps of ``unit`` on a lent
+            one while that is sooner."""
+            nonlocal lent_s
+            while seconds > 1e-9:
+                queued, borrowed, ran = lanes.occupy_or_borrow(lane, seconds, clock.debt, lent, unit)
+                lent_s += ran if borrowed else 0.0
+                clock.spend(ran, queued=queued)
+                seconds -= ran
+
         link.open()
         try:
             for first in range(0, req.episodes, k):
                 n = min(k, req.episodes - first)
-                reset = times.reset_s(req.env)
-                clock.spend(reset, queued=lanes.occupy(lane, reset, ahead=clock.debt))
+                run_on_device(times.reset_s(req.env))
                 for c in range(math.ceil(length / cost.chunk)):
                     sent = time.perf_counter()
                     reply = link.submit([obs] * n).result()
@@ -109,8 +120,8 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
                     rtt, engine_wait, compute = rtt + got, engine_wait + reply.engine_wait_s, compute + reply.compute_s
                     requests, rows = requests + 1, rows + n
                     steps = min(cost.chunk, length - c * cost.chunk)
-                    stepping = times.step_s(req.env, n) * steps
-                    clock.spend(stepping, queued=lanes.occupy(lane, stepping, ahead=clock.debt))
+                    step = times.step_s(req.env, n)
+                    run_on_device(step * steps, unit=step)
         finally:
             link.close()
         t1 = time.time()
@@ -124,9 +135,9 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
              "success_rate": float(success.mean()) if req.episodes else 0.0, "envs": k, "waves": 1,
              "sim_s": clock.slept, "action_wait_s": wait, "requests": requests, "rows": rows, "timed": requests,
              "rtt_s": rtt, "engine_wait_s": engine_wait, "compute_s": compute, "device_queue_s": clock.queued,
-             "messaging_s": max(0.0, rtt - engine_wait - compute)}
+             "lent_s": lent_s, "messaging_s": max(0.0, rtt - engine_wait - compute)}
     emit("rollout", tenant=name, job=req.job, t0=t0, t1=t1, what="rl" if rl else "eval", steps=steps_total,
-         sim_s=clock.slept, action_wait_s=wait, device=lane_label(get_worker().name, lanes.n, lane),
+         sim_s=clock.slept, action_wait_s=wait, lent_s=lent_s, device=lane_label(get_worker().name, lanes.n, lane),
          queued_s=t0 - t_start)
     batch = None
     if rl:

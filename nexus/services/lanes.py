@@ -5,7 +5,9 @@ count), and each piece of work runs on lanes it holds until it ends, so every sp
 A lane may be shared by ``share`` holders (simulator devices running several producers): they hold it at once,
 but its device work runs one piece at a time (:meth:`Lanes.occupy`). A holder may say what share of a device's
 time it expects to use (its ``load``): then a new holder takes the open lane with the least load held, so two
-producers that step most of the time do not end up taking turns on one device while another steps little."""
+producers that step most of the time do not end up taking turns on one device while another steps little.
+Another service may lend its idle devices to the worker (:class:`LentDevices`): a piece whose own device is busy then
+runs there when it starts sooner (:meth:`Lanes.occupy_or_borrow`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from nexus.services.lent_devices import LentDevices
 
 
 def lane_label(worker_name: str, count: int, lane: int) -> str:
@@ -32,7 +36,7 @@ class Lanes:
         self.n, self.share = n, share
         self._holders = [0] * n
         self._load = [0.0] * n  # the holders' expected shares of each device's time, summed
-        self._free_at = [0.0] * n  # perf_counter time at which the work queued on each device ends
+        self._free_at = [0.0] * n  # wall-clock time at which the work queued on each device ends
         self._cv = threading.Condition()
 
     def _open(self) -> list[int]:
@@ -65,11 +69,24 @@ class Lanes:
         one piece at a time, in the order asked: returns how long this piece waits, from its arrival, behind the
         work queued before it (0 on an idle device); the caller sleeps the wait plus ``seconds``, less what it
         owes, so its host time meets the device's again when the piece ends."""
+        return self.occupy_or_borrow(lane, seconds, ahead)[0]
+
+    def occupy_or_borrow(self, lane: int, seconds: float, ahead: float = 0.0, lent: LentDevices | None = None,
+                         unit: float | None = None) -> tuple[float, str | None, float]:
+        """:meth:`occupy`, or on a device another service lends (``lent``) when the piece starts sooner there: then
+        only its first ``unit`` seconds (one env step: its owner takes the device back between steps, not after a
+        whole chunk), and the caller asks again for the rest. -> (the wait, the lent device or None, the seconds
+        queued)."""
         with self._cv:
-            arrival = time.perf_counter() - max(0.0, ahead)
+            arrival = time.time() - max(0.0, ahead)
             start = max(arrival, self._free_at[lane])
+            if lent is not None and start > arrival:
+                piece = min(seconds, unit) if unit else seconds
+                borrowed = lent.take(arrival, piece, before=start)
+                if borrowed is not None:
+                    return borrowed[1] - arrival, borrowed[0], piece
             self._free_at[lane] = start + seconds
-        return start - arrival
+        return start - arrival, None, seconds
 
     @property
     def busy(self) -> int:

@@ -96,7 +96,8 @@ class NexusWorkerPlugin(WorkerPlugin):
                                 **{name: _errors_as_replies(fn) for name, fn in (
                                     ("nexus_engine_ctl", self._in_worker(self._h_engine_ctl)),
                                     ("nexus_tracker", self._h_tracker), ("nexus_io", self._h_io),
-                                    ("nexus_env_ctl", self._h_env_ctl), ("nexus_sim_stop", self._h_sim_stop))}})
+                                    ("nexus_env_ctl", self._h_env_ctl), ("nexus_sim_stop", self._h_sim_stop),
+                                    ("nexus_lend", self._h_lend), ("nexus_reclaim", self._h_reclaim))}})
         self._beat = PeriodicCallback(self.beat, HEARTBEAT_S * 1000)
         self._beat.start()
         self.beat()
@@ -194,6 +195,14 @@ class NexusWorkerPlugin(WorkerPlugin):
             if s is not None:
                 s.pending -= 1
         return {"result": out}
+
+    async def _h_lend(self, devices: list[str], free_at: float) -> None:
+        """An emulated actor rank lends ``devices`` to this worker's producers from ``free_at`` on."""
+        self.sim.lent.lend(devices, free_at)
+
+    async def _h_reclaim(self, devices: list[str]) -> float:
+        """... and takes them back: -> when the work queued on them ends (wall clock)."""
+        return self.sim.lent.reclaim(devices)
 
     async def _h_env_ctl(self, action: str, **msg: Any) -> Any:
         """The control plane's session operations: ``open`` (build the envs) and ``close`` (plain values)."""

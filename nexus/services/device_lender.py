@@ -1,0 +1,52 @@
+"""The emulated actor rank's side of ``EmulationSettings.lend_actor``: it lends its idle devices to the simulator
+workers (their :class:`~nexus.services.lent_devices.LentDevices`) and takes them back, worker to worker over Dask's
+RPC (the scheduler is asked once where the simulator workers are, and again when one is gone)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from distributed import get_worker
+
+logger = logging.getLogger("nexus.lender")
+CALL_TIMEOUT_S = 5.0
+
+
+class DeviceLender:
+    def __init__(self) -> None:
+        self._sims: list[str] | None = None  # simulator workers' addresses
+
+    def lend(self, devices: list[str], free_at: float) -> None:
+        """``devices`` are idle from ``free_at`` (wall clock) on."""
+        self._call("nexus_lend", devices=devices, free_at=free_at)
+
+    def reclaim(self, devices: list[str]) -> float:
+        """Take ``devices`` back: -> when the simulator work queued on them ends (wall clock; 0: none)."""
+        return max((float(r) for r in self._call("nexus_reclaim", devices=devices) if r), default=0.0)
+
+    def _call(self, op: str, **msg: Any) -> list[Any]:
+        """``op`` on every simulator worker: their answers. One that cannot be reached is skipped (a lend it misses
+        only leaves a device idle; a restarted worker queued nothing on it)."""
+        worker = get_worker()
+        loop = getattr(worker.loop, "asyncio_loop", worker.loop)
+        try:
+            return asyncio.run_coroutine_threadsafe(self._all(worker, op, msg), loop).result(CALL_TIMEOUT_S * 2)
+        except (TimeoutError, OSError) as e:
+            logger.warning("%s: the scheduler or a simulator worker did not answer: %s", op, e)
+            self._sims = None
+            return []
+
+    async def _all(self, worker: Any, op: str, msg: dict[str, Any]) -> list[Any]:
+        if self._sims is None:
+            ident = await asyncio.wait_for(worker.scheduler.identity(), CALL_TIMEOUT_S)
+            self._sims = [a for a, w in ident.get("workers", {}).items() if "SIM" in (w.get("resources") or {})]
+        out = []
+        for addr in self._sims:
+            try:
+                out.append(await asyncio.wait_for(getattr(worker.rpc(addr), op)(**msg), CALL_TIMEOUT_S))
+            except (TimeoutError, OSError) as e:  # gone or restarting: asked again next time
+                logger.warning("%s to simulator worker %s failed: %s", op, addr, e)
+                self._sims = None
+        return out
