@@ -112,7 +112,7 @@ def main() -> None:
         pol = policy("elastic", rollout_split=split, **over)
         wl = workload(inflight)
         place, lend = devices["sim_placement"], devices["lend_actor"]
-        for lends in {False, lend}:  # the paper's baseline; and one whose actor lends too (it helps a job alone)
+        for lends in dict.fromkeys((False, lend)):  # the paper's baseline; and, for lending, one whose actor lends too
             if (inflight, lends) not in iso:
                 iso[inflight, lends] = bench.run_layout(wl, "1-1-2", args.k, [policy("isolated")],
                                                         emulation={"lend_actor": lends})[0]

@@ -99,7 +99,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
             one while that is sooner."""
             nonlocal lent_s
             while seconds > 1e-9:
-                queued, borrowed, ran = lanes.occupy_or_borrow(lane, seconds, clock.debt, lent, unit)
+                queued, borrowed, ran = lanes.occupy_or_borrow(lane, seconds, ahead=clock.debt, lent=lent, unit=unit)
                 lent_s += ran if borrowed else 0.0
                 clock.spend(ran, queued=queued)
                 seconds -= ran

@@ -16,7 +16,6 @@ class LentDevices:
         self._free_at: dict[str, float] = {}  # device -> end of the work queued on it (wall clock)
         self._open: set[str] = set()  # devices lent now
         self._lock = threading.Lock()
-        self.stepped_s = 0.0  # device work run on lent devices, summed
 
     def lend(self, devices: list[str], free_at: float) -> None:
         """``devices`` take pieces from ``free_at`` on (their owner's last work ends then)."""
@@ -41,7 +40,6 @@ class LentDevices:
                 return None
             start, device = best
             self._free_at[device] = start + seconds
-            self.stepped_s += seconds
             return device, start
 
     @property
