@@ -36,7 +36,8 @@ def _loop(server) -> asyncio.AbstractEventLoop:
     return getattr(loop, "asyncio_loop", loop)
 
 
-def _on_loop(server, coro) -> Future:
+def on_loop(server, coro) -> Future:
+    """Run ``coro`` on a Dask worker's or client's event loop from another thread."""
     return asyncio.run_coroutine_threadsafe(coro, _loop(server))
 
 
@@ -96,7 +97,7 @@ class EngineClient:
 
     def call(self, method: str, tenant: str, *args: Any, **kwargs: Any) -> Future:
         """Call ``method(tenant, *args, **kwargs)`` on the tenant's engine."""
-        return _on_loop(self.server, self._call(method, tenant, args, kwargs))
+        return on_loop(self.server, self._call(method, tenant, args, kwargs))
 
     def predict_batch(self, tenant: str, observations: list, *args: Any, **kwargs: Any) -> Future:
         """Several observations of one tenant as one request (a rollout producer's envs)."""
@@ -104,7 +105,7 @@ class EngineClient:
 
     def call_for(self, tenant: str, method: str, *args: Any, **kwargs: Any) -> Future:
         """Call ``method(*args, **kwargs)`` (no tenant argument) on the engine that serves ``tenant``."""
-        return _on_loop(self.server, self._call(method, tenant, args, kwargs, pass_tenant=False))
+        return on_loop(self.server, self._call(method, tenant, args, kwargs, pass_tenant=False))
 
     def __getattr__(self, method: str) -> Callable[..., Future]:
         if method.startswith("_"):
@@ -160,7 +161,7 @@ class EngineSet:
         self.errors: list[str] = []
 
     def load_weights(self, tenant: str, version: int, weights: bytes) -> Future:
-        return _on_loop(self.server, self._push_all(tenant, version, weights))
+        return on_loop(self.server, self._push_all(tenant, version, weights))
 
     async def _push_all(self, tenant: str, version: int, weights: bytes) -> int:
         results = await asyncio.gather(*(call_engine(self.server, ep, "load_weights", tenant, version, weights,
@@ -185,5 +186,5 @@ class EngineHandle:
     def __getattr__(self, method: str) -> Callable[..., Future]:
         if method.startswith("_"):
             raise AttributeError(method)
-        return lambda *args, **kwargs: _on_loop(self.server, call_engine(self.server, self.endpoint, method, *args,
+        return lambda *args, **kwargs: on_loop(self.server, call_engine(self.server, self.endpoint, method, *args,
                                                                          **kwargs))

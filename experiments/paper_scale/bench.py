@@ -38,6 +38,8 @@ sys.path.insert(0, str(HERE))
 
 from emulated import EmulatedService, Job, Workload, jain, pct, policy  # noqa: E402
 
+from nexus.emulation import EmulationSettings  # noqa: E402
+
 PAPER = {"efficiency": 1.39, "device_time_saved": 0.283, "actor_util": (0.208, 0.413),
          "inference_util": (0.281, 0.375)}
 TARGETS = {"efficiency": 1.8, "actor_util": 0.60, "inference_util": 0.50, "validation_error": 0.15}
@@ -78,6 +80,12 @@ def summarize(run: dict[str, Any]) -> str:
             f"{1000 * run['action_wait_all_s']['p99']:.1f} ms  load {os.getloadavg()[0]:.1f}")
 
 
+def device_settings(emulation: dict[str, Any] | None) -> dict[str, Any]:
+    """The devices' settings a run reports (``EmulationSettings``' defaults where ``emulation`` leaves them)."""
+    return {f: (emulation or {}).get(f, EmulationSettings.model_fields[f].default)
+            for f in ("sim_placement", "lend_actor")}
+
+
 def run_layout(workload: Workload, devices: str, k: float, policies: list[dict[str, Any]],
                actor_group: int = 0, rounds: int = 1, producers_per_sim: int = 1,
                boot: str | None = None, emulation: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -93,8 +101,7 @@ def run_layout(workload: Workload, devices: str, k: float, policies: list[dict[s
             for p in policies:
                 r = svc.run(p)
                 r["k"], r["devices"], r["producers_per_sim"] = k, devices, producers_per_sim
-                r["sim_placement"] = (emulation or {}).get("sim_placement", "fewest")
-                r["lend_actor"] = bool((emulation or {}).get("lend_actor"))
+                r.update(device_settings(emulation))
                 print(f"  {devices} k={k:g} {summarize(r)}", flush=True)
                 got[p["name"]].append(r)
         out = []

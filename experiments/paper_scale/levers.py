@@ -63,7 +63,7 @@ def parse_variant(text: str) -> tuple[int, int, int, dict[str, Any], dict[str, A
     except ValueError:
         raise SystemExit(f"variant {text!r}: expected m,split,inflight (integers) first") from None
     over: dict[str, Any] = {}
-    devices: dict[str, Any] = {"sim_placement": "fewest", "lend_actor": False}
+    devices = bench.device_settings(None)
     for f in fields[3:]:
         key, _, value = f.partition("=") if "=" in f else ("rule", "=", f)
         if key not in KNOBS:

@@ -10,6 +10,8 @@ from typing import Any
 
 from distributed import get_worker
 
+from nexus.engine_client import on_loop
+
 logger = logging.getLogger("nexus.lender")
 CALL_TIMEOUT_S = 5.0
 
@@ -30,9 +32,8 @@ class DeviceLender:
         """``op`` on every simulator worker: their answers. One that cannot be reached is skipped (a lend it misses
         only leaves a device idle; a restarted worker queued nothing on it)."""
         worker = get_worker()
-        loop = getattr(worker.loop, "asyncio_loop", worker.loop)
         try:
-            return asyncio.run_coroutine_threadsafe(self._all(worker, op, msg), loop).result(CALL_TIMEOUT_S * 2)
+            return on_loop(worker, self._all(worker, op, msg)).result(CALL_TIMEOUT_S * 2)
         except (TimeoutError, OSError) as e:
             logger.warning("%s: the scheduler or a simulator worker did not answer: %s", op, e)
             self._sims = None
