@@ -54,6 +54,16 @@ def _flags(arr: np.ndarray, name: str, n: int) -> np.ndarray:
     return arr.astype(bool)
 
 
+def newest_version(raw: Any) -> int | None:
+    """The largest ``policy_version`` of an upload, or None where there is none to read (then
+    :func:`check_episodes` says what is wrong)."""
+    try:
+        versions = _array(raw, "policy_version")
+    except (KeyError, TypeError, ValueError, SpecError):
+        return None
+    return int(versions.max()) if versions.dtype.kind in "iu" and versions.size else None
+
+
 def check_episodes(raw: Any, schema: TenantSchema, current_version: int, max_rows: int,
                    max_episodes: int) -> dict[str, np.ndarray]:
     """Checked trajectory columns (``episode`` and ``step`` numbered here, from 0) of an upload."""

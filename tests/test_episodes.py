@@ -1,13 +1,18 @@
-"""Uploaded episodes (external rollouts) checked where they enter: numbering, refusals (no cluster)."""
+"""Uploaded episodes (external rollouts) checked where they enter: numbering, refusals, the wait for a version
+the control plane is recording (no cluster)."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import numpy as np
 import pytest
 
-from nexus.episodes import check_episodes
+from nexus.episodes import check_episodes, newest_version
 from nexus.errors import LimitExceeded, SpecError
 from nexus.features import CameraSpec, TenantSchema
+from nexus.gateway.envs import recorded_view
 
 SCHEMA = TenantSchema(proprio_dim=2, action_dim=1)
 
@@ -48,3 +53,41 @@ def test_limits_and_cameras():
     cam = TenantSchema(proprio_dim=2, action_dim=1, cameras=(CameraSpec("wrist", 8, 8),))
     cols = check_episodes({**upload(), "images": {"wrist": np.ones((5, 8, 8, 3), np.uint8)}}, cam, 3, 100, 10)
     assert cols["image.wrist"].shape == (5, 8, 8, 3)
+
+
+class RecordsLater:
+    """The control plane's view of a tenant whose version ``recorded`` is recorded only at the ``after``-th read
+    (the moment between the actor's push to the engines and its update's result reaching the control plane)."""
+
+    def __init__(self, before: int, recorded: int, after: int) -> None:
+        self.before, self.recorded, self.after, self.reads = before, recorded, after, 0
+
+    async def tenant_view(self, tenant: str) -> dict:
+        self.reads += 1
+        return {"name": tenant, "version": self.recorded if self.reads >= self.after else self.before}
+
+
+def test_newest_version_reads_an_upload_or_leaves_the_error_to_the_check():
+    assert newest_version({**upload(), "policy_version": [1, 2, 4, 3, 0]}) == 4
+    assert newest_version({**upload(), "policy_version": [0.5] * 5}) is None
+    assert newest_version({"state": []}) is None and newest_version([1, 2]) is None
+
+
+def test_an_upload_waits_for_the_control_plane_to_record_the_version_predict_answered():
+    view = RecordsLater(before=1, recorded=2, after=4)
+    assert asyncio.run(recorded_view(view, "t", wanted=2, poll=0.01))["version"] == 2 and view.reads == 4
+    # already recorded, or nothing to wait for: one read
+    for wanted in (1, None):
+        view = RecordsLater(before=1, recorded=2, after=4)
+        assert asyncio.run(recorded_view(view, "t", wanted))["version"] == 1 and view.reads == 1
+    # two ahead is never a version in flight: refused at once by the check, without waiting
+    view = RecordsLater(before=1, recorded=3, after=2)
+    v = asyncio.run(recorded_view(view, "t", wanted=3))["version"]
+    assert view.reads == 1
+    with pytest.raises(SpecError, match="versions so far are 0..1"):
+        check_episodes({**upload(), "policy_version": [3] * 5}, SCHEMA, v, 100, 10)
+    # a version that never gets recorded is refused after the wait
+    view = RecordsLater(before=1, recorded=2, after=10**9)
+    t0 = time.monotonic()
+    assert asyncio.run(recorded_view(view, "t", wanted=2, timeout=0.2, poll=0.01))["version"] == 1
+    assert time.monotonic() - t0 >= 0.2 and view.reads > 2

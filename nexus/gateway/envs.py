@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Annotated, Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
-from nexus.episodes import check_episodes
+from nexus.episodes import check_episodes, newest_version
 from nexus.errors import NexusError, NotFound, SpecError, Unavailable
 from nexus.gateway.auth import Principal
 from nexus.gateway.contract import OVERLOADED_RESPONSE
@@ -36,6 +37,7 @@ logger = logging.getLogger("nexus.gateway.envs")
 
 MAX_SEED = 2**32 - 1
 MAX_PREDICT_BATCH = 256  # observations of one predict_batch request
+RECORD_WAIT_S = 5.0  # how long an upload waits for the control plane to record the version predict answered
 
 _bearer = HTTPBearer(auto_error=False, description="a tenant token (from create_tenant) or the operator token")
 
@@ -279,7 +281,7 @@ async def upload_episodes(job_id: str, body: EpisodesBody, who: Who, request: Re
     if job["kind"] != "rl" or job["spec"].get("rollouts") != "external":
         raise SpecError(f"job {job_id!r} is not an RL job with rollouts='external': it takes no uploaded episodes")
     _, schema = await gw.spec_schema(tenant)
-    view = await gw.backend.tenant_view(tenant)
+    view = await recorded_view(gw.backend, tenant, newest_version(body.episodes))
     lim = gw.limits(tenant)
     columns = await asyncio.to_thread(check_episodes, body.episodes, schema, int(view["version"]),
                                       lim.max_batch_rows, lim.max_episodes_per_batch)
@@ -287,6 +289,19 @@ async def upload_episodes(job_id: str, body: EpisodesBody, who: Who, request: Re
     stored = await _envs(request).store(output_dir=view["output_dir"], tenant=tenant, schema=schema, columns=columns)
     return await gw.backend._call("nexus_feed_rollouts", tenant=tenant, job=job_id, batch=stored["batch"],
                                   stats=stored["stats"])
+
+
+async def recorded_view(backend, tenant: str, wanted: int | None, timeout: float = RECORD_WAIT_S,
+                        poll: float = 0.05) -> dict[str, Any]:
+    """The tenant's view once the control plane has recorded version ``wanted``. The actor pushes a new
+    version to the engines before its update's result reaches the control plane, so predict can answer a
+    version one ahead of the record for a moment; only that version is waited for (``timeout`` at most)."""
+    view = await backend.tenant_view(tenant)
+    deadline = time.monotonic() + timeout
+    while wanted is not None and wanted == int(view["version"]) + 1 and time.monotonic() < deadline:
+        await asyncio.sleep(poll)
+        view = await backend.tenant_view(tenant)
+    return view
 
 
 def add_env_routes(app: FastAPI, backend) -> None:
