@@ -27,7 +27,7 @@ from nexus import scheduling
 from nexus.emulation import EmulationSettings
 from nexus.errors import SpecError, describe_errors
 from nexus.paths import private_write_bytes
-from nexus.scheduling import SchedulerPolicy, SplitRule
+from nexus.scheduling import SchedulerPolicy, SimOrder, SplitRule
 
 ENV_VAR = "NEXUS_SERVICE_CONFIG"
 # Hugging Face ``model_type`` of each backbone family's checkpoints (config.json)
@@ -38,6 +38,7 @@ POLICY_FIELDS: dict[str, tuple[str | None, str]] = {
     "queue_order": ("dispatch", "queue_order"), "isolated": ("dispatch", "isolated"),
     "max_concurrent_updates": ("dispatch", "max_concurrent_updates"), "eval_fanout": ("dispatch", "eval_fanout"),
     "rollout_split": ("dispatch", "rollout_split"), "rollout_split_rule": ("dispatch", "rollout_split_rule"),
+    "sim_order": ("dispatch", "sim_order"),
     "default_max_inflight": ("dispatch", "default_max_inflight"),
     "default_max_staleness": ("dispatch", "default_max_staleness"),
     "infer_max_wait_s": (None, "infer_max_wait_s"), "infer_max_batch": (None, "infer_max_batch"),
@@ -116,6 +117,8 @@ class DispatchSettings(BaseModel):
                                "own split)")
     rollout_split_rule: SplitRule = Field("free", description="'free': split only over simulator places free now; "
                                           "'always': every RL batch")
+    sim_order: SimOrder = Field("fair", description="a freed simulator place to the tenant holding the fewest "
+                                "('fair') or with the most simulator work left ('critical')")
     default_max_inflight: int = Field(2, ge=1, description="TenantSpec.max_inflight when a tenant leaves it unset")
     default_max_staleness: int = Field(128, ge=0, description="TenantSpec.max_staleness when a tenant leaves it "
                                        "unset")

@@ -26,6 +26,7 @@ DEFAULT = "priority"  # the default: the best median efficiency in experiments/m
 
 # when a policy's rollout_split applies: while simulator places are free now, or to every RL batch
 SplitRule = Literal["free", "always"]
+SimOrder = Literal["fair", "critical"]
 
 
 class SchedulerPolicy(BaseModel):
@@ -57,6 +58,11 @@ class SchedulerPolicy(BaseModel):
         "free", description="when rollout_split applies: 'free' (only while that many simulator places are free "
         "that no tenant waits for: the split follows the moment's free places) or 'always' (every RL batch, the "
         "parts queueing for places like any rollout task: the split does not depend on timing)")
+    sim_order: SimOrder = Field(
+        "fair", description="who gets a freed simulator place: 'fair' (the tenant holding the fewest: max-min fair "
+        "share) or 'critical' (the tenant whose running RL jobs have the most simulator work left — its updates "
+        "left x its simulator seconds per update so far —, so the job on the critical path is not the one left "
+        "alone at the end; a job's parts in flight stay bounded by its max_inflight x split)")
     sync_policy: Literal["lazy", "eager"] = Field("lazy", description="weight sync to inference (DataPathSettings)")
     sync_every: int = Field(0, ge=0, description="lazy sync: also push every N versions (0: never)")
 

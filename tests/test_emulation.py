@@ -18,6 +18,7 @@ from nexus.config import ServiceConfig
 from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
 from nexus.emulation import Calibration, DeviceCounts, EmulationSettings, ServiceTimes, load_calibration
 from nexus.errors import SpecError
+from nexus.services.device_clock import DeviceClock
 from nexus.services.lanes import Lanes, lane_label
 from nexus.services.lent_devices import LentDevices
 
@@ -130,25 +131,48 @@ def test_shared_lanes_take_the_least_loaded_device_when_holders_say_their_load()
 
 def test_a_busy_simulator_device_borrows_a_lent_one_until_its_owner_takes_it_back():
     """``EmulationSettings.lend_actor``: a piece of device work whose own device is busy runs on a device another
-    service lends, when it starts sooner there; taken back, the device runs no new piece and its owner learns when
-    the one queued on it ends. A chunk of steps goes there one step at a time."""
+    service lends, when it starts sooner there; taken back, the device starts no new step: a piece on it is cut at
+    its next step boundary and its owner learns when the steps that run end."""
     lanes, lent = Lanes(1), LentDevices()
-    assert lanes.occupy_or_borrow(0, 0.5, lent=lent) == (0.0, None, 0.5)  # nothing lent: its own device, idle
-    wait, dev, ran = lanes.occupy_or_borrow(0, 0.2, lent=lent)
-    assert dev is None and ran == 0.2 and 0.45 < wait <= 0.5  # nothing lent yet: it queues behind its device's piece
+    assert lanes.occupy_or_borrow(0, 0.5, lent=lent) == (0.0, None)  # nothing lent: its own device, idle
+    wait, piece = lanes.occupy_or_borrow(0, 0.2, lent=lent)
+    assert piece is None and 0.45 < wait <= 0.5  # nothing lent yet: it queues behind its device's piece
     lent.lend(["actor-0#0"], free_at=time.time() + 0.1)  # idle from 0.1 s on
-    wait, dev, ran = lanes.occupy_or_borrow(0, 0.3, lent=lent)
-    assert dev == "actor-0#0" and ran == 0.3 and 0.05 < wait <= 0.1  # sooner there than behind 0.7 s on its own
-    wait, dev, ran = lanes.occupy_or_borrow(0, 0.4, lent=lent, unit=0.1)
-    assert dev == "actor-0#0" and ran == 0.1 and 0.35 < wait <= 0.4  # one step, behind the lent device's 0.4
-    back = lent.reclaim(["actor-0#0"])
-    assert time.time() + 0.45 < back <= time.time() + 0.5  # the owner starts once the pieces on it end
-    assert lent.lent == []
-    wait, dev, ran = lanes.occupy_or_borrow(0, 0.3, lent=lent, unit=0.1)
-    assert dev is None and ran == 0.3 and 0.6 < wait <= 0.7  # taken back: the rest on its own device, however late
-    lent.lend(["actor-0#0", "actor-0#1"], free_at=time.time())  # lent again: its queued pieces are not forgotten
-    assert lanes.occupy_or_borrow(0, 0.1, lent=lent)[1] == "actor-0#1"
-    assert Lanes(1).occupy_or_borrow(0, 0.1, lent=lent) == (0.0, None, 0.1)  # an idle own device is never left
+    wait, reset = lanes.occupy_or_borrow(0, 0.3, lent=lent)
+    assert reset.device == "actor-0#0" and reset.ran == pytest.approx(0.3) and 0.05 < wait <= 0.1  # sooner there
+    wait, chunk = lanes.occupy_or_borrow(0, 0.4, lent=lent, unit=0.1)  # 4 steps, behind the lent device's 0.3 s
+    assert chunk.device == "actor-0#0" and chunk.start == reset.end and 0.35 < wait <= 0.4
+    back = lent.reclaim(["actor-0#0"], at=reset.start + 0.15)  # in the reset, a piece of one step
+    assert back == reset.end and lent.lent == []  # the reset runs to its end, the chunk not at all
+    assert reset.wait_cut(0) == 0 and chunk.wait_cut(0) == pytest.approx(0.4)
+    wait, piece = lanes.occupy_or_borrow(0, 0.3, lent=lent, unit=0.1)
+    assert piece is None and 0.6 < wait <= 0.7  # taken back: the rest on its own device, however late
+
+    lent.lend(["actor-0#0", "actor-0#1"], free_at=time.time())  # lent again: the reset queued there is not forgotten
+    _, chunk = lanes.occupy_or_borrow(0, 0.4, lent=lent, unit=0.1)
+    assert chunk.device == "actor-0#1"
+    assert lent.reclaim(["actor-0#1"], at=chunk.start + 0.15) == pytest.approx(chunk.start + 0.2)  # after 2 steps
+    assert chunk.ran == pytest.approx(0.2) and chunk.wait_cut(0) == pytest.approx(0.2)
+    assert Lanes(1).occupy_or_borrow(0, 0.1, lent=lent) == (0.0, None)  # an idle own device is never left
+    lent.lend(["actor-0#1"], free_at=time.time())
+    _, done = lanes.occupy_or_borrow(0, 0.4, lent=lent, unit=0.1)
+    assert done.wait_cut(0) == 0  # its producer went on: the piece is its own until it ends
+    assert lent.reclaim([done.device], at=done.start) == done.end == done.start + 0.4
+
+
+def test_a_producer_cut_short_on_a_lent_device_sleeps_and_spends_only_the_steps_that_ran():
+    lent, clock = LentDevices(), DeviceClock()
+    lent.lend(["actor-0#0"], free_at=time.time())
+    piece = lent.take(time.time(), 0.6, before=time.time() + 1, unit=0.2)
+    threading.Timer(0.1, lambda: lent.reclaim(["actor-0#0"], at=time.time())).start()  # in the first step
+    t0 = time.perf_counter()
+    assert clock.spend(0.6, cut=piece.wait_cut) == pytest.approx(0.2)
+    assert 0.19 < time.perf_counter() - t0 < 0.45 and clock.slept == pytest.approx(0.2)
+    clock.debt = 0.5  # owed host time paid out of the piece is owed again for the steps cut off it
+    lent.lend(["actor-0#0"], free_at=time.time())
+    piece = lent.take(time.time(), 0.6, before=time.time() + 1, unit=0.2)
+    piece.cut(piece.start)
+    assert clock.spend(0.6, cut=piece.wait_cut) == 0 and clock.debt == pytest.approx(0.5)
 
 
 def test_a_producers_stepping_share_and_what_it_tells_its_device_lanes():
@@ -208,7 +232,6 @@ def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tm
 
 def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_clock(tmp_path):
     from nexus.messages import BatchRef
-    from nexus.services.device_clock import DeviceClock
     from nexus.services.emulated_actor import UpdateTimeline
 
     # a producer's host time (messaging, a late timer) is paid out of its next sleeps, less the 1/k of it a run at
@@ -291,6 +314,23 @@ def test_critical_order_puts_unblocking_work_first_then_the_longest_remaining_ch
     assert q.pop({})[0].tenant == "s"
 
 
+def test_a_tenants_simulator_work_left_is_its_rl_jobs_updates_left_at_their_metered_rate():
+    from nexus.control.adaptive import remaining_sim_s
+    from nexus.control.job_state import JobStatus
+
+    def job(job_id: str, kind: str, updates: int, done: int, state: JobStatus = JobStatus.RUNNING):
+        return SimpleNamespace(job_id=job_id, state=state, spec=SimpleNamespace(kind=kind, updates=updates),
+                               progress={"updates": done})
+
+    jobs = SimpleNamespace(of_tenant=lambda t: {
+        "a": [job("j1", "rl", 24, 4), job("j2", "sft", 0, 0), job("j3", "rl", 10, 2, JobStatus.DONE)],
+        "b": [job("j4", "rl", 6, 0)]}.get(t, []))
+    metered = {"j1": {"simulator": 8.0}, "j3": {"simulator": 100.0}}
+    assert remaining_sim_s(jobs, metered, "a") == 20 * 2.0  # 20 updates left at 2 s each; ended and SFT jobs: none
+    assert remaining_sim_s(jobs, metered, "b") == 6.0  # before its first update: 1 s each
+    assert remaining_sim_s(jobs, metered, "c") == 0.0
+
+
 def test_an_rl_batch_is_split_over_free_simulator_places_up_to_the_policy_and_one_wave_each():
     from nexus import scheduling
     from nexus.config import DataPathSettings
@@ -313,7 +353,9 @@ def test_an_rl_batch_is_split_over_free_simulator_places_up_to_the_policy_and_on
     cap[0] = 3
     assert ctx.batch_split(1, 64, push) == 2
     ctx.follow(scheduling.load("elastic"))  # rule "always": the split no longer follows the moment's free places
-    assert (ctx.rollout_split, ctx.rollout_split_rule) == (4, "always")
+    assert (ctx.rollout_split, ctx.rollout_split_rule, slots.order) == (4, "always", "fair")
+    ctx.follow(scheduling.load("elastic").model_copy(update={"sim_order": "critical"}))
+    assert slots.order == "critical"
     cap[0] = 2
     assert ctx.batch_split(1, 64, push) == 4
     assert ctx.batch_split(1, 16, push) == 2  # still one wave each

@@ -381,6 +381,38 @@ def test_sim_slots_go_to_the_tenant_holding_fewest_and_cancelled_waiters_leave()
     assert unfair.busy == 2
 
 
+def test_in_critical_order_a_freed_sim_slot_goes_to_the_tenant_with_the_most_simulator_work_left():
+    left = {"long": 30.0, "short": 5.0}
+    slots = SimSlots(lambda: 2, fair=True, recheck_s=0.05)
+    slots.remaining = lambda t: left.get(t, 0.0)
+
+    async def main(order: str) -> list[str]:
+        slots.order = order
+        await slots.acquire("short")
+        await slots.acquire("long")  # long holds as many as short
+        granted: list[str] = []
+
+        async def ask(t: str) -> None:
+            await slots.acquire(t)
+            granted.append(t)
+
+        waiters = [asyncio.ensure_future(ask(t)) for t in ("short", "long", "long")]
+        await asyncio.sleep(0.01)
+        slots.release("short")
+        slots.release("long")
+        await asyncio.sleep(0.01)
+        for w in waiters:
+            w.cancel()
+        for t in list(slots.held.elements()):
+            slots.release(t)
+        return granted
+
+    # fair: short waited longest and holds no more than long; critical: long's work left comes first
+    assert asyncio.run(main("fair")) == ["short", "long"]
+    assert asyncio.run(main("critical")) == ["long", "long"]
+    assert slots.view()["order"] == "critical"
+
+
 def test_sim_host_stops_a_cancelled_jobs_producers_and_refuses_its_late_ones():
     sim = SimHost()
     with sim.producer("j1:0", "j1", "a", "eval") as p, sim.producer("j2:0", "j2", "b", "rl") as q:

@@ -11,7 +11,8 @@ Variants (``--variants``, ``;``-separated ``m,split,inflight`` then optional ``r
 overlaps a job's rollouts with its updates — the isolated baseline is run again with it, since it helps a tenant alone
 too), ``rollout_split_rule`` (default: ``elastic``'s), the training queue's order (``queue_order``), the inference
 group's size B and wait T (``infer_max_batch``, ``infer_max_wait_s``), the tenants' routing to engines (``routing``:
-``static`` or by ``load``), and the simulator device a producer takes (``place``: ``fewest`` producers, the default,
+``static`` or by ``load``), who gets a freed simulator place (``sim``: ``fair``, the default, or ``critical``:
+``sim_order``), and the simulator device a producer takes (``place``: ``fewest`` producers, the default,
 or least ``load``; ``EmulationSettings.sim_placement``), and whether the actor lends its idle devices to the
 simulators (``lend``: ``off``, the default, or ``on``; ``EmulationSettings.lend_actor``).
 
@@ -49,7 +50,7 @@ def workload(inflight: int) -> Workload:
 
 
 KNOBS = {"rule": "rollout_split_rule", "order": "queue_order", "batch": "infer_max_batch", "wait": "infer_max_wait_s",
-         "route": "routing", "place": "sim_placement", "lend": "lend_actor"}
+         "route": "routing", "place": "sim_placement", "lend": "lend_actor", "sim": "sim_order"}
 PLACEMENTS = get_args(EmulationSettings.model_fields["sim_placement"].annotation)  # the setting's own choices
 SWITCH = {"on": True, "off": False}
 
@@ -121,7 +122,8 @@ def main() -> None:
                                   emulation=devices)[0]
         row = {"layout": args.layout, "producers_per_sim": m, **devices, "rollout_split": split,
                "max_inflight": inflight or 2,
-               "rule": pol["rollout_split_rule"], "queue_order": pol["queue_order"], "routing": pol["routing"],
+               "rule": pol["rollout_split_rule"], "queue_order": pol["queue_order"], "sim_order": pol["sim_order"],
+               "routing": pol["routing"],
                "infer_max_batch": pol["infer_max_batch"], "infer_max_wait_s": pol["infer_max_wait_s"],
                "isolated_makespan_s": i["makespan_s"], "isolated_device_s": i["device_s"],
                "makespan_s": shared["makespan_s"], "device_s": shared["device_s"],
@@ -133,7 +135,7 @@ def main() -> None:
                "efficiency_vs_isolated_lending": iso[inflight, lend]["device_s"] / shared["device_s"]}
         rows.append(row)
         print(f"{args.layout} m={m} ({place}{', actor lends' if lend else ''}) split={split} ({row['rule']}, "
-              f"{row['queue_order']}, B={row['infer_max_batch']}) "
+              f"{row['queue_order']}, sims {row['sim_order']}, B={row['infer_max_batch']}) "
               f"inflight={row['max_inflight']}: {bench.against_ceiling(row)}; makespan {row['makespan_s']:.1f} s, "
               f"isolated {i['makespan_s']:.1f} s, action p99 {1000 * row['action_wait_p99_s']:.1f} ms, actor idle "
               f"{row['actor_idle_s']['before_sft_end']:.1f} s before the SFT job's end, "

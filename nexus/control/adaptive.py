@@ -3,6 +3,8 @@
 * **Remaining work** (``queue_order = "critical"``): the training queue ranks an item by the work its
   tenant's running job has left — items left x the tenant's measured item time (the dispatcher's running
   mean) — after putting items that unblock a producer (RL) before filler (SFT).
+* **Simulator work left** (``sim_order = "critical"``): a freed simulator place goes to the tenant whose running
+  RL jobs have the most simulator seconds left (updates left x its metered simulator seconds per update).
 * **Load routing** (``routing = "load"``): every ``period_s`` the tenants are re-assigned to the serving
   engines by their measured inference load over the last period (longest-processing-time first: the
   heaviest tenant to the least loaded engine), so no engine queues while another idles. The paper lists
@@ -40,6 +42,19 @@ def remaining_items(jobs: JobManager, tenant: str) -> int:
     return left
 
 
+def remaining_sim_s(jobs: JobManager, metered: dict[str, dict[str, float]], tenant: str) -> float:
+    """Simulator seconds the tenant's running RL jobs still need: each one's updates left x its metered simulator
+    seconds per update so far (``MonitoringState.metered_jobs``; 1 s before its first update, so the job with the
+    most updates left leads)."""
+    total = 0.0
+    for js in jobs.of_tenant(tenant):
+        if js.state == JobStatus.RUNNING and js.spec.kind == "rl":
+            done = int(js.progress.get("updates", 0) or 0)
+            per = metered.get(js.job_id, {}).get("simulator", 0.0) / done if done else 1.0
+            total += max(0, int(js.spec.updates) - done) * per
+    return total
+
+
 class LoadRouting:
     def __init__(self, pool: EnginePool, monitoring: MonitoringState, jobs: JobManager, dispatcher: Dispatcher,
                  period_s: float = 3.0) -> None:
@@ -49,6 +64,8 @@ class LoadRouting:
         self._last: dict[str, float] = {}
         self._t = 0.0
         dispatcher.queue.remaining = lambda t: remaining_items(jobs, t) * dispatcher.item_s.get(t, 1.0)
+        if jobs.ctx.sim_slots is not None:  # the simulators' "critical" order
+            jobs.ctx.sim_slots.remaining = lambda t: remaining_sim_s(jobs, monitoring.metered_jobs, t)
 
     def apply(self, policy: SchedulerPolicy) -> None:
         self.enabled = policy.routing == "load"

@@ -71,6 +71,8 @@ class FlowContext:
         at boot, a switched policy later: both name them alike)."""
         self.eval_fanout, self.rollout_split = policy.eval_fanout, policy.rollout_split
         self.rollout_split_rule = policy.rollout_split_rule
+        if self.sim_slots is not None:
+            self.sim_slots.order = policy.sim_order
 
     def batch_split(self, split: int, episodes: int, env: str) -> int:
         """Rollout tasks for one RL batch: the job's ``split``, or more — up to the policy's ``rollout_split``, no

@@ -6,7 +6,9 @@ waited. So the flows take a slot here before they hand a rollout task to Dask, a
 ends (or is cancelled): Dask never holds more rollout tasks than there are SIM slots, and the order is ours.
 
 When a slot frees and several tenants wait, it goes to the tenant holding the fewest slots now (ties: the
-longest waiting request first), so with N slots and k tenants each gets about N/k — max-min fair share.
+longest waiting request first), so with N slots and k tenants each gets about N/k — max-min fair share. With the
+scheduling policy's ``sim_order = "critical"`` it goes to the tenant with the most simulator work left instead
+(``remaining``, set by the control plane from its signals), then by that fair rule.
 Evaluations run in tasks of at most ``qos.sim_task_episodes`` episodes (:mod:`nexus.control.flows`), so the
 slots change hands between episodes: that is the preemption, at episode boundaries, without killing anything.
 
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from nexus.control.runtime import DaskRuntime
+    from nexus.scheduling import SimOrder
 
 
 @dataclass(order=True)
@@ -50,6 +53,8 @@ class Place:
 class SimSlots:
     def __init__(self, capacity: Callable[[], int], fair: bool = True, recheck_s: float = 1.0) -> None:
         self.capacity, self.fair, self.recheck_s = capacity, fair, recheck_s
+        self.order: SimOrder = "fair"  # the scheduling policy's sim_order
+        self.remaining: Callable[[str], float] = lambda tenant: 0.0  # a tenant's simulator work left (s)
         self.held: Counter[str] = Counter()
         self._waiting: list[_Waiter] = []
         self._seq = itertools.count()
@@ -114,11 +119,13 @@ class SimSlots:
         self.granted += 1
 
     def _grant(self, freed_at: float = 0.0) -> None:
-        """Free slots to waiters: the tenant holding the fewest first, then the longest waiting; the first one
-        granted gets the slot just released and its holder's end (``freed_at``)."""
+        """Free slots to waiters: the tenant with the most work left first (``"critical"`` order), the tenant holding
+        the fewest, then the longest waiting; the first one granted gets the slot just released and its holder's end
+        (``freed_at``)."""
         free = self.capacity() - self.busy
+        left = {w.tenant: self.remaining(w.tenant) for w in self._waiting} if self.order == "critical" else {}
         while free > 0 and self._waiting:
-            w = min(self._waiting, key=lambda x: (self.held[x.tenant], x.seq))
+            w = min(self._waiting, key=lambda x: (-left.get(x.tenant, 0.0), self.held[x.tenant], x.seq))
             self._waiting.remove(w)
             self._take(w.tenant)
             w.future.set_result(freed_at)
@@ -133,4 +140,4 @@ class SimSlots:
     def view(self) -> dict[str, Any]:
         waiting = Counter(w.tenant for w in self._waiting)
         return {"capacity": self.capacity(), "held": dict(self.held), "waiting": dict(waiting),
-                "granted": self.granted, "fair": self.fair}
+                "granted": self.granted, "fair": self.fair, "order": self.order}

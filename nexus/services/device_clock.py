@@ -7,6 +7,7 @@ speed would see (1/k: all of it at k = 1, where emulated and host seconds are on
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 
 def host_share(late: float, k: float) -> float:
@@ -36,16 +37,28 @@ class DeviceClock:
     def owe(self, seconds: float) -> None:
         self.debt += max(0.0, seconds) - host_share(seconds, self.k)
 
-    def spend(self, seconds: float, queued: float = 0.0) -> None:
+    def spend(self, seconds: float, queued: float = 0.0, cut: Callable[[float], float] | None = None) -> float:
         """Sleep ``seconds`` of device time in this thread, after ``queued`` seconds waiting for a shared device
         (``Lanes.occupy``, counted from the arrival the debt puts earlier: so the debt is paid out of the wait
-        first); the timer's lateness is owed too."""
+        first); the timer's lateness is owed too. ``cut``: the piece may be cut short while it runs (a lent device
+        taken back, ``LentPiece.wait_cut``): it waits up to the sleep's length and answers the seconds cut off the
+        piece's end. -> the device seconds spent."""
         self.queued += queued
-        asked = self._pay(queued) + self.ask(seconds)
-        if asked > 0:
-            t0 = time.perf_counter()
-            time.sleep(asked)
+        wait = self._pay(queued)
+        work = self.ask(seconds)
+        t0 = time.perf_counter()
+        off = cut(wait + work) if cut is not None else 0.0
+        if off > 0:  # the steps not run are neither slept nor spent; the debt they paid is owed again
+            self.slept -= off
+            self.debt += max(0.0, off - work)
+            work = max(0.0, work - off)
+        asked = wait + work
+        left = asked - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
+        if asked > 0 or cut is not None:
             self.owe(time.perf_counter() - t0 - asked)
+        return seconds - off
 
 
 class DeviceTimeline:

@@ -95,13 +95,16 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
         lent = sim.lent if emu.lend_actor else None
 
         def run_on_device(seconds: float, unit: float | None = None) -> None:
-            """``seconds`` of device work on the producer's device, or (``lend_actor``) in steps of ``unit`` on a lent
-            one while that is sooner."""
+            """``seconds`` of device work (steps of ``unit``) on the producer's device, or (``lend_actor``) on a lent
+            one while that is sooner: its owner may take it back between two steps, and the rest runs here again."""
             nonlocal lent_s
             while seconds > 1e-9:
-                queued, borrowed, ran = lanes.occupy_or_borrow(lane, seconds, ahead=clock.debt, lent=lent, unit=unit)
-                lent_s += ran if borrowed else 0.0
-                clock.spend(ran, queued=queued)
+                queued, piece = lanes.occupy_or_borrow(lane, seconds, ahead=clock.debt, lent=lent, unit=unit)
+                if piece is None:
+                    clock.spend(seconds, queued=queued)
+                    return
+                ran = clock.spend(seconds, queued=queued, cut=piece.wait_cut)
+                lent_s += ran
                 seconds -= ran
 
         link.open()

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from nexus.services.lent_devices import LentDevices
+from nexus.services.lent_devices import LentDevices, LentPiece
 
 
 def lane_label(worker_name: str, count: int, lane: int) -> str:
@@ -72,21 +72,19 @@ class Lanes:
         return self.occupy_or_borrow(lane, seconds, ahead)[0]
 
     def occupy_or_borrow(self, lane: int, seconds: float, ahead: float = 0.0, lent: LentDevices | None = None,
-                         unit: float | None = None) -> tuple[float, str | None, float]:
-        """:meth:`occupy`, or on a device another service lends (``lent``) when the piece starts sooner there: then
-        only its first ``unit`` seconds (one env step: its owner takes the device back between steps, not after a
-        whole chunk), and the caller asks again for the rest. -> (the wait, the lent device or None, the seconds
-        queued)."""
+                         unit: float | None = None) -> tuple[float, LentPiece | None]:
+        """:meth:`occupy`, or on a device another service lends (``lent``) when the piece starts sooner there: its
+        owner may cut it at a step boundary (steps of ``unit`` seconds), and the caller asks again for the rest.
+        -> (the wait, the lent piece or None)."""
         with self._cv:
             arrival = time.time() - max(0.0, ahead)
             start = max(arrival, self._free_at[lane])
             if lent is not None and start > arrival:
-                piece = min(seconds, unit) if unit else seconds
-                borrowed = lent.take(arrival, piece, before=start)
-                if borrowed is not None:
-                    return borrowed[1] - arrival, borrowed[0], piece
+                piece = lent.take(arrival, seconds, before=start, unit=unit)
+                if piece is not None:
+                    return piece.start - arrival, piece
             self._free_at[lane] = start + seconds
-        return start - arrival, None, seconds
+        return start - arrival, None
 
     @property
     def busy(self) -> int:

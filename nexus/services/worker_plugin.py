@@ -201,8 +201,9 @@ class NexusWorkerPlugin(WorkerPlugin):
         self.sim.lent.lend(devices, free_at)
 
     async def _h_reclaim(self, devices: list[str]) -> float:
-        """... and takes them back: -> when the work queued on them ends (wall clock)."""
-        return self.sim.lent.reclaim(devices)
+        """... and takes them back now (their pieces are cut at their next step): -> when the work on them ends
+        (wall clock)."""
+        return self.sim.lent.reclaim(devices, at=time.time())
 
     async def _h_env_ctl(self, action: str, **msg: Any) -> Any:
         """The control plane's session operations: ``open`` (build the envs) and ``close`` (plain values)."""
