@@ -147,9 +147,9 @@ class EmulationSettings(BaseModel):
         "whose producers step the least of their time (their calibrated share summed): a device whose producers "
         "step most of the time is left to producers that mostly wait for actions")
     lend_actor: bool = Field(False, description="the actor rank lends its devices to the simulator workers between "
-                             "updates: a producer whose own device is busy runs its next reset or env step on an "
-                             "idle actor device; the next update takes its devices back and starts once the piece "
-                             "queued on them ends")
+                             "updates: a producer whose own device is busy runs its next reset or action chunk on an "
+                             "idle actor device; the next update takes its devices back, cutting a chunk there at "
+                             "its next step, and starts when that step ends")
     seed: int = Field(0, ge=0, description="emulated episode outcomes")
     table: Calibration | None = Field(None, description="the loaded calibration (filled in; workers never "
                                       "re-read the file)")
