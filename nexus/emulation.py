@@ -27,7 +27,8 @@ their time (``"load"``: each producer's share is its calibrated chunk of steps o
 
 ``lend_actor`` lets the actor's devices step simulators while no update runs on them (a device that changes role
 when the actor starves): the actor rank lends them to the simulator workers when an update ends and takes them back
-when the next arrives (:mod:`nexus.services.lent_devices`).
+when the next arrives (:mod:`nexus.services.lent_devices`). ``lend_inference`` lets the engines' devices step
+simulators between forwards: each forward runs there first (a high-priority stream), pushing the lent steps back.
 
 ``time_scale`` k divides every service time, so long workloads run in minutes; the benchmark checks that
 its figures do not move with k. Plain data, no torch, no I/O at import.
@@ -150,6 +151,11 @@ class EmulationSettings(BaseModel):
                              "updates: a producer whose own device is busy runs its next reset or action chunk on an "
                              "idle actor device; the next update takes its devices back, cutting a chunk there at "
                              "its next step, and starts when that step ends")
+    lend_inference: bool = Field(False, description="each engine lends its device to the simulator workers for good "
+                                 "and runs its forwards there first (a forward never waits; the simulator steps there "
+                                 "are pushed back by it): a producer whose own device is busy runs its next reset or "
+                                 "action chunk there when it is expected to end sooner, at the share of the device "
+                                 "the engine leaves")
     seed: int = Field(0, ge=0, description="emulated episode outcomes")
     table: Calibration | None = Field(None, description="the loaded calibration (filled in; workers never "
                                       "re-read the file)")

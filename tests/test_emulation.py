@@ -144,7 +144,7 @@ def test_a_busy_simulator_device_borrows_a_lent_one_until_its_owner_takes_it_bac
     assert chunk.device == "actor-0#0" and chunk.start == reset.end and 0.35 < wait <= 0.4
     back = lent.reclaim(["actor-0#0"], at=reset.start + 0.15)  # in the reset, a piece of one step
     assert back == reset.end and lent.lent == []  # the reset runs to its end, the chunk not at all
-    assert reset.wait_cut(0) == 0 and chunk.wait_cut(0) == pytest.approx(0.4)
+    assert reset.wait_cut(0) == (0, 0) and chunk.wait_cut(0) == (pytest.approx(0.4), 0)
     wait, piece = lanes.occupy_or_borrow(0, 0.3, lent=lent, unit=0.1)
     assert piece is None and 0.6 < wait <= 0.7  # taken back: the rest on its own device, however late
 
@@ -152,11 +152,11 @@ def test_a_busy_simulator_device_borrows_a_lent_one_until_its_owner_takes_it_bac
     _, chunk = lanes.occupy_or_borrow(0, 0.4, lent=lent, unit=0.1)
     assert chunk.device == "actor-0#1"
     assert lent.reclaim(["actor-0#1"], at=chunk.start + 0.15) == pytest.approx(chunk.start + 0.2)  # after 2 steps
-    assert chunk.ran == pytest.approx(0.2) and chunk.wait_cut(0) == pytest.approx(0.2)
+    assert chunk.ran == pytest.approx(0.2) and chunk.wait_cut(0) == (pytest.approx(0.2), 0)
     assert Lanes(1).occupy_or_borrow(0, 0.1, lent=lent) == (0.0, None)  # an idle own device is never left
     lent.lend(["actor-0#1"], free_at=time.time())
     _, done = lanes.occupy_or_borrow(0, 0.4, lent=lent, unit=0.1)
-    assert done.wait_cut(0) == 0  # its producer went on: the piece is its own until it ends
+    assert done.wait_cut(0) == (0, 0)  # its producer went on: the piece is its own until it ends
     assert lent.reclaim([done.device], at=done.start) == done.end == done.start + 0.4
 
 
@@ -173,6 +173,47 @@ def test_a_producer_cut_short_on_a_lent_device_sleeps_and_spends_only_the_steps_
     piece = lent.take(time.time(), 0.6, before=time.time() + 1, unit=0.2)
     piece.cut(piece.start)
     assert clock.spend(0.6, cut=piece.wait_cut) == 0 and clock.debt == pytest.approx(0.5)
+
+
+def test_an_engine_runs_its_forwards_first_on_the_device_it_lends_and_the_lent_pieces_are_pushed_back():
+    """``EmulationSettings.lend_inference``: an engine's forward on its lent device runs first — the piece running
+    there and those queued after it end later by as much as the forward needs, a piece whose producer went on is not
+    pushed — and a producer takes that device only when its piece is expected to end sooner there, at the share of
+    the device the engine leaves."""
+    lanes, lent, d = Lanes(1), LentDevices(), "infer-0#0"
+    assert lanes.occupy_or_borrow(0, 0.5, lent=lent) == (0.0, None)  # its own device busy for 0.5 s
+    now = time.time()
+    lent.preempt(d, at=now, seconds=0.1)  # a forward: the device is lent from its end on
+    assert lent.lent == [d]
+    _, p1 = lanes.occupy_or_borrow(0, 0.2, lent=lent, unit=0.1)
+    _, p2 = lanes.occupy_or_borrow(0, 0.2, lent=lent, unit=0.1)
+    assert (p1.device, p2.device) == (d, d) and p1.start == pytest.approx(now + 0.1) and p2.start == p1.end
+    lent.preempt(d, at=p1.start + 0.05, seconds=0.1, share=0.5)  # in p1's first step
+    assert (p1.pushed, p2.pushed) == (pytest.approx(0.1), pytest.approx(0.1))
+    assert p1.end == pytest.approx(now + 0.4) and p2.end == pytest.approx(now + 0.6)
+    lent.preempt(d, at=p2.end + 0.1, seconds=0.05)  # in a gap: nothing pushed
+    assert p2.pushed == pytest.approx(0.1)
+    assert p1.wait_cut(0) == (0, pytest.approx(0.1))  # (sleeps the push: 0.1 s) its producer went on: not pushed
+    lent.preempt(d, at=p1.start + 0.2, seconds=0.05, share=0.5)  # in p1's last step
+    assert p1.pushed == pytest.approx(0.1) and p1.missed == pytest.approx(0.05)  # heard of too late: counted
+    assert p2.pushed == pytest.approx(0.1) and p2.missed == 0  # p1 keeps its end: p2 starts then, as before
+    # at half the device, 0.4 s there (from ~0.65 s on) would end ~0.65 s after it does on its own device (0.4 s
+    # from now): it queues there instead
+    wait, piece = lanes.occupy_or_borrow(0, 0.4, lent=lent, unit=0.1)
+    assert piece is None and 0.3 < wait <= 0.4
+    far = lent.take(time.time(), 0.1, before=time.time() + 5.0)  # 0.1 s at half the device, 5 s sooner there
+    assert far is not None and far.device == d
+
+
+def test_a_producer_pushed_back_on_a_lent_device_sleeps_the_push_as_a_wait_for_the_device():
+    lent, clock = LentDevices(), DeviceClock()
+    lent.preempt("infer-0#0", at=time.time() - 1, seconds=0.0)
+    piece = lent.take(time.time(), 0.3, before=time.time() + 1, unit=0.1)
+    threading.Timer(0.1, lambda: lent.preempt("infer-0#0", at=time.time(), seconds=0.2)).start()
+    t0 = time.perf_counter()
+    assert clock.spend(0.3, cut=piece.wait_cut) == pytest.approx(0.3)  # every step ran
+    assert 0.49 < time.perf_counter() - t0 < 0.8
+    assert clock.slept == pytest.approx(0.3) and clock.queued == pytest.approx(0.2) and clock.debt < 0.1
 
 
 def test_a_producers_stepping_share_and_what_it_tells_its_device_lanes():
@@ -544,13 +585,15 @@ def test_a_simulator_device_shared_by_two_producers_steps_one_at_a_time(tmp_path
         assert held >= 0.95 * (a["sim_s"] + b["sim_s"]), (held, a, b)
 
 
-def test_an_idle_actor_lends_its_device_to_a_busy_simulator_and_takes_it_back_for_its_updates(tmp_path):
+@pytest.mark.parametrize("lends", ["lend_actor", "lend_inference"])
+def test_an_idle_actor_or_engine_lends_its_device_to_a_busy_simulator_and_keeps_its_own_work_first(tmp_path, lends):
     """``lend_actor``: two producers on one simulator device step on the actor's device too while no update runs
-    there (their pieces say how much ran there), and the actor's updates are charged to the actor alone."""
+    there (their pieces say how much ran there), and the actor's updates are charged to the actor alone;
+    ``lend_inference``: the same on the engine's device between its forwards, charged to the engine alone."""
     from nexus.client.api import Nexus
     from nexus.spec import TenantSpec
 
-    emu = {**EMU, "devices": {"actor": 1, "inference": 1, "simulator": 1}, "producers_per_sim": 2, "lend_actor": True}
+    emu = {**EMU, "devices": {"actor": 1, "inference": 1, "simulator": 1}, "producers_per_sim": 2, lends: True}
     with Nexus.local(tmp_path / "svc", emulation=emu, scheduler="fifo", datapath={"envs_per_producer": 4}) as nx:
         nx.create_tenant(TenantSpec(name="lender", env="robosuite/lift-state", action_dim=7, hidden_dim=32, seed=3))
         t0 = time.time()
@@ -565,5 +608,8 @@ def test_an_idle_actor_lends_its_device_to_a_busy_simulator_and_takes_it_back_fo
         assert len(updates) == 4 and 0 < lent < sum(s["sim_s"] for s in rollouts), rollouts
         acc = nx.internal("nexus_accounting", t0=t0, t1=t1)
         assert acc["services"]["actor"]["busy_s"] == pytest.approx(sum(s["t1"] - s["t0"] for s in updates), rel=1e-6)
-        assert acc["services"]["simulator"]["slots"] == 1  # the lent device is still the actor's slot
+        assert acc["services"]["simulator"]["slots"] == 1  # the lent device is still the actor's or engine's slot
+        forwards = [s for s in spans if s["service"] == "inference"]
+        assert acc["services"]["inference"]["busy_s"] == pytest.approx(sum(s["t1"] - s["t0"] for s in forwards),
+                                                                         rel=1e-6)
 

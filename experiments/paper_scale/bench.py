@@ -54,9 +54,9 @@ SFT_SPEC = {"dataset": "pickcube-scripted", "env": "maniskill/pickcube-state", "
 RL_UPDATES = {"libero-lift": 5, "ms-push": 24, "ms-pick-rgb": 20}
 SHARED_POLICIES = ["fifo", "priority", "grouped", "critical", "balanced", "adaptive", "elastic"]
 # results.json sections that ran the paper's workload on 2-2-4 against its isolated 1-1-2 (the headline's
-# candidates; "paper_collectors1" is another workload): simulator devices running 1 producer, or 2 at once, or 2
-# with the actor lending its idle devices to the simulators
-HEADLINE = ("paper", "paper_shared_sims", "paper_lend")
+# candidates; "paper_collectors1" is another workload): simulator devices running 1 producer, or 2 at once, or
+# several with the actor lending its idle devices to the simulators, or the actor and the engines
+HEADLINE = ("paper", "paper_shared_sims", "paper_lend", "paper_lend_all")
 
 
 def rl_job(updates: int, episodes: int = 16, collectors: int = 2) -> dict[str, Any]:
@@ -83,7 +83,7 @@ def summarize(run: dict[str, Any]) -> str:
 def device_settings(emulation: dict[str, Any] | None) -> dict[str, Any]:
     """The devices' settings a run reports (``EmulationSettings``' defaults where ``emulation`` leaves them)."""
     return {f: (emulation or {}).get(f, EmulationSettings.model_fields[f].default)
-            for f in ("sim_placement", "lend_actor")}
+            for f in ("sim_placement", "lend_actor", "lend_inference")}
 
 
 def run_layout(workload: Workload, devices: str, k: float, policies: list[dict[str, Any]],
@@ -92,7 +92,7 @@ def run_layout(workload: Workload, devices: str, k: float, policies: list[dict[s
     """Each policy ``rounds`` times on one service (policies in turn, so host noise spreads over all); per
     policy the run of median device time, with every round's device time kept. The service boots with the
     catalog policy ``boot`` (default: the first policy's name); ``emulation``: more of the devices' settings
-    (``EmulationSettings``: ``sim_placement``, ``lend_actor``)."""
+    (``EmulationSettings``: ``sim_placement``, ``lend_actor``, ``lend_inference``)."""
     svc = EmulatedService(workload, devices, CAL, k, boot or policies[0]["name"], actor_group=actor_group,
                           producers_per_sim=producers_per_sim, emulation=emulation)
     try:
@@ -121,7 +121,9 @@ def compare(iso: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
             "actor_util": shared["utilization"]["actor"], "inference_util": shared["utilization"]["inference"],
             "simulator_util": shared["utilization"]["simulator"],
             "simulator_stepping": shared["simulator_split_s"].get("stepping", 0.0)
-            / max(shared["slots"]["simulator"] * shared["makespan_s"], 1e-9), "ceiling": ceiling(iso, shared)}
+            / max(shared["slots"]["simulator"] * shared["makespan_s"], 1e-9), "ceiling": ceiling(iso, shared),
+            # steps run on lent devices, and the owners' work heard of too late to push them back (free for them)
+            **{key: sum(s.get(key, 0.0) for s in shared.get("spans", ())) for key in ("lent_s", "lent_missed_s")}}
 
 
 def ceiling(iso: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
@@ -131,16 +133,19 @@ def ceiling(iso: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     update keeps all its devices busy); the largest of the three is the bound (``bound_by``: on 2-2-4, the
     simulators). When the actor lends its idle devices to the simulators (``lend_actor``), the stepping and the
     actor's work share both services' devices instead (``bound_by`` ``simulator+actor``; a lent device steps at a
-    simulator device's rate). At that makespan: the efficiency, and the actor's and inference's utilizations."""
+    simulator device's rate); so with the engines' devices (``lend_inference``: ``simulator+inference``, or all
+    three). At that makespan: the efficiency, and the actor's and inference's utilizations."""
     stepping = iso.get("simulator_split_s", {}).get("stepping", 0.0)  # older runs did not keep it
     if stepping <= 0:
         return {}
     busy, slots = shared["busy_s"], shared["slots"]
     bounds = {"simulator": stepping / max(slots["simulator"], 1), "actor": busy["actor"] / max(slots["actor"], 1),
               "inference": busy["inference"] / max(slots["inference"], 1)}
-    if shared.get("lend_actor"):
-        bounds["simulator+actor"] = (stepping + busy["actor"]) / max(slots["simulator"] + slots["actor"], 1)
-        del bounds["simulator"]
+    pooled = ["simulator", *(s for s in ("actor", "inference") if shared.get(f"lend_{s}"))]
+    if len(pooled) > 1:
+        for s in pooled:
+            del bounds[s]
+        bounds["+".join(pooled)] = (stepping + sum(busy[s] for s in pooled[1:])) / max(sum(slots[s] for s in pooled), 1)
     bound_by = max(bounds, key=bounds.__getitem__)
     makespan = bounds[bound_by]
     return {"makespan_s": makespan, "bound_by": bound_by, "reached": makespan / shared["makespan_s"],
@@ -165,7 +170,8 @@ def paper(args) -> dict[str, Any]:
     elastic = policy("elastic")  # the isolated run with elastic's batch split
     like = {k: elastic[k] for k in ("rollout_split", "rollout_split_rule")}
     iso_m, iso_pol = (m, policy("isolated", **like)) if args.isolated_like_shared else (1, policy("isolated"))
-    lend = {"lend_actor": args.lend_actor}  # the shared server's; the isolated one's too when like the shared
+    # the shared server's; the isolated one's too when like the shared
+    lend = {"lend_actor": args.lend_actor, "lend_inference": args.lend_inference}
     iso_emu = lend if args.isolated_like_shared else None
     iso = run_layout(wl, "1-1-2", args.k, [iso_pol], rounds=args.rounds, producers_per_sim=iso_m,
                      emulation=iso_emu)[0]
@@ -194,7 +200,7 @@ def paper(args) -> dict[str, Any]:
     draw_timelines([iso, next(r for r in shared if r["policy"] == best)], HERE / png)
     for r in [iso, *shared]:
         r.pop("spans", None)
-    return {"k": args.k, "producers_per_sim": m, "lend_actor": args.lend_actor,
+    return {"k": args.k, "producers_per_sim": m, "lend_actor": args.lend_actor, "lend_inference": args.lend_inference,
             "isolated_like_shared": args.isolated_like_shared, "isolated": iso,
             "shared": shared, "table": table, "best": best, "k_sweep": sweep, "k_spread": spread, "paper": PAPER}
 
@@ -328,6 +334,9 @@ def main() -> None:
     ap.add_argument("--lend-actor", action="store_true", help="the shared server's actor lends its idle devices to "
                     "the simulators (EmulationSettings.lend_actor; the isolated baseline keeps the paper's fixed "
                     "roles unless --isolated-like-shared)")
+    ap.add_argument("--lend-inference", action="store_true", help="the shared server's engines lend their devices to "
+                    "the simulators, running their forwards there first (EmulationSettings.lend_inference; the "
+                    "isolated baseline as for --lend-actor)")
     ap.add_argument("--section", default=None, help="the results.json section (default: paper | large); the "
                     "headline figures come from the best of HEADLINE's sections")
     ap.add_argument("--out", default=str(HERE / "results.json"))
@@ -353,6 +362,7 @@ def main() -> None:
                     "inference_util": best["inference_util"], "best_policy": pol, "best_section": sec,
                     "best_producers_per_sim": doc[sec].get("producers_per_sim", 1),
                     "best_lend_actor": bool(doc[sec].get("lend_actor")),
+                    "best_lend_inference": bool(doc[sec].get("lend_inference")),
                     "ceiling": best.get("ceiling") or ceiling(doc[sec]["isolated"], next(
                         r for r in doc[sec]["shared"] if r["policy"] == pol))})
     if "paper_iso_like_shared" in doc:  # the same against an isolated server that shares its simulators too

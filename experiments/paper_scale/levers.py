@@ -14,7 +14,10 @@ group's size B and wait T (``infer_max_batch``, ``infer_max_wait_s``), the tenan
 ``static`` or by ``load``), who gets a freed simulator place (``sim``: ``fair``, the default, or ``critical``:
 ``sim_order``), and the simulator device a producer takes (``place``: ``fewest`` producers, the default,
 or least ``load``; ``EmulationSettings.sim_placement``), and whether the actor lends its idle devices to the
-simulators (``lend``: ``off``, the default, or ``on``; ``EmulationSettings.lend_actor``).
+simulators (``lend``: ``off``, the default, or ``on``; ``EmulationSettings.lend_actor``) and whether the engines lend
+theirs, running their forwards there first (``lendinf``: ``off`` or ``on``; ``lend_inference``). With lending, the
+isolated baseline is run once more with the same lending (it does not help a job alone), unless
+``--no-lending-baseline``.
 
     python experiments/paper_scale/levers.py    # ~10 min on 2 cores -> levers.json
     python experiments/paper_scale/levers.py --layout 1-2-5 --rounds 2 --out experiments/paper_scale/levers_1-2-5.json \
@@ -50,7 +53,8 @@ def workload(inflight: int) -> Workload:
 
 
 KNOBS = {"rule": "rollout_split_rule", "order": "queue_order", "batch": "infer_max_batch", "wait": "infer_max_wait_s",
-         "route": "routing", "place": "sim_placement", "lend": "lend_actor", "sim": "sim_order"}
+         "route": "routing", "place": "sim_placement", "lend": "lend_actor", "lendinf": "lend_inference",
+         "sim": "sim_order"}
 PLACEMENTS = get_args(EmulationSettings.model_fields["sim_placement"].annotation)  # the setting's own choices
 SWITCH = {"on": True, "off": False}
 
@@ -69,11 +73,11 @@ def parse_variant(text: str) -> tuple[int, int, int, dict[str, Any], dict[str, A
         key, _, value = f.partition("=") if "=" in f else ("rule", "=", f)
         if key not in KNOBS:
             raise SystemExit(f"variant {text!r}: unknown lever {key!r} (known: {', '.join(KNOBS)})")
-        if key in ("place", "lend"):
+        if key in ("place", "lend", "lendinf"):
             choices = PLACEMENTS if key == "place" else tuple(SWITCH)
             if value not in choices:
                 raise SystemExit(f"variant {text!r}: {key}={value!r} (known: {', '.join(choices)})")
-            devices[KNOBS[key]] = SWITCH[value] if key == "lend" else value
+            devices[KNOBS[key]] = value if key == "place" else SWITCH[value]
             continue
         try:
             over[KNOBS[key]] = int(value) if key == "batch" else float(value) if key == "wait" else value
@@ -104,20 +108,25 @@ def main() -> None:
                     help="m,split,inflight[,rule][,order=..,batch=..,wait=..] per variant (the first is elastic as "
                     "bench.py paper_shared_sims runs it)")
     ap.add_argument("--out", default=str(HERE / "levers.json"))
+    ap.add_argument("--no-lending-baseline", action="store_true", help="with lending, do not run the isolated "
+                    "baseline with the same lending too (~100 s at k = 3)")
     args = ap.parse_args()
     t0 = time.time()
     variants = [parse_variant(v) for v in args.variants.split(";") if v]
-    iso: dict[tuple[int, bool], dict[str, Any]] = {}
+    iso: dict[tuple[int, tuple[bool, bool]], dict[str, Any]] = {}
     rows = []
     for m, split, inflight, over, devices in variants:
         pol = policy("elastic", rollout_split=split, **over)
         wl = workload(inflight)
-        place, lend = devices["sim_placement"], devices["lend_actor"]
-        for lends in dict.fromkeys((False, lend)):  # the paper's baseline; and, for lending, one whose actor lends too
+        place = devices["sim_placement"]
+        lend = (devices["lend_actor"], devices["lend_inference"])
+        baselines = [(False, False)] + ([lend] if any(lend) and not args.no_lending_baseline else [])
+        for lends in baselines:  # the paper's baseline; and, for lending, one whose devices lend too
             if (inflight, lends) not in iso:
-                iso[inflight, lends] = bench.run_layout(wl, "1-1-2", args.k, [policy("isolated")],
-                                                        emulation={"lend_actor": lends})[0]
-        i = iso[inflight, False]
+                iso[inflight, lends] = bench.run_layout(
+                    wl, "1-1-2", args.k, [policy("isolated")],
+                    emulation={"lend_actor": lends[0], "lend_inference": lends[1]})[0]
+        i, il = iso[inflight, (False, False)], iso.get((inflight, lend))
         shared = bench.run_layout(wl, args.layout, args.k, [pol], rounds=args.rounds, producers_per_sim=m,
                                   emulation=devices)[0]
         row = {"layout": args.layout, "producers_per_sim": m, **devices, "rollout_split": split,
@@ -131,18 +140,21 @@ def main() -> None:
                "completion_s": shared["completion_s"], "action_wait_p99_s": shared["action_wait_all_s"]["p99"],
                "actor_idle_s": actor_idle(shared, shared["completion_s"]["sft"]),
                "lent_stepping_s": sum(s.get("lent_s", 0.0) for s in shared["spans"] if s["service"] == "simulator"),
-               "isolated_lending_device_s": iso[inflight, lend]["device_s"],
-               "efficiency_vs_isolated_lending": iso[inflight, lend]["device_s"] / shared["device_s"]}
+               "lent_missed_s": sum(s.get("lent_missed_s", 0.0) for s in shared["spans"]),
+               **({"isolated_lending_device_s": il["device_s"],
+                   "efficiency_vs_isolated_lending": il["device_s"] / shared["device_s"]} if il else {})}
         rows.append(row)
-        print(f"{args.layout} m={m} ({place}{', actor lends' if lend else ''}) split={split} ({row['rule']}, "
+        lenders = " and ".join(s for s, on in zip(("actor", "engines"), lend, strict=True) if on)
+        print(f"{args.layout} m={m} ({place}{f', {lenders} lend' if lenders else ''}) split={split} ({row['rule']}, "
               f"{row['queue_order']}, sims {row['sim_order']}, B={row['infer_max_batch']}) "
               f"inflight={row['max_inflight']}: {bench.against_ceiling(row)}; makespan {row['makespan_s']:.1f} s, "
               f"isolated {i['makespan_s']:.1f} s, action p99 {1000 * row['action_wait_p99_s']:.1f} ms, actor idle "
               f"{row['actor_idle_s']['before_sft_end']:.1f} s before the SFT job's end, "
               f"{row['actor_idle_s']['after_sft_end']:.1f} s after"
-              + (f", {row['lent_stepping_s']:.1f} s stepped on lent actor devices; against an isolated run whose "
-                 f"actor lends too ({iso[inflight, lend]['makespan_s']:.1f} s): "
-                 f"{row['efficiency_vs_isolated_lending']:.3f}" if lend else ""), flush=True)
+              + (f", {row['lent_stepping_s']:.1f} s stepped on lent devices ({row['lent_missed_s']:.2f} s of forwards "
+                 "heard of too late to push them back)" if lenders else "")
+              + (f"; against an isolated run whose devices lend too ({il['makespan_s']:.1f} s): "
+                 f"{row['efficiency_vs_isolated_lending']:.3f}" if il and lenders else ""), flush=True)
     doc = {"variants": rows, "k": args.k, "layout": args.layout, "rounds": args.rounds, "meta": {
         "command": "python experiments/paper_scale/levers.py " + " ".join(sys.argv[1:]), "bench_s": time.time() - t0,
         "load_avg_end": os.getloadavg(), "cpu_count": os.cpu_count()}}

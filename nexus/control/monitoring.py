@@ -38,6 +38,7 @@ class Span:
     sim_s: float = 0.0  # simulator spans: stepping ...
     wait_s: float = 0.0  # ... and waiting for actions, inside [t0, t1]
     lent_s: float = 0.0  # ... of the stepping, what ran on devices another service lent (emulation.lend_actor)
+    lent_missed_s: float = 0.0  # ... and its owner's work heard of too late to push those steps back (lend_inference)
 
 
 @dataclass
@@ -78,7 +79,8 @@ class MonitoringState:
             self.busy_slot[(service, slot)] += seconds
             self.spans.append(Span(service, slot, msg["tenant"], msg["t0"], msg["t1"],
                                    msg.get("what", kind), float(msg.get("sim_s", 0.0)),
-                                   float(msg.get("action_wait_s", 0.0)), float(msg.get("lent_s", 0.0))))
+                                   float(msg.get("action_wait_s", 0.0)), float(msg.get("lent_s", 0.0)),
+                                   float(msg.get("lent_missed_s", 0.0))))
             if kind == "rollout" and "sim_s" in msg:  # datapath: stepping vs waiting for actions
                 split = self.simulator_split[msg["tenant"]]
                 split["sim_s"] += float(msg["sim_s"])

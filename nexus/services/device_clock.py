@@ -37,22 +37,25 @@ class DeviceClock:
     def owe(self, seconds: float) -> None:
         self.debt += max(0.0, seconds) - host_share(seconds, self.k)
 
-    def spend(self, seconds: float, queued: float = 0.0, cut: Callable[[float], float] | None = None) -> float:
+    def spend(self, seconds: float, queued: float = 0.0,
+              cut: Callable[[float], tuple[float, float]] | None = None) -> float:
         """Sleep ``seconds`` of device time in this thread, after ``queued`` seconds waiting for a shared device
         (``Lanes.occupy``, counted from the arrival the debt puts earlier: so the debt is paid out of the wait
-        first); the timer's lateness is owed too. ``cut``: the piece may be cut short while it runs (a lent device
-        taken back, ``LentPiece.wait_cut``): it waits up to the sleep's length and answers the seconds cut off the
-        piece's end. -> the device seconds spent."""
+        first); the timer's lateness is owed too. ``cut``: the piece may be cut short or pushed back while it runs
+        (on a lent device: taken back, or its owner's work run first; ``LentPiece.wait_cut``): it waits the sleep's
+        length plus the pushes and answers the seconds cut off the piece's end and those it was pushed back (waited
+        for the device, as ``queued``). -> the device seconds spent."""
         self.queued += queued
         wait = self._pay(queued)
         work = self.ask(seconds)
         t0 = time.perf_counter()
-        off = cut(wait + work) if cut is not None else 0.0
+        off, pushed = cut(wait + work) if cut is not None else (0.0, 0.0)
         if off > 0:  # the steps not run are neither slept nor spent; the debt they paid is owed again
             self.slept -= off
             self.debt += max(0.0, off - work)
             work = max(0.0, work - off)
-        asked = wait + work
+        self.queued += pushed
+        asked = wait + work + pushed
         left = asked - (time.perf_counter() - t0)
         if left > 0:
             time.sleep(left)

@@ -1,6 +1,7 @@
-"""The emulated actor rank's side of ``EmulationSettings.lend_actor``: it lends its idle devices to the simulator
-workers (their :class:`~nexus.services.lent_devices.LentDevices`) and takes them back, worker to worker over Dask's
-RPC (the scheduler is asked once where the simulator workers are, and again when one is gone)."""
+"""The lending side of ``EmulationSettings.lend_actor`` and ``lend_inference``: the emulated actor rank lends its idle
+devices to the simulator workers (their :class:`~nexus.services.lent_devices.LentDevices`) and takes them back; an
+emulated engine tells them of each forward it runs first on its lent device. Worker to worker over Dask's RPC (the
+scheduler is asked once where the simulator workers are, and again when one is gone)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ class DeviceLender:
     def reclaim(self, devices: list[str]) -> float:
         """Take ``devices`` back: -> when the simulator work queued on them ends (wall clock; 0: none)."""
         return max((float(r) for r in self._call("nexus_reclaim", devices=devices) if r), default=0.0)
+
+    async def preempt(self, worker: Any, device: str, at: float, seconds: float, share: float) -> None:
+        """From an event loop (an engine's): ``device`` runs ``seconds`` of its own work from ``at`` (wall clock)
+        first, and is lent otherwise; ``share``: the part of its time that work takes lately."""
+        try:
+            await self._all(worker, "nexus_preempt", {"device": device, "at": at, "seconds": seconds, "share": share})
+        except (TimeoutError, OSError) as e:
+            logger.warning("nexus_preempt: the scheduler did not answer: %s", e)
+            self._sims = None
 
     def _call(self, op: str, **msg: Any) -> list[Any]:
         """``op`` on every simulator worker: their answers. One that cannot be reached is skipped (a lend it misses

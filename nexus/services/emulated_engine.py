@@ -1,26 +1,36 @@
 """An emulated inference engine (``ServiceConfig.emulation``): the real :class:`InferenceEngine` — its inference
 queue, group-batching rule, statistics and metering — whose grouped forward *takes* the calibrated time of
 its rows and tenants' families (in the engine's model thread, as a real forward would) and answers with
-zero actions. Heads are version counters: weight-sync messages move them like real heads."""
+zero actions. Heads are version counters: weight-sync messages move them like real heads.
+
+With ``EmulationSettings.lend_inference`` the engine's device steps simulators between forwards: each forward is
+told to the simulator workers as it starts (:class:`~nexus.services.device_lender.DeviceLender`), and runs there
+first; the steps lent there are pushed back by it (:meth:`~nexus.services.lent_devices.LentDevices.preempt`)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections import Counter
 from typing import Any
 
 import numpy as np
+from distributed import get_worker
 
 from nexus.config import ServiceConfig
 from nexus.features import TenantSchema
 from nexus.services.device_clock import DeviceTimeline
+from nexus.services.device_lender import DeviceLender
 from nexus.services.engine_stats import EngineMeter
 from nexus.services.head_versions import HeadVersions
 from nexus.services.inference import InferenceEngine
 from nexus.services.inference_queue import Group
 from nexus.spec import TenantSpec
+
+logger = logging.getLogger("nexus.engine")
+SHARE_WEIGHT = 0.1  # the weight of the last forward in the device's share of its time taken by forwards
 
 
 class EmulatedHeads(HeadVersions[None]):
@@ -65,6 +75,10 @@ class EmulatedEngine(InferenceEngine):
         self.queue.waits_of = self._device_waits
         self.queue.compute_of = lambda measured: self._busy
         self.set_batching(config.infer_max_wait_s, config.infer_max_batch)
+        self.device = device
+        self.lender = DeviceLender() if config.emulation.lend_inference else None
+        self.share = 0.0  # the part of the device's time forwards take lately (what lent steps lose to them)
+        self._told: set[asyncio.Task] = set()  # messages to the simulator workers on their way
 
     def _device_waits(self, arrivals: list[float], now: float, reason: str) -> list[float]:
         """The group's start on the device's timeline, and each request's wait from its arrival to it."""
@@ -88,11 +102,31 @@ class EmulatedEngine(InferenceEngine):
         families = Counter(self._family(r.tenant) for r in group)
         self._busy = self.times.forward_s(dict(families), len({r.tenant for r in group}))
         end = self._start + self._busy
+        if self.lender is not None:
+            self._tell(self._start, end)
         self.timeline.end([0], end)
         left = end - time.monotonic()
         if left > 0:
             await asyncio.sleep(left)
         return self._outputs(group)
+
+    def _tell(self, start: float, end: float) -> None:
+        """The simulator workers hear of the forward (``lend_inference``): it runs on the device first from its start
+        (wall clock). The message is not waited for: the forward does not wait for lent steps."""
+        last_end = self.timeline.free_at[0]  # the forward before's (0: none yet)
+        interval = end - last_end if last_end else float("inf")
+        self.share += SHARE_WEIGHT * (self._busy / max(interval, self._busy) - self.share)
+        try:
+            worker = get_worker()
+        except ValueError:
+            logger.warning("lend_inference: an engine outside a Dask worker lends nothing")
+            self.lender = None
+            return
+        at = start + time.time() - time.monotonic()
+        task = asyncio.ensure_future(self.lender.preempt(worker, self.device or str(worker.name), at, self._busy,
+                                                         self.share))
+        self._told.add(task)
+        task.add_done_callback(self._told.discard)
 
     def _family(self, tenant: str) -> str:
         """The forward cost a tenant's rows take: its env's when the calibration has one (a camera env), else

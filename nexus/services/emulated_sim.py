@@ -90,13 +90,15 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
                             f"{name}/{req.job}/{uuid.uuid4().hex[:8]}", features=False, features_max_dim=0)
         obs = observation(req.tenant.schema)
         wait = rtt = engine_wait = compute = lent_s = 0.0
+        pieces = []  # those run on lent devices (what pushed them too late is read at the end)
         requests = rows = 0
         versions: set[int] = set()
-        lent = sim.lent if emu.lend_actor else None
+        lent = sim.lent if emu.lend_actor or emu.lend_inference else None
 
         def run_on_device(seconds: float, unit: float | None = None) -> None:
-            """``seconds`` of device work (steps of ``unit``) on the producer's device, or (``lend_actor``) on a lent
-            one while that is sooner: its owner may take it back between two steps, and the rest runs here again."""
+            """``seconds`` of device work (steps of ``unit``) on the producer's device, or (``lend_actor``,
+            ``lend_inference``) on a lent one while that ends sooner: its owner may run its own work there first
+            (pushing the piece back), or take it back between two steps, and the rest runs here again."""
             nonlocal lent_s
             while seconds > 1e-9:
                 queued, piece = lanes.occupy_or_borrow(lane, seconds, ahead=clock.debt, lent=lent, unit=unit)
@@ -104,6 +106,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
                     clock.spend(seconds, queued=queued)
                     return
                 ran = clock.spend(seconds, queued=queued, cut=piece.wait_cut)
+                pieces.append(piece)
                 lent_s += ran
                 seconds -= ran
 
@@ -129,6 +132,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
             link.close()
         t1 = time.time()
         ended = t1 - clock.debt  # on the devices' clock: the host time still owed is not the devices'
+    missed = sum(p.missed for p in pieces)
     rng = np.random.default_rng([emu.seed, req.seed % 2**32, req.offset])
     success = rng.random(req.episodes) < cost.success
     returns = rng.random(req.episodes) * length * (0.5 + success)
@@ -138,10 +142,10 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
              "success_rate": float(success.mean()) if req.episodes else 0.0, "envs": k, "waves": 1,
              "sim_s": clock.slept, "action_wait_s": wait, "requests": requests, "rows": rows, "timed": requests,
              "rtt_s": rtt, "engine_wait_s": engine_wait, "compute_s": compute, "device_queue_s": clock.queued,
-             "lent_s": lent_s, "messaging_s": max(0.0, rtt - engine_wait - compute)}
+             "lent_s": lent_s, "lent_missed_s": missed, "messaging_s": max(0.0, rtt - engine_wait - compute)}
     emit("rollout", tenant=name, job=req.job, t0=t0, t1=t1, what="rl" if rl else "eval", steps=steps_total,
-         sim_s=clock.slept, action_wait_s=wait, lent_s=lent_s, device=lane_label(get_worker().name, lanes.n, lane),
-         queued_s=t0 - t_start)
+         sim_s=clock.slept, action_wait_s=wait, lent_s=lent_s, lent_missed_s=missed,
+         device=lane_label(get_worker().name, lanes.n, lane), queued_s=t0 - t_start)
     batch = None
     if rl:
         batch = BatchRef(path="", rows=steps_total, episodes=req.episodes, policy_version=min(versions, default=0),

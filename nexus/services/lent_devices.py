@@ -7,12 +7,19 @@ its own device), and its owner starts its own work then (:meth:`LentDevices.recl
 sleep of its producer however many steps it holds, so lending costs the host no more per step than stepping on
 its own device.
 
+An emulated inference engine lends its device for good instead (``EmulationSettings.lend_inference``) and runs
+each forward on it *first* (:meth:`LentDevices.preempt`: a GPU running a forward on a high-priority stream beside a
+simulator's kernels): the forward never waits, and the pieces running or queued there are pushed back by it. A
+producer then takes such a device only when its piece ends sooner there at the share of the device its owner
+leaves (the owner says what share it uses).
+
 Times are wall-clock seconds: the lender is another process on the same host."""
 
 from __future__ import annotations
 
 import math
 import threading
+import time
 
 
 class LentPiece:
@@ -22,31 +29,50 @@ class LentPiece:
         self.device, self.start, self.seconds = device, start, seconds
         self.unit = unit if unit and unit > 0 else seconds
         self.ran = seconds  # the device seconds it runs: all of them unless it is cut
-        self._cut = threading.Event()
-        self._lock = threading.Lock()
-        self._settled = False  # its producer has read how much ran: no longer cut
+        self.pushed = 0.0  # seconds its owner's own work (forwards run first) pushed it back
+        self.missed = 0.0  # ... and what would have pushed it, heard of after its producer went on (too late)
+        self._changed = threading.Condition()
+        self._cut = False
+        self._settled = False  # its producer has read how much ran and how long it was pushed: final
 
     @property
     def end(self) -> float:
-        return self.start + self.ran
+        return self.start + self.pushed + self.ran
 
     def cut(self, at: float) -> float:
         """No step of the piece begins after ``at``: it ends at the first step boundary from ``at`` on (its start
         when it had not begun). -> its end."""
-        with self._lock:
+        with self._changed:
             if not self._settled and at < self.end:
-                steps = max(0, math.ceil((at - self.start) / self.unit - 1e-9))
+                steps = max(0, math.ceil((at - self.start - self.pushed) / self.unit - 1e-9))
                 self.ran = min(self.ran, steps * self.unit)
-                self._cut.set()
+                self._cut = True
+                self._changed.notify_all()
             return self.end
 
-    def wait_cut(self, timeout: float) -> float:
-        """Wait up to ``timeout`` seconds for the piece to be cut: -> the seconds cut off its end (0: none). What it
-        answers is final: a piece is not cut after its producer has gone on."""
-        self._cut.wait(max(0.0, timeout))
-        with self._lock:
+    def push(self, seconds: float) -> None:
+        """The device's owner ran ``seconds`` of its own work first: the piece ends that much later (a piece whose
+        producer has gone on is not pushed: the push is counted as ``missed``, what the emulation got for free)."""
+        with self._changed:
+            if seconds > 0 and self._settled:
+                self.missed += seconds
+            elif seconds > 0:
+                self.pushed += seconds
+                self._changed.notify_all()
+
+    def wait_cut(self, timeout: float) -> tuple[float, float]:
+        """Wait ``timeout`` seconds, plus what the piece is pushed back meanwhile, unless it is cut first: -> (the
+        seconds cut off its end, 0 when none; the seconds it was pushed back). What it answers is final: a piece is
+        neither cut nor pushed after its producer has gone on."""
+        deadline = time.perf_counter() + max(0.0, timeout)
+        with self._changed:
+            while not self._cut:
+                left = deadline + self.pushed - time.perf_counter()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
             self._settled = True  # its producer goes on from here: the device stays its until the piece's end
-            return self.seconds - self.ran
+            return self.seconds - self.ran, self.pushed
 
 
 class LentDevices:
@@ -54,6 +80,7 @@ class LentDevices:
         self._free_at: dict[str, float] = {}  # device -> end of the work queued on it (wall clock)
         self._pieces: dict[str, list[LentPiece]] = {}  # device -> its pieces, the last of them not yet over
         self._open: set[str] = set()  # devices lent now
+        self._owner_share: dict[str, float] = {}  # device -> the share of its time its owner's own work takes
         self._lock = threading.Lock()
 
     def lend(self, devices: list[str], free_at: float) -> None:
@@ -77,14 +104,32 @@ class LentDevices:
                     self._free_at[d] = max(ran) if ran else pieces[0].start
             return max((self._free_at.get(d, 0.0) for d in devices), default=0.0)
 
+    def preempt(self, device: str, at: float, seconds: float, share: float = 0.0) -> None:
+        """``device``'s owner runs ``seconds`` of its own work from ``at`` (wall clock) ahead of the pieces there,
+        and lends the device otherwise (from now on, if it was not lent yet). The piece running at ``at`` and those
+        queued after it are pushed back as far as the work needs; ``share``: the part of the device's time the
+        owner's work takes lately (what a new piece expects to lose to it)."""
+        with self._lock:
+            self._open.add(device)
+            self._owner_share[device] = min(max(share, 0.0), 0.95)
+            busy_until = at + seconds
+            for piece in sorted(self._pieces.get(device, []), key=lambda p: p.start):
+                if piece.end <= at:
+                    continue
+                piece.push(seconds if piece.start + piece.pushed < at else busy_until - piece.start - piece.pushed)
+                busy_until = max(busy_until, piece.end)
+            self._free_at[device] = max(self._free_at.get(device, 0.0), busy_until)
+
     def take(self, earliest: float, seconds: float, before: float, unit: float | None = None) -> LentPiece | None:
         """A piece of ``seconds`` (steps of ``unit``), able to start at ``earliest``, queued on the lent device where
-        it starts soonest, if that is before ``before`` (where it would start on its own device). None when none is."""
+        it is expected to end soonest (at the share of the device its owner leaves), if that is sooner than on its
+        own device, where it would start at ``before``. None when none is."""
         with self._lock:
-            best = min(((max(earliest, self._free_at[d]), d) for d in self._open), default=None)
-            if best is None or best[0] >= before:
+            best = min(((max(earliest, self._free_at[d]) + seconds / (1.0 - self._owner_share.get(d, 0.0)), d)
+                        for d in self._open), default=None)
+            if best is None or best[0] >= before + seconds:
                 return None
-            start, device = best
+            start, device = max(earliest, self._free_at[best[1]]), best[1]
             piece = LentPiece(device, start, seconds, unit)
             self._free_at[device] = piece.end
             queue = self._pieces.setdefault(device, [])

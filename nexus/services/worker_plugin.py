@@ -97,7 +97,8 @@ class NexusWorkerPlugin(WorkerPlugin):
                                     ("nexus_engine_ctl", self._in_worker(self._h_engine_ctl)),
                                     ("nexus_tracker", self._h_tracker), ("nexus_io", self._h_io),
                                     ("nexus_env_ctl", self._h_env_ctl), ("nexus_sim_stop", self._h_sim_stop),
-                                    ("nexus_lend", self._h_lend), ("nexus_reclaim", self._h_reclaim))}})
+                                    ("nexus_lend", self._h_lend), ("nexus_reclaim", self._h_reclaim),
+                                    ("nexus_preempt", self._h_preempt))}})
         self._beat = PeriodicCallback(self.beat, HEARTBEAT_S * 1000)
         self._beat.start()
         self.beat()
@@ -204,6 +205,10 @@ class NexusWorkerPlugin(WorkerPlugin):
         """... and takes them back now (their pieces are cut at their next step): -> when the work on them ends
         (wall clock)."""
         return self.sim.lent.reclaim(devices, at=time.time())
+
+    async def _h_preempt(self, device: str, at: float, seconds: float, share: float) -> None:
+        """An emulated engine runs a forward on its lent ``device`` first (``LentDevices.preempt``)."""
+        self.sim.lent.preempt(device, at, seconds, share)
 
     async def _h_env_ctl(self, action: str, **msg: Any) -> Any:
         """The control plane's session operations: ``open`` (build the envs) and ``close`` (plain values)."""
