@@ -7,7 +7,7 @@ but its device work runs one piece at a time (:meth:`Lanes.occupy`). A holder ma
 time it expects to use (its ``load``): then a new holder takes the open lane with the least load held, so two
 producers that step most of the time do not end up taking turns on one device while another steps little.
 Another service may lend its idle devices to the worker (:class:`LentDevices`): a piece whose own device is busy then
-runs there when it starts sooner (:meth:`Lanes.occupy_or_borrow`)."""
+runs there when it is expected to end sooner (:meth:`Lanes.occupy_or_borrow`)."""
 
 from __future__ import annotations
 
@@ -73,9 +73,9 @@ class Lanes:
 
     def occupy_or_borrow(self, lane: int, seconds: float, ahead: float = 0.0, lent: LentDevices | None = None,
                          unit: float | None = None) -> tuple[float, LentPiece | None]:
-        """:meth:`occupy`, or on a device another service lends (``lent``) when the piece starts sooner there: its
-        owner may cut it at a step boundary (steps of ``unit`` seconds), and the caller asks again for the rest.
-        -> (the wait, the lent piece or None)."""
+        """:meth:`occupy`, or on a device another service lends (``lent``) when the piece is expected to end sooner
+        there (``LentDevices.take``): its owner may cut it at a step boundary (steps of ``unit`` seconds), and the
+        caller asks again for the rest, or push it back. -> (the wait, the lent piece or None)."""
         with self._cv:
             arrival = time.time() - max(0.0, ahead)
             start = max(arrival, self._free_at[lane])
