@@ -6,10 +6,10 @@ isolated 1-1-2, at k = 3, on one emulated service per variant (``--rounds`` each
 prints its efficiency and utilizations next to their **ceiling** (``bench.ceiling``: the busiest service's work
 on its own devices, every one busy all the time, bounds the makespan) and how much of that bound the run reached.
 Variants (``--variants``, ``;``-separated ``m,split,inflight`` then optional ``rule``, or ``key=value`` among
-``rule``, ``order``, ``batch``, ``wait``, ``route``, ``place``, ``lend``): m producers per simulator device,
-``elastic``'s ``rollout_split``, the RL tenants' ``max_inflight`` (0: the policy's default, 2; a third batch in flight
-overlaps a job's rollouts with its updates — the isolated baseline is run again with it, since it helps a tenant alone
-too), ``rollout_split_rule`` (default: ``elastic``'s), the training queue's order (``queue_order``), the inference
+``rule``, ``order``, ``batch``, ``wait``, ``route``, ``place``, ``lend``, ``lendinf``): m producers per simulator
+device, ``elastic``'s ``rollout_split``, the RL tenants' ``max_inflight`` (0: the policy's default, 2; a third batch in
+flight overlaps a job's rollouts with its updates — the isolated baseline is run again with it, since it helps a tenant
+alone too), ``rollout_split_rule`` (default: ``elastic``'s), the training queue's order (``queue_order``), the inference
 group's size B and wait T (``infer_max_batch``, ``infer_max_wait_s``), the tenants' routing to engines (``routing``:
 ``static`` or by ``load``), who gets a freed simulator place (``sim``: ``fair``, the default, or ``critical``:
 ``sim_order``), and the simulator device a producer takes (``place``: ``fewest`` producers, the default,
@@ -61,7 +61,7 @@ SWITCH = {"on": True, "off": False}
 
 def parse_variant(text: str) -> tuple[int, int, int, dict[str, Any], dict[str, Any]]:
     """``m,split,inflight[,rule][,key=value...]`` -> (m, split, inflight, the policy's overrides, the emulated
-    devices' settings: ``place`` and ``lend`` are not the policy's)."""
+    devices' settings: ``place``, ``lend`` and ``lendinf`` are not the policy's)."""
     fields = text.split(",")
     try:
         m, split, inflight = (int(x) for x in fields[:3])
