@@ -461,6 +461,9 @@ def test_emulated_service_runs_the_real_plugin_and_accounts_per_device(nx):
     assert out["emu-lift"]["updates"] == 2 and out["emu-sft"]["steps"] == 4
     assert out["emu-lift"]["env_steps"] == 2 * 4 * 240  # the calibration's episode length
     assert out["emu-lift"]["requests"] == 2 * 240 // 8  # one action request per chunk of 8 steps (K=4 in one)
+    # the tracker's host work (MLflow, plots) stayed off the worker carrying the emulated engines
+    actor = next(str(i["name"]) for i in info.values() if "ACTOR" in i["resources"])
+    assert {r["role"]: r for r in nx.status()["roles"]}["tracker"]["worker"] == actor
     st = nx.status(limit=100)
     assert set(st["training_queue"]["delay_s"]) >= {"emu-lift", "emu-push", "emu-sft"}  # the real queue ran them
     reasons = {}

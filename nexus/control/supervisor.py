@@ -75,6 +75,7 @@ class Supervisor:
         self._task: asyncio.Task | None = None
         self._tracker_starts = 0
         self._tracker_retry_at = 0.0
+        self._tracker_role = "ACTOR" if config.emulation is not None else "INFER"  # the workers it goes on (below)
         self.placement = ActorPlacement(config, runtime, health, actors, pool, registry, dispatcher, offload)
         self._producer_requests: dict[str, int] = {}
         for role in actors.roles:
@@ -185,8 +186,11 @@ class Supervisor:
         h = self.health.register("tracker", "tracker")
         if self.tracker.address is not None and h.state != RoleState.FAILED:
             return
-        # on an INFER worker (as in the paper's layout); on any worker if none came within a grace period
-        workers = self.runtime.workers("INFER") or (
+        # on an INFER worker (as in the paper's layout); on any worker if none came within a grace period. An emulated
+        # service's goes on the actor rank's worker, which only sleeps: on the one worker carrying every emulated
+        # engine, MLflow's logging and plots would hold the lock their event loop needs, host time that a GPU's
+        # forwards do not pay (at k = 20 it cost the shared run ~15 % of its device time)
+        workers = self.runtime.workers(self._tracker_role) or (
             self.runtime.workers() if time.time() - self.boot_time > TRACKER_GRACE_S else [])
         if not workers or time.monotonic() < self._tracker_retry_at:
             return
