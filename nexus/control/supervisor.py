@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("nexus.supervisor")
 
-TRACKER_GRACE_S = 30.0  # how long the tracker waits for an INFER worker at boot
+TRACKER_GRACE_S = 30.0  # how long the tracker waits for a worker of its role at boot (INFER; emulated: ACTOR)
 
 
 class Supervisor:
