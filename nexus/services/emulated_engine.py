@@ -77,6 +77,7 @@ class EmulatedEngine(InferenceEngine):
         self.set_batching(config.infer_max_wait_s, config.infer_max_batch)
         self.device = device
         self.lender = DeviceLender() if config.emulation.lend_inference else None
+        self._worker = self._lending_worker() if self.lender is not None else None  # the messages go from it
         self.share = 0.0  # the part of the device's time forwards take lately (what lent steps lose to them)
         self._told: set[asyncio.Task] = set()  # messages to the simulator workers on their way
 
@@ -116,17 +117,22 @@ class EmulatedEngine(InferenceEngine):
         last_end = self.timeline.free_at[0]  # the forward before's (0: none yet)
         interval = end - last_end if last_end else float("inf")
         self.share += SHARE_WEIGHT * (self._busy / max(interval, self._busy) - self.share)
-        try:
-            worker = get_worker()
-        except ValueError:
-            logger.warning("lend_inference: an engine outside a Dask worker lends nothing")
-            self.lender = None
+        if self._worker is None:
             return
         at = start + time.time() - time.monotonic()
-        task = asyncio.ensure_future(self.lender.preempt(worker, self.device or str(worker.name), at, self._busy,
-                                                         self.share))
+        task = asyncio.ensure_future(self.lender.preempt(self._worker, self.device or str(self._worker.name), at,
+                                                         self._busy, self.share))
         self._told.add(task)
         task.add_done_callback(self._told.discard)
+
+    @staticmethod
+    def _lending_worker() -> Any:
+        """The Dask worker hosting the engine (once, not per forward); None outside one: it lends nothing."""
+        try:
+            return get_worker()
+        except ValueError:
+            logger.warning("lend_inference: an engine outside a Dask worker lends nothing")
+            return None
 
     def _family(self, tenant: str) -> str:
         """The forward cost a tenant's rows take: its env's when the calibration has one (a camera env), else
