@@ -36,6 +36,7 @@ from distributed import get_worker
 from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
+from distributed.protocol.serialize import ToPickle
 from distributed.utils import sync
 from distributed.worker import _worker_cvar  # Dask sets the same variable around tasks and actors
 from tornado.ioloop import PeriodicCallback
@@ -157,7 +158,7 @@ class NexusWorkerPlugin(WorkerPlugin):
     # -- handlers ------------------------------------------------------------------------------------
     async def _h_engine(self, engine: str, method: str, payload: dict[str, Any]) -> dict[str, Any]:
         out = await self._engine(engine).call(method, payload.get("args", []), payload.get("kwargs", {}))
-        return {"result": to_serialize(out)}
+        return {"result": ToPickle(out)}  # pickled whole, not item by item (``nexus.engine_client.call_engine``)
 
     async def _h_engine_ctl(self, engine: str, action: str, **msg: Any) -> Any:
         out = await self._engine(engine).control(action, **msg)
