@@ -81,3 +81,18 @@ def test_link_lets_calls_gather_and_a_flush_sends_at_once():
         await link.close()
 
     asyncio.run(main())
+
+
+def test_the_tracker_connects_at_its_start_and_a_store_that_failed_then_is_asked_again(tmp_path):
+    host = TrackerHost({"root": str(tmp_path / "a")})
+    assert host.warmed.result(timeout=120) is True  # before any call: the store and the experiment exist
+    assert host.tracker._client is not None and (tmp_path / "a" / "mlflow.db").exists()
+
+    store = tmp_path / "blocked" / "mlflow.db"  # a file stands where its folder goes: the warm-up cannot open it
+    store.parent.write_text("")
+    late = TrackerHost({"root": str(tmp_path / "b"), "tracking_uri": f"sqlite:///{store}"})
+    assert late.warmed.result(timeout=120) is False and late.tracker._client is None
+    store.parent.unlink()
+    out = late._run_all([["start_run", {"job_id": "a-sft-1", "tenant": "a", "kind": "sft", "params": {}}]])
+    assert isinstance(out[0], str) and store.exists()  # the first call connected
+    assert late.tracker._mlflow().get_run(out[0]).data.tags["nexus.job"] == "a-sft-1"

@@ -21,6 +21,15 @@ class TrackerHost:
     def __init__(self, config: ServiceConfig | dict[str, Any]) -> None:
         self.tracker = Tracker(config)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="nexus-tracker")
+        self.warmed = self._thread.submit(self._warm)  # first in the thread: the calls queue behind it
+
+    def _warm(self) -> bool:
+        try:
+            self.tracker.warm()
+            return True
+        except Exception as e:  # the first call that needs the store tries again (and reports its failure)
+            logger.warning("tracker warm-up failed: %s", e)
+            return False
 
     async def run(self, calls: list[list[Any]]) -> list[Any]:
         return await asyncio.get_running_loop().run_in_executor(self._thread, self._run_all, calls)

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import math
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from nexus.config import ServiceConfig
-from nexus.history import SYSTEM, plot_curves
+from nexus.history import SYSTEM, plot_curves, pyplot
 from nexus.services.model_registry import log_policy_models
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
@@ -53,21 +54,31 @@ class Tracker:
         self.runs: dict[str, str] = {}  # job id -> MLflow run id
         self._last_step: dict[tuple[str, str], int] = {}  # (job, metric) -> last step logged
         self._adopted: set[str] = set()  # runs an earlier tracker logged to: their last steps are in MLflow
+        self._connecting = threading.Lock()  # ``warm`` connects in the tracker's thread; a caller may ask at once
+
+    def warm(self) -> None:
+        """The tracker's one-time costs, paid at its start rather than inside the first job: importing MLflow
+        (seconds of CPU on a busy host), its client and the experiment, and matplotlib (each job's curves are drawn
+        at its end). A store that fails here is asked again by the first call that needs it."""
+        self._mlflow()
+        pyplot()
 
     def _mlflow(self):
-        if self._client is None:
-            from mlflow.tracking import MlflowClient
+        with self._connecting:
+            if self._client is None:
+                from mlflow.tracking import MlflowClient
 
-            self._client = MlflowClient(tracking_uri=self.config.resolved_tracking_uri())
-            name = self.config.resolved_experiment()
-            exp = self._client.get_experiment_by_name(name)
-            if exp is None:
-                self._experiment_id = self._client.create_experiment(
-                    name, artifact_location=self._artifact_location(), tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
-            else:
-                self._experiment_id = exp.experiment_id
-                if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
-                    self._client.set_experiment_tag(self._experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+                client = MlflowClient(tracking_uri=self.config.resolved_tracking_uri())
+                name = self.config.resolved_experiment()
+                exp = client.get_experiment_by_name(name)
+                if exp is None:
+                    self._experiment_id = client.create_experiment(
+                        name, artifact_location=self._artifact_location(), tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+                else:
+                    self._experiment_id = exp.experiment_id
+                    if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+                        client.set_experiment_tag(self._experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+                self._client = client  # kept once its experiment is known: a store that failed is asked again
         return self._client
 
     def _artifact_location(self) -> str | None:
