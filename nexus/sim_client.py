@@ -18,14 +18,14 @@ async def call_sim(server, address: str, method: str, timeout: float | None = 12
     :class:`nexus.errors.NexusError` refusals arrive as such. ``plain``: the payload is msgpack-ready (strings,
     numbers, lists, bytes) and goes as it is, not pickled (a step's ~0.3 ms less CPU on each side)."""
     from distributed.core import send_recv
-    from distributed.protocol import to_serialize
+    from distributed.protocol.serialize import ToPickle
 
     pool = server.rpc
     extra = {k: v for k, v in (("serializers", pool.serializers), ("deserializers", pool.deserializers))
              if v is not None}
     comm = await pool.connect(address, timeout=CONNECT_TIMEOUT_S)
     try:
-        coro = send_recv(comm=comm, op=SIM_OP, method=method, payload=payload if plain else to_serialize(payload),
+        coro = send_recv(comm=comm, op=SIM_OP, method=method, payload=payload if plain else ToPickle(payload),
                          **extra)
         reply = await (asyncio.wait_for(coro, timeout) if timeout else coro)
     finally:

@@ -76,8 +76,8 @@ class EmulatedEngine(InferenceEngine):
         self.queue.compute_of = lambda measured: self._busy
         self.set_batching(config.infer_max_wait_s, config.infer_max_batch)
         self.device = device
-        self.lender = DeviceLender() if config.emulation.lend_inference else None
-        self._worker = self._lending_worker() if self.lender is not None else None  # the messages go from it
+        self._worker = self._lending_worker() if config.emulation.lend_inference else None  # the messages go from it
+        self.lender = DeviceLender() if self._worker is not None else None
         self.share = 0.0  # the part of the device's time forwards take lately (what lent steps lose to them)
         self._told: set[asyncio.Task] = set()  # messages to the simulator workers on their way
 
@@ -117,8 +117,6 @@ class EmulatedEngine(InferenceEngine):
         last_end = self.timeline.free_at[0]  # the forward before's (0: none yet)
         interval = end - last_end if last_end else float("inf")
         self.share += SHARE_WEIGHT * (self._busy / max(interval, self._busy) - self.share)
-        if self._worker is None:
-            return
         at = start + time.time() - time.monotonic()
         task = asyncio.ensure_future(self.lender.preempt(self._worker, self.device or str(self._worker.name), at,
                                                          self._busy, self.share))

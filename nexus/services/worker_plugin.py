@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 from distributed import get_worker
 from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
-from distributed.protocol import to_serialize
 from distributed.protocol.serialize import ToPickle
 from distributed.utils import sync
 from distributed.worker import _worker_cvar  # Dask sets the same variable around tasks and actors
@@ -177,7 +176,7 @@ class NexusWorkerPlugin(WorkerPlugin):
         loop = asyncio.get_running_loop()
         if method == "store_episodes":
             out = await loop.run_in_executor(self.sim.session_thread, lambda: store_episodes(**payload))
-            return {"result": to_serialize(out)}
+            return {"result": ToPickle(out)}
         if method not in ("reset", "step"):
             raise ValueError(f"unknown environment call {method!r}")
         sessions = self.sim.sessions
