@@ -156,8 +156,33 @@ def test_a_busy_simulator_device_borrows_a_lent_one_until_its_owner_takes_it_bac
     assert Lanes(1).occupy_or_borrow(0, 0.1, lent=lent) == (0.0, None)  # an idle own device is never left
     lent.lend(["actor-0#1"], free_at=time.time())
     _, done = lanes.occupy_or_borrow(0, 0.4, lent=lent, unit=0.1)
-    assert done.wait_cut(0) == (0, 0)  # its producer went on: the piece is its own until it ends
-    assert lent.reclaim([done.device], at=done.start) == done.end == done.start + 0.4
+    assert done.wait_cut(0) == (0, 0)  # its producer went on with all 4 steps
+    assert lent.reclaim([done.device], at=done.end) == done.end and done.revoked == 0  # taken back after: all ran
+
+
+def test_a_device_taken_back_at_its_owners_start_revokes_the_steps_lent_since_for_their_producer_to_run_again():
+    """The actor's message to take its devices back arrives a host's dispatch after the update's start on the
+    devices' clock; it takes them back at that start. A piece whose producer went on already ran the steps begun
+    since: they are revoked (the producer runs them again on its own device, and owes the time it slept for them),
+    and the update starts after the last step begun before its start."""
+    lent = LentDevices()
+    lent.lend(["actor-0#0"], free_at=time.time())
+    first = lent.take(time.time(), 0.4, before=time.time() + 1, unit=0.1)
+    second = lent.take(time.time(), 0.2, before=time.time() + 1, unit=0.1)
+    assert first.wait_cut(0) == (0, 0) and second.wait_cut(0) == (0, 0)  # both producers went on
+    back = lent.reclaim(["actor-0#0"], at=first.start + 0.25)  # in first's third step; second not begun then
+    assert back == pytest.approx(first.start + 0.3)
+    assert (first.ran, first.revoked) == (pytest.approx(0.3), pytest.approx(0.1))
+    assert (second.ran, second.revoked) == (0, pytest.approx(0.2))
+    assert second.take_revoked() == pytest.approx(0.2) and second.take_revoked() == 0  # said once
+    lent.lend(["actor-0#0"], free_at=time.time())
+    lent.reclaim(["actor-0#0"], at=time.time())  # nothing queued since: nothing revoked
+    assert first.revoked == pytest.approx(0.1)
+
+    clock = DeviceClock()
+    clock.spend(0.4)
+    clock.revoke(0.1)  # of the 0.4 s slept, 0.1 s did not count: run again, the time slept for it owed
+    assert clock.slept == pytest.approx(0.3) and clock.debt == pytest.approx(0.1)
 
 
 def test_a_producer_cut_short_on_a_lent_device_sleeps_and_spends_only_the_steps_that_ran():

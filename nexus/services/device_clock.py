@@ -37,6 +37,12 @@ class DeviceClock:
     def owe(self, seconds: float) -> None:
         self.debt += max(0.0, seconds) - host_share(seconds, self.k)
 
+    def revoke(self, seconds: float) -> None:
+        """``seconds`` of device work slept on a lent device that, on the devices' clock, its owner had taken back
+        already (``LentPiece.revoked``): not spent — they are run again — and the time slept for them is owed."""
+        self.slept -= seconds
+        self.debt += seconds
+
     def spend(self, seconds: float, queued: float = 0.0,
               cut: Callable[[float], tuple[float, float]] | None = None) -> float:
         """Sleep ``seconds`` of device time in this thread, after ``queued`` seconds waiting for a shared device

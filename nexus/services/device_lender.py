@@ -25,9 +25,11 @@ class DeviceLender:
         """``devices`` are idle from ``free_at`` (wall clock) on."""
         self._call("nexus_lend", devices=devices, free_at=free_at)
 
-    def reclaim(self, devices: list[str]) -> float:
-        """Take ``devices`` back: -> when the simulator work queued on them ends (wall clock; 0: none)."""
-        return max((float(r) for r in self._call("nexus_reclaim", devices=devices) if r), default=0.0)
+    def reclaim(self, devices: list[str], at: float) -> float:
+        """Take ``devices`` back at ``at``: their next work's start on their own clock (wall clock), which this call
+        reaches later, by the host's dispatch of that work. -> when the simulator work queued on them ends (wall
+        clock; 0: none)."""
+        return max((float(r) for r in self._call("nexus_reclaim", devices=devices, at=at) if r), default=0.0)
 
     async def preempt(self, worker: Any, device: str, at: float, seconds: float, share: float) -> None:
         """From an event loop (an engine's): ``device`` runs ``seconds`` of its own work from ``at`` (wall clock)

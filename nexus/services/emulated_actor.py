@@ -141,8 +141,10 @@ def run_update(actor: EmulatedActorHost, req: UpdateRequest, data: Any = None) -
         version = actor.versions[name] + 1
         push = actor.writes and req.sync.should_push(version)
         devices = [actor.label(lane) for lane in lanes]
-        back = actor.lender.reclaim(devices) if actor.lender is not None else 0.0  # their simulator work ends then
-        t0 = max(actor.timeline.start(lanes, _ready_at(actor, req)), back)
+        start = actor.timeline.start(lanes, _ready_at(actor, req))
+        # taken back at that start, not at this late arrival (the host's dispatch): steps lent since are run again
+        back = actor.lender.reclaim(devices, start) if actor.lender is not None else 0.0
+        t0 = max(start, back)  # their simulator work (its last step begun by then) ends then
         t1 = t0 + duration + (actor.times.sync_s() if push else 0.0)
         _sleep_until(t0 + duration)
         actor.versions[name] = version

@@ -98,8 +98,14 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
         def run_on_device(seconds: float, unit: float | None = None) -> None:
             """``seconds`` of device work (steps of ``unit``) on the producer's device, or (``lend_actor``,
             ``lend_inference``) on a lent one while that ends sooner: its owner may run its own work there first
-            (pushing the piece back), or take it back between two steps, and the rest runs here again."""
+            (pushing the piece back), or take it back between two steps, and the rest runs here again. Steps revoked
+            on a lent device since (its owner took it back before they began, on its devices' clock) run again first."""
             nonlocal lent_s
+            redo = sum(p.take_revoked() for p in pieces)
+            if redo > 0:
+                clock.revoke(redo)
+                lent_s -= redo
+                seconds += redo
             while seconds > 1e-9:
                 queued, piece = lanes.occupy_or_borrow(lane, seconds, ahead=clock.debt, lent=lent, unit=unit)
                 if piece is None:
@@ -128,11 +134,12 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
                     steps = min(cost.chunk, length - c * cost.chunk)
                     step = times.step_s(req.env, n)
                     run_on_device(step * steps, unit=step)
+            run_on_device(0.0)  # steps revoked meanwhile
         finally:
             link.close()
         t1 = time.time()
         ended = t1 - clock.debt  # on the devices' clock: the host time still owed is not the devices'
-    missed = sum(p.missed for p in pieces)
+    missed = sum(p.missed + p.take_revoked() for p in pieces)  # heard of too late: what the emulation got for free
     rng = np.random.default_rng([emu.seed, req.seed % 2**32, req.offset])
     success = rng.random(req.episodes) < cost.success
     returns = rng.random(req.episodes) * length * (0.5 + success)

@@ -21,6 +21,8 @@ import math
 import threading
 import time
 
+RECLAIM_LATE_S = 2.0  # how far back a reclaim may cut the pieces on a device (they are kept that long after their end)
+
 
 class LentPiece:
     """``seconds`` of device work queued on lent ``device`` from ``start``, in steps of ``unit`` seconds."""
@@ -31,6 +33,7 @@ class LentPiece:
         self.ran = seconds  # the device seconds it runs: all of them unless it is cut
         self.pushed = 0.0  # seconds its owner's own work (forwards run first) pushed it back
         self.missed = 0.0  # ... and what would have pushed it, heard of after its producer went on (too late)
+        self.revoked = 0.0  # steps that ran after its owner took the device back, heard of after its producer went on
         self._changed = threading.Condition()
         self._cut = False
         self._settled = False  # its producer has read how much ran and how long it was pushed: final
@@ -41,14 +44,26 @@ class LentPiece:
 
     def cut(self, at: float) -> float:
         """No step of the piece begins after ``at``: it ends at the first step boundary from ``at`` on (its start
-        when it had not begun). -> its end."""
+        when it had not begun). A piece whose producer went on already ran those steps: they are :attr:`revoked`,
+        for its producer to run again on its own device (``at`` may be past: the owner's start on its devices'
+        clock, which its message reaches a host's dispatch later). -> its end."""
         with self._changed:
-            if not self._settled and at < self.end:
+            if at < self.end:
                 steps = max(0, math.ceil((at - self.start - self.pushed) / self.unit - 1e-9))
-                self.ran = min(self.ran, steps * self.unit)
-                self._cut = True
-                self._changed.notify_all()
+                kept = min(self.ran, steps * self.unit)
+                if self._settled:
+                    self.revoked += self.ran - kept
+                else:
+                    self._cut = True
+                    self._changed.notify_all()
+                self.ran = kept
             return self.end
+
+    def take_revoked(self) -> float:
+        """The device seconds revoked since last asked (:meth:`cut`)."""
+        with self._changed:
+            out, self.revoked = self.revoked, 0.0
+            return out
 
     def push(self, seconds: float) -> None:
         """The device's owner ran ``seconds`` of its own work first: the piece ends that much later (a piece whose
@@ -91,8 +106,9 @@ class LentDevices:
                 self._open.add(d)
 
     def reclaim(self, devices: list[str], at: float) -> float:
-        """Take ``devices`` back at ``at`` (wall clock): no new piece starts on them and the pieces queued on them
-        are cut at their next step boundary. -> when those end (0 when none was ever queued)."""
+        """Take ``devices`` back at ``at`` (wall clock, never in the future): no new piece starts on them and the
+        pieces queued on them are cut at their next step boundary from ``at`` (:meth:`LentPiece.cut`: steps run
+        since are revoked). -> when those end (0 when none was ever queued)."""
         with self._lock:
             self._open.difference_update(devices)
             for d in devices:
@@ -133,7 +149,9 @@ class LentDevices:
             piece = LentPiece(device, start, seconds, unit)
             self._free_at[device] = piece.end
             queue = self._pieces.setdefault(device, [])
-            queue[:] = [p for p in queue if p.end > earliest]  # those over before this one could start are done
+            # those over well before this one could start are done: a reclaim reaches here a host's dispatch after
+            # its devices' start, never seconds (it cuts the pieces after that start: LentPiece.cut)
+            queue[:] = [p for p in queue if p.end > earliest - RECLAIM_LATE_S]
             queue.append(piece)
             return piece
 

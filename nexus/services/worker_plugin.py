@@ -201,10 +201,10 @@ class NexusWorkerPlugin(WorkerPlugin):
         """An emulated actor rank lends ``devices`` to this worker's producers from ``free_at`` on."""
         self.sim.lent.lend(devices, free_at)
 
-    async def _h_reclaim(self, devices: list[str]) -> float:
-        """... and takes them back now (their pieces are cut at their next step): -> when the work on them ends
-        (wall clock)."""
-        return self.sim.lent.reclaim(devices, at=time.time())
+    async def _h_reclaim(self, devices: list[str], at: float) -> float:
+        """... and takes them back at ``at`` (its devices' start; now at the latest): their pieces are cut at their
+        next step from then. -> when the work on them ends (wall clock)."""
+        return self.sim.lent.reclaim(devices, at=min(at, time.time()))
 
     async def _h_preempt(self, device: str, at: float, seconds: float, share: float) -> None:
         """An emulated engine runs a forward on its lent ``device`` first (``LentDevices.preempt``)."""
