@@ -178,6 +178,13 @@ def test_a_device_taken_back_at_its_owners_start_revokes_the_steps_lent_since_fo
     lent.lend(["actor-0#0"], free_at=time.time())
     lent.reclaim(["actor-0#0"], at=time.time())  # nothing queued since: nothing revoked
     assert first.revoked == pytest.approx(0.1)
+    lent = LentDevices()
+    lent.lend(["actor-0#0"], free_at=time.time() - 1.0)
+    early = lent.take(time.time() - 1.0, 0.1, before=time.time(), unit=0.1)  # over before the next could start
+    later = lent.take(time.time(), 0.1, before=time.time() + 1, unit=0.1)
+    assert early.wait_cut(0) == later.wait_cut(0) == (0, 0)
+    assert lent.reclaim(["actor-0#0"], at=early.start) == early.start  # a dispatch of a second: both still revoked
+    assert (early.revoked, later.revoked) == (pytest.approx(0.1), pytest.approx(0.1))
 
     clock = DeviceClock()
     clock.spend(0.4)

@@ -93,7 +93,7 @@ class LentPiece:
 class LentDevices:
     def __init__(self) -> None:
         self._free_at: dict[str, float] = {}  # device -> end of the work queued on it (wall clock)
-        self._pieces: dict[str, list[LentPiece]] = {}  # device -> its pieces, the last of them not yet over
+        self._pieces: dict[str, list[LentPiece]] = {}  # device -> its pieces not over (or lately: RECLAIM_LATE_S)
         self._open: set[str] = set()  # devices lent now
         self._owner_share: dict[str, float] = {}  # device -> the share of its time its owner's own work takes
         self._lock = threading.Lock()
@@ -149,9 +149,10 @@ class LentDevices:
             piece = LentPiece(device, start, seconds, unit)
             self._free_at[device] = piece.end
             queue = self._pieces.setdefault(device, [])
-            # those over well before this one could start are done: a reclaim reaches here a host's dispatch after
-            # its devices' start, never seconds (it cuts the pieces after that start: LentPiece.cut)
-            queue[:] = [p for p in queue if p.end > earliest - RECLAIM_LATE_S]
+            # those over before this one could start are done; on a device its owner takes back, kept a while: the
+            # reclaim reaches here a host's dispatch after its devices' start (it cuts those after: LentPiece.cut)
+            kept = 0.0 if device in self._owner_share else RECLAIM_LATE_S  # an engine's device is lent for good
+            queue[:] = [p for p in queue if p.end > earliest - kept]
             queue.append(piece)
             return piece
 
