@@ -1,10 +1,12 @@
 """Devices of another service lent to a simulator worker while their own service leaves them idle
 (``EmulationSettings.lend_actor``): the emulated actor rank lends its devices when an update ends and takes them
-back when the next one arrives. While lent, a producer whose own device is busy may run its next piece of device
-work (a reset, or the env steps of an action chunk) on one of them, as one :class:`LentPiece`. Taken back, a device
-starts no new step: a piece running on it is cut at its next step boundary (its producer, woken, does the rest on
-its own device), and its owner starts its own work then (:meth:`LentDevices.reclaim` says when). A piece is one
-sleep of its producer however many steps it holds, so lending costs the host no more per step than stepping on
+back at the next one's start on its devices' clock (its message arrives a host's dispatch later). While lent, a
+producer whose own device is busy may run its next piece of device work (a reset, or the env steps of an action
+chunk) on one of them, as one :class:`LentPiece`. Taken back, a device starts no new step: a piece running on it is
+cut at its next step boundary (its producer, woken, does the rest on its own device), steps that began after the
+take-back while the message travelled are revoked (their producer runs them again on its own device), and its
+owner starts its own work when the last step begun before ends (:meth:`LentDevices.reclaim` says when). A piece is
+one sleep of its producer however many steps it holds, so lending costs the host no more per step than stepping on
 its own device.
 
 An emulated inference engine lends its device for good instead (``EmulationSettings.lend_inference``) and runs
