@@ -13,6 +13,7 @@ import pytest
 
 from nexus.client.api import Nexus
 from nexus.config import ServiceConfig
+from nexus.dask_streams import PROMPT_S
 from nexus.features import Observation
 from nexus.spec import TenantSpec
 from nexus.validation import SpecError
@@ -62,6 +63,25 @@ def test_service_processes_run_with_the_service_dask_settings(nx):
 
     mine = (os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("OPENBLAS_NUM_THREADS", "1"))
     assert set(nx.client.run(environ).values()) == {mine}
+
+
+def test_the_control_planes_dask_streams_send_promptly(nx):
+    """Dask batches a stream's messages 2-10 ms apart; the control plane's tasks (one on each job's next step) are
+    sent, started and reported within PROMPT_S of the message before."""
+
+    async def control_streams(dask_scheduler) -> dict[str, list[float]]:
+        # its master's client's stream to the scheduler and the scheduler's back to it; the scheduler's to each worker
+        client = await dask_scheduler.plugins["nexus"].master.runtime.client()
+        return {"client": [client.scheduler_comm.interval, dask_scheduler.client_comms[client.id].interval],
+                "workers": [s.interval for s in dask_scheduler.stream_comms.values()]}
+
+    streams = nx.client.run_on_scheduler(control_streams)
+    assert streams["client"] == [PROMPT_S, PROMPT_S]
+    assert len(streams["workers"]) >= 3 and set(streams["workers"]) == {PROMPT_S}  # actor, inference, SIM workers
+    to_scheduler = nx.client.run(lambda dask_worker: dask_worker.batched_stream.interval)
+    assert set(to_scheduler.values()) == {PROMPT_S}
+    # this test's own client is not the control plane's: Dask's batching as before
+    assert nx.client.scheduler_comm.interval > PROMPT_S
 
 
 def test_cpu_seconds_name_every_process_of_the_service(nx):

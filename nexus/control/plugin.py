@@ -21,6 +21,7 @@ from nexus.control.env_sessions import EnvSessions
 from nexus.control.master import Master
 from nexus.control.monitoring import TOPIC, PrometheusCollector
 from nexus.control.predict_latency import PredictLatency
+from nexus.dask_streams import send_promptly
 from nexus.errors import SpecError
 from nexus.messages import HEALTH_TOPIC
 
@@ -39,6 +40,8 @@ class NexusPlugin(SchedulerPlugin):
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
+        for stream in scheduler.stream_comms.values():  # workers that joined before the plugin (add_worker: later)
+            send_promptly(stream)
         m = self.master = Master(self.config, scheduler)
         envs = self.env_sessions = EnvSessions(m.runtime, m.registry, lambda t: m.config.limits_for(t))
         scheduler.handlers.update({
@@ -88,6 +91,7 @@ class NexusPlugin(SchedulerPlugin):
 
     # -- Dask hooks ---------------------------------------------------------------------------------------
     def add_worker(self, scheduler, worker: str) -> None:
+        send_promptly(scheduler.stream_comms.get(worker))  # the scheduler's stream to it: tasks to run
         if self.master is not None:
             self.master.supervisor.on_worker_added(worker)
 

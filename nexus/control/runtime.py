@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nexus.control.tasks import TaskRef
+from nexus.dask_streams import send_promptly
 from nexus.errors import Unavailable, from_reply
 from nexus.tls import security
 
@@ -46,6 +47,9 @@ class DaskRuntime:
 
                 self._client = await Client(self.scheduler.address, asynchronous=True, name="nexus-master",
                                             set_as_default=False, security=security(self.config))
+                # its submissions, and the scheduler's reports back (tasks done), without Dask's batching wait
+                send_promptly(self._client.scheduler_comm)
+                send_promptly(self.scheduler.client_comms.get(self._client.id))
             return self._client
 
     async def close(self) -> None:

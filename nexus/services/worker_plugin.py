@@ -41,6 +41,7 @@ from distributed.worker import _worker_cvar  # Dask sets the same variable aroun
 from tornado.ioloop import PeriodicCallback
 
 from nexus import gc_tuning
+from nexus.dask_streams import send_promptly
 from nexus.data.output_dir import TenantOutputDir, unmark_evaluation
 from nexus.errors import Draining, NexusError, Unavailable, to_reply
 from nexus.inputs import wire_json
@@ -90,6 +91,7 @@ class NexusWorkerPlugin(WorkerPlugin):
     # -- Dask hooks --------------------------------------------------------------------------------
     def setup(self, worker) -> None:
         self.worker = worker
+        send_promptly(worker.batched_stream)  # its stream to the scheduler: tasks done
         # the data path's callers (gateway, producers) unpickle what a handler raises; the control plane's get its
         # NexusErrors as replies (nexus.errors.to_reply)
         worker.handlers.update({"nexus_engine": self._in_worker(self._h_engine), "nexus_env": self._h_env,
