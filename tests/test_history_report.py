@@ -10,7 +10,7 @@ from nexus.client.api import JobProgress
 from nexus.client.report import format_log, manifest_log, merge_logs, write_report
 from nexus.control import dashboard
 from nexus.data.output_dir import TenantOutputDir
-from nexus.history import by_kind, kind_of, panels, per_version, plot_curves
+from nexus.history import by_kind, curves_figure, kind_of, panels, per_version, plot_curves, pyplot
 from nexus.services.tracking import metric_name
 
 
@@ -53,6 +53,34 @@ def test_curves_png_is_written_only_with_something_to_plot(tmp_path):
     assert plot_curves([{"kind": "queue", "step": 1, "dropped_stale": 1}], tmp_path / "none.png") is None
     path = plot_curves(_rl_history(), tmp_path / "c.png", title="t")
     assert path.stat().st_size > 10_000
+
+
+def _histories() -> dict[str, list[dict]]:
+    rl = _rl_history()
+    heldout = [{"kind": "train", "step": i, "heldout_action_mse": 0.41 - 0.01 * i} for i in range(1, 7, 2)]
+    return {"1 panel": [r for r in rl if r["kind"] == "train"], "3 panels": rl, "4 panels": rl + heldout}
+
+
+@pytest.mark.parametrize("which", ["1 panel", "3 panels", "4 panels"])
+def test_curves_text_stays_inside_the_figure_and_clear_of_the_panel_above(which):
+    """The margins are fixed, not fitted to the drawn text: every title, axis label, tick label, legend and
+    evaluation note lies inside the figure, and a panel's title under the axis label of the panel above."""
+    rows = _histories()[which]
+    fig = curves_figure(rows, title="tenant-a/rl-3 (a long job name)")
+    fig.canvas.draw()  # labels are placed as the figure is drawn
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(axes) == int(which[0]) == len(panels(rows))
+    # each panel with all it draws (tick labels, axis labels, title, legend, evaluation notes), and the figure's title
+    extents = [fig._suptitle.get_window_extent(renderer)]
+    extents += [e for ax in axes for e in (ax.get_tightbbox(renderer), ax.get_legend().get_window_extent(renderer),
+                                          *(t.get_window_extent(renderer) for t in ax.texts))]
+    for e in extents:
+        assert box.x0 - 1 <= e.x0 and e.x1 <= box.x1 + 1 and box.y0 - 1 <= e.y0 and e.y1 <= box.y1 + 1, (e, box)
+    for upper, lower in zip(axes, axes[2:], strict=False):  # two columns: the panel under each
+        assert lower.title.get_window_extent(renderer).y1 < upper.xaxis.label.get_window_extent(renderer).y0
+    pyplot().close(fig)
 
 
 def test_logs_group_by_kind_and_read_the_manifest(tmp_path):
