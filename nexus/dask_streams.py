@@ -6,7 +6,8 @@ for the scheduler's to a client. That suits user code submitting thousands of ta
 task at a time, each on the path of a job's next step (a rollout after the batch or update that let it start, an
 update after its rollout), at ~100 messages a second, so a message often waited for the interval of the one before:
 ~7 of a rollout's ~24 ms from its submission to its start on a loaded 2-core host (the tasks' Dask stories,
-``experiments/paper_scale`` README). Dask has no setting for these intervals; the streams are told after they open.
+``experiments/paper_scale`` README). Dask has no setting for these intervals; the streams are told after they open
+(a client that reconnects opens new ones, with Dask's intervals again: slower, not wrong).
 """
 
 from __future__ import annotations

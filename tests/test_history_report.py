@@ -72,12 +72,13 @@ def test_curves_text_stays_inside_the_figure_and_clear_of_the_panel_above(which)
     box = fig.bbox
     axes = [ax for ax in fig.axes if ax.get_visible()]
     assert len(axes) == int(which[0]) == len(panels(rows))
-    # each panel with all it draws (tick labels, axis labels, title, legend, evaluation notes), and the figure's title
-    extents = [fig._suptitle.get_window_extent(renderer)]
-    extents += [e for ax in axes for e in (ax.get_tightbbox(renderer), ax.get_legend().get_window_extent(renderer),
-                                          *(t.get_window_extent(renderer) for t in ax.texts))]
+    # each panel with all it draws (tick labels, axis labels, title, legend, evaluation notes), in pixels
+    extents = [e for ax in axes for e in (ax.get_tightbbox(renderer), ax.get_legend().get_window_extent(renderer),
+                                         *(t.get_window_extent(renderer) for t in ax.texts))]
     for e in extents:
         assert box.x0 - 1 <= e.x0 and e.x1 <= box.x1 + 1 and box.y0 - 1 <= e.y0 and e.y1 <= box.y1 + 1, (e, box)
+    drawn, size = fig.get_tightbbox(renderer), fig.get_size_inches()  # everything, the figure's title too (inches)
+    assert drawn.x0 >= -0.01 and drawn.y0 >= -0.01 and drawn.x1 <= size[0] + 0.01 and drawn.y1 <= size[1] + 0.01
     for upper, lower in zip(axes, axes[2:], strict=False):  # two columns: the panel under each
         assert lower.title.get_window_extent(renderer).y1 < upper.xaxis.label.get_window_extent(renderer).y0
     pyplot().close(fig)
