@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 KINDS = ("train", "rollout", "eval", "queue")
 # metric -> (axis label, what a good number is)
@@ -98,7 +101,7 @@ def plot_curves(history: list[dict[str, Any]], path: Path, title: str = "") -> P
     return path
 
 
-def curves_figure(history: list[dict[str, Any]], title: str = "") -> Any:
+def curves_figure(history: list[dict[str, Any]], title: str = "") -> Figure | None:
     """Learning curves vs policy version, drawn as what they are: training metrics as lines (one point per
     update), rollout metrics as the mean per version with its min–max band (batches of one version are not
     a sequence), evaluations as separate points (one per evaluated version, never joined). None when the
