@@ -6,6 +6,8 @@
   ``ACTOR=1`` each; the control plane forms one torch.distributed group over them
 * ``infer-i``: inference engines (and the MLflow tracker), resource ``INFER=1`` each
   (``n_infer``, default ``inference_engines``; spare ones let ``scale_inference`` grow the pool)
+* ``tracker-0``: with ``cluster.tracker_worker`` (default: an emulated service), the MLflow tracker's own
+  worker, resource ``TRACK=1``, at a lower CPU priority than the devices' workers
 * ``gateway``: the tenant gateway (``python -m nexus.gateway``), the only door tenants use
 
 Every worker preloads ``nexus.services.worker_plugin`` (its per-process state and Nexus handlers)
@@ -140,11 +142,12 @@ class LocalService:
         self.config = config
         self.n_sim = n_sim or config.cluster.sim_workers
         self.n_infer = max(config.inference_engines, 1) if n_infer is None else n_infer
-        self.devices = {"sim": 1, "actor": 1, "infer": 1}  # devices each worker of a role holds
+        self.devices = {"sim": 1, "actor": 1, "infer": 1, "tracker": 1}  # devices each worker of a role holds
         if config.emulation is not None:  # one worker per service holds all its emulated devices
             d = config.emulation.devices
             self.n_sim, self.n_infer = 1, 1
-            self.devices = {"sim": config.emulation.sim_places, "actor": d.actor, "infer": d.inference}
+            self.devices = {"sim": config.emulation.sim_places, "actor": d.actor, "infer": d.inference,
+                            "tracker": 1}
         self.dashboard_address = dashboard_address or config.cluster.dashboard_address or f"{config.host}:0"
         self.memory_limit = memory_limit or config.cluster.memory_limit
         self.root = Path(config.root).resolve()
@@ -234,13 +237,15 @@ class LocalService:
             self._worker(f"actor-{rank}", "ACTOR=1")
         for i in range(self.n_infer):
             self._worker(f"infer-{i}", "INFER=1")
+        if self.config.resolved_tracker_worker():
+            self._worker("tracker-0", "TRACK=1")
         self._gateway()
         self._wait_gateway(t0, timeout)
         return self
 
     @property
     def n_workers(self) -> int:
-        return self.n_sim + self.config.actor_ranks + self.n_infer
+        return self.n_sim + self.config.actor_ranks + self.n_infer + int(self.config.resolved_tracker_worker())
 
     def stop(self) -> None:
         self._end_sessions()

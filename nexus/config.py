@@ -279,6 +279,11 @@ class ClusterSettings(BaseModel):
     dashboard_address: str | None = Field(
         None, description="Dask dashboard host:port; default: 127.0.0.1:8787 for `nexus up`, a free port otherwise")
     memory_limit: str = Field("6GiB", description="per worker process (Dask's --memory-limit)")
+    tracker_worker: bool | None = Field(
+        None, description="the MLflow tracker in a worker process of its own (resource TRACK=1, `tracker-0`), run "
+        "at a lower CPU priority, so that its writes and plots never hold the interpreter lock of a device's worker; "
+        "default: for an emulated service (there that host time would land on the emulated devices), not for a real "
+        "one (the tracker goes on an INFER worker, as in the paper's layout)")
     dask_config: dict[str, DaskValue] = Field(
         default_factory=dict, description="Dask settings for the service's processes, dotted keys "
         "(\"distributed.admin.tick.interval\" = \"20ms\"), over DASK_DEFAULTS; a table value (e.g. "
@@ -463,6 +468,11 @@ class ServiceConfig(BaseModel):
     def gateway_dir(self) -> Path:
         """Gateway-owned state: token hashes, the operator token, the gateway's URL (all 0600)."""
         return Path(self.root) / "gateway"
+
+    def resolved_tracker_worker(self) -> bool:
+        """Whether the tracker has a worker of its own (``cluster.tracker_worker``; default: when emulated)."""
+        own = self.cluster.tracker_worker
+        return self.emulation is not None if own is None else own
 
     def resolved_tracking_uri(self) -> str:
         return self.tracking_uri or f"sqlite:///{Path(self.root).resolve() / 'mlflow.db'}"

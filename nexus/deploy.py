@@ -1,6 +1,6 @@
 """Separate hosts, same engine: the scheduler, the gateway and workers by role as commands of their own.
 
-Each host runs one command (``nexus scheduler``, ``nexus gateway``, ``nexus worker --role sim|actor|infer``),
+Each host runs one command (``nexus scheduler``, ``nexus gateway``, ``nexus worker --role sim|actor|infer|tracker``),
 all pointed at one service root on shared storage; each becomes the process it starts (``exec``: signals,
 exit status and logs are the program's own, as a cluster manager expects):
 

@@ -6,7 +6,8 @@ with the same options; only where they run, and the addresses they bind, differ.
 
 * scheduler: ``dask scheduler --preload nexus.control.plugin --nexus-config ROOT/service.json``
   (the config path is the plugin's own preload argument)
-* worker of a role: ``dask worker --resources SIM=1|ACTOR=1|INFER=1 --preload nexus.services.worker_plugin``
+* worker of a role: ``dask worker --resources SIM=1|ACTOR=1|INFER=1|TRACK=1 --preload nexus.services.worker_plugin``
+  (``TRACK``: a worker of its own for the MLflow tracker, ``cluster.tracker_worker``)
   (the worker finds the scheduler in ``ROOT/scheduler.json``)
 * gateway: ``python -m nexus.gateway --config ROOT/service.json``
 
@@ -22,7 +23,11 @@ from nexus.config import ServiceConfig
 from nexus.tls import TLSFiles
 
 # role -> its Dask resource: the control plane places every role by resource (nexus.control.supervisor)
-ROLE_RESOURCES = {"sim": "SIM", "actor": "ACTOR", "infer": "INFER"}
+ROLE_RESOURCES = {"sim": "SIM", "actor": "ACTOR", "infer": "INFER", "tracker": "TRACK"}
+
+# the tracker's own worker (resource TRACK) runs this much nicer than the devices' workers: the OS gives them the
+# cores first, and its MLflow writes and plots the time they leave
+TRACKER_NICE = 10
 
 # a torch.distributed set-up of the calling process (its rendezvous port) must not leak into the actor
 DIST_VARS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})

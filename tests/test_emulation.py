@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from nexus.config import ServiceConfig
 from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
 from nexus.emulation import Calibration, DeviceCounts, EmulationSettings, ServiceTimes, load_calibration
 from nexus.errors import SpecError
+from nexus.processes import TRACKER_NICE
 from nexus.services.device_clock import DeviceClock
 from nexus.services.lanes import Lanes, lane_label
 from nexus.services.lent_devices import LentDevices
@@ -472,7 +474,8 @@ def _outcome(res: dict) -> dict:
 def test_emulated_service_runs_the_real_plugin_and_accounts_per_device(nx):
     info = nx.client.scheduler_info()["workers"]
     resources = sorted(tuple(sorted(i["resources"].items())) for i in info.values())
-    assert resources == [(("ACTOR", 2),), (("INFER", 2),), (("SIM", 4),)], info  # one worker per service
+    # one worker per service, and the tracker's own (cluster.tracker_worker: an emulated service's default)
+    assert resources == [(("ACTOR", 2),), (("INFER", 2),), (("SIM", 4),), (("TRACK", 1),)], info
 
     def plugin_kind(dask_scheduler):
         p = dask_scheduler.plugins["nexus"]
@@ -493,9 +496,11 @@ def test_emulated_service_runs_the_real_plugin_and_accounts_per_device(nx):
     assert out["emu-lift"]["updates"] == 2 and out["emu-sft"]["steps"] == 4
     assert out["emu-lift"]["env_steps"] == 2 * 4 * 240  # the calibration's episode length
     assert out["emu-lift"]["requests"] == 2 * 240 // 8  # one action request per chunk of 8 steps (K=4 in one)
-    # the tracker's host work (MLflow, plots) stayed off the worker carrying the emulated engines
-    actor = next(str(i["name"]) for i in info.values() if "ACTOR" in i["resources"])
-    assert {r["role"]: r for r in nx.status()["roles"]}["tracker"]["worker"] == actor
+    # the tracker's host work (MLflow, plots) stayed off the workers carrying the emulated devices: on its own
+    # worker, which the OS runs after theirs
+    assert {r["role"]: r for r in nx.status()["roles"]}["tracker"]["worker"] == "tracker-0"
+    nice = {info[a]["name"]: n for a, n in nx.client.run(os.getpriority, os.PRIO_PROCESS, 0).items()}
+    assert nice["tracker-0"] == min(nice["actor-0"] + TRACKER_NICE, 19) and nice["actor-0"] == nice["infer-0"], nice
     st = nx.status(limit=100)
     assert set(st["training_queue"]["delay_s"]) >= {"emu-lift", "emu-push", "emu-sft"}  # the real queue ran them
     reasons = {}
@@ -575,6 +580,37 @@ def test_the_elastic_policy_splits_an_rl_batch_over_simulators_and_keeps_its_epi
     assert a["worker"] != b["worker"] and a["t0"] < b["t1"] and b["t0"] < a["t1"]  # two devices at once
 
 
+def test_the_trackers_own_worker_lost_mid_job_is_waited_for_and_the_jobs_run_keeps_every_update(nx):
+    """The tracker's own worker killed while an RL job runs: the tracker starts again on that worker once its nanny
+    has restarted it (not on a device's worker meanwhile), and the job's MLflow run ends with each update's metrics
+    (the control plane's link resends what the lost tracker had not acknowledged)."""
+    from mlflow.tracking import MlflowClient
+
+    from nexus.client.faults import kill_worker, wait_for
+    from nexus.control.supervisor import TRACKER_GRACE_S
+
+    def tracker() -> dict:
+        return {r["role"]: r for r in nx.status()["roles"]}["tracker"]
+
+    # past the boot's grace period: a tracker without a worker of its role could go to any worker now
+    time.sleep(max(0.0, nx.status()["service"]["boot_time"] + TRACKER_GRACE_S + 1 - time.time()))
+    restarts = tracker()["restarts"]
+    job = nx.tenant("emu-push").rl(updates=3, episodes_per_batch=4, collectors=2)
+    kill_worker(nx, "tracker-0")
+    wait_for(lambda: tracker()["state"] != "healthy", 60, 0.1, "the tracker seen as lost")
+    assert job.result(timeout=600)["updates"] == 3
+    back = wait_for(lambda: (t := tracker())["state"] == "healthy" and t, 120, 0.2, "the tracker restarted")
+    assert back["worker"] == "tracker-0" and back["restarts"] == restarts + 1, back
+    nx.flush()
+    cfg = nx.service.config
+    client = MlflowClient(tracking_uri=cfg.resolved_tracking_uri())
+    exp = client.get_experiment_by_name(cfg.resolved_experiment())
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`nexus.job` = '{job.id}'")
+    assert run.info.status == "FINISHED"
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "system/update_s"))
+    assert len(steps) == 3 and len(set(steps)) == 3, steps
+
+
 def test_nexus_up_emulation_flags_refuse_bad_input_in_one_line_and_create_nothing(tmp_path):
     import subprocess
     import sys
@@ -599,7 +635,7 @@ def test_a_simulator_device_shared_by_two_producers_steps_one_at_a_time(tmp_path
     with Nexus.local(tmp_path / "svc", emulation=emu, scheduler="fifo", datapath={"envs_per_producer": 4}) as nx:
         info = nx.client.scheduler_info()["workers"]
         assert sorted(tuple(sorted(i["resources"].items())) for i in info.values()) == [
-            (("ACTOR", 1),), (("INFER", 1),), (("SIM", 2),)]
+            (("ACTOR", 1),), (("INFER", 1),), (("SIM", 2),), (("TRACK", 1),)]
         nx.create_tenant(TenantSpec(name="pair", env="robosuite/lift-state", action_dim=7, hidden_dim=32, seed=3))
         t0 = time.time()
         out = nx.tenant("pair").rl(updates=2, episodes_per_batch=4, collectors=2).result(timeout=300)

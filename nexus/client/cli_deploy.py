@@ -56,7 +56,8 @@ def add_commands(sub, default_root: str, parents: list[argparse.ArgumentParser] 
     s.set_defaults(fn=_scheduler)
 
     w = sub.add_parser("worker", parents=list(parents), help="run a worker of one role on this host")
-    w.add_argument("--role", required=True, choices=sorted(ROLE_RESOURCES), help="sim, actor or infer")
+    w.add_argument("--role", required=True, choices=sorted(ROLE_RESOURCES), help="sim, actor, infer or tracker "
+                   "(the MLflow tracker's own worker, with the config's cluster.tracker_worker)")
     _joiner(w, default_root, "worker")
     w.add_argument("--name", default=None, help="worker name (default: ROLE-HOSTNAME-PID; actor-RANK with --rank)")
     w.add_argument("--rank", type=int, default=None, help="actor only: this worker's rank in the actor group")

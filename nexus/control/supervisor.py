@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("nexus.supervisor")
 
-TRACKER_GRACE_S = 30.0  # how long the tracker waits for a worker of its role at boot (INFER; emulated: ACTOR)
+TRACKER_GRACE_S = 30.0  # how long the tracker waits for a worker of its role (TRACK, INFER or ACTOR)
 
 
 class Supervisor:
@@ -75,7 +75,10 @@ class Supervisor:
         self._task: asyncio.Task | None = None
         self._tracker_starts = 0
         self._tracker_retry_at = 0.0
-        self._tracker_role = "ACTOR" if config.emulation is not None else "INFER"  # the workers it goes on (below)
+        # the workers it goes on (below)
+        self._tracker_role_seen = self.boot_time  # when a worker of that role was last in the cluster
+        self._tracker_role = ("TRACK" if config.resolved_tracker_worker()
+                              else "ACTOR" if config.emulation is not None else "INFER")
         self.placement = ActorPlacement(config, runtime, health, actors, pool, registry, dispatcher, offload)
         self._producer_requests: dict[str, int] = {}
         for role in actors.roles:
@@ -184,14 +187,19 @@ class Supervisor:
     # -- tracker ----------------------------------------------------------------------------------------
     async def _ensure_tracker(self) -> None:
         h = self.health.register("tracker", "tracker")
+        own = self.runtime.workers(self._tracker_role)
+        if own:
+            self._tracker_role_seen = time.time()
         if self.tracker.address is not None and h.state != RoleState.FAILED:
             return
-        # on an INFER worker (as in the paper's layout); on any worker if none came within a grace period. An emulated
-        # service's goes on the actor rank's worker, which only sleeps: on the one worker carrying every emulated
-        # engine, MLflow's logging and plots would hold the lock their event loop needs, host time that a GPU's
-        # forwards do not pay (at k = 20 it cost the shared run ~15 % of its device time)
-        workers = self.runtime.workers(self._tracker_role) or (
-            self.runtime.workers() if time.time() - self.boot_time > TRACKER_GRACE_S else [])
+        # on its own worker (cluster.tracker_worker: TRACK, at a lower CPU priority; an emulated service's by
+        # default), else on an INFER worker (as in the paper's layout); on any worker once none has been there for a
+        # grace period (since the boot, or since the last one left: a restarting worker of its role is waited for).
+        # Without its own worker an emulated service's goes on the actor rank's worker, which only sleeps: on
+        # the one worker carrying every emulated engine, MLflow's logging and plots would hold the lock their event
+        # loop needs, host time that a GPU's forwards do not pay (at k = 20 it cost the shared run ~15 % of its
+        # device time; on the actor's worker still ~5 %, its lent simulator steps and updates)
+        workers = own or (self.runtime.workers() if time.time() - self._tracker_role_seen > TRACKER_GRACE_S else [])
         if not workers or time.monotonic() < self._tracker_retry_at:
             return
         if h.state == RoleState.FAILED and not self.health.begin_restart("tracker"):

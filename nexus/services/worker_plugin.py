@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import threading
 import time
@@ -46,6 +47,7 @@ from nexus.data.output_dir import TenantOutputDir, unmark_evaluation
 from nexus.errors import Draining, NexusError, Unavailable, to_reply
 from nexus.inputs import wire_json
 from nexus.messages import HEALTH_TOPIC, HEARTBEAT_S, Heartbeat, Rendezvous
+from nexus.processes import ROLE_RESOURCES, TRACKER_NICE
 from nexus.services.env_sessions import store_episodes
 from nexus.services.sim_host import SimHost
 from nexus.signals import TOPIC as SIGNAL_TOPIC
@@ -92,6 +94,8 @@ class NexusWorkerPlugin(WorkerPlugin):
     def setup(self, worker) -> None:
         self.worker = worker
         send_promptly(worker.batched_stream)  # its stream to the scheduler: tasks done
+        if worker.state.total_resources.get(ROLE_RESOURCES["tracker"]):
+            os.nice(TRACKER_NICE)  # the tracker's own worker (``cluster.tracker_worker``)
         # the data path's callers (gateway, producers) unpickle what a handler raises; the control plane's get its
         # NexusErrors as replies (nexus.errors.to_reply)
         worker.handlers.update({"nexus_engine": self._in_worker(self._h_engine), "nexus_env": self._h_env,
