@@ -4,6 +4,7 @@ the short push window (the actor is shared: a dead engine must not stall every t
 from __future__ import annotations
 
 import socket
+from types import SimpleNamespace
 
 import pytest
 from distributed import Client, LocalCluster
@@ -32,3 +33,48 @@ def test_a_push_to_a_dead_engine_is_reported_after_the_push_window(client):
     assert pushes.pushed_to == []
     [err] = pushes.errors
     assert err.startswith("engine-0.1: OSError") and f"after {PUSH_CONNECT_TIMEOUT_S:g} s" in err, err
+
+
+def test_an_engine_calls_payload_and_reply_cross_a_tcp_comm_packed_whole():
+    """``call_engine`` over a real TCP comm to a Dask server answering as the worker plugin does: a small call (a
+    producer's observations) travels as pickled bytes, one that is large (an image batch) as Dask's own pickling,
+    its arrays out of band; both arrive equal, and so do the replies."""
+    import asyncio
+
+    import numpy as np
+    from distributed.core import ConnectionPool, Server
+
+    from nexus.engine_client import INLINE_MAX_BYTES, call_engine, pack, unpack
+
+    seen: list[type] = []
+
+    async def nexus_engine(engine: str, method: str, payload) -> dict:
+        seen.append(type(payload))
+        call = unpack(payload)
+        return {"result": pack({"engine": engine, "method": method, **call})}
+
+    small = [{"state": np.arange(9, dtype=np.float32), "instruction": "lift"}] * 4
+    large = [{"image": np.full((128, 128, 3), i, np.uint8)} for i in range(4)]
+    assert 4 * 128 * 128 * 3 > INLINE_MAX_BYTES
+
+    async def main() -> list:
+        server = Server({"nexus_engine": nexus_engine})
+        await server.listen("tcp://127.0.0.1:0")
+        pool = await ConnectionPool(limit=4)
+        try:
+            ep = EngineEndpoint(engine="engine-0.0", address=server.address)
+            return [await call_engine(SimpleNamespace(rpc=pool), ep, "predict_batch", "t", obs, version=3)
+                    for obs in (small, large)]
+        finally:
+            await pool.close()
+            server.stop()
+
+    got_small, got_large = asyncio.run(main())
+    assert seen == [bytes, list]  # as sent: bytes Dask passes through, a 1-list it unpickled
+    assert isinstance(pack(small), bytes) and not isinstance(pack(large), bytes)
+    for got, obs in ((got_small, small), (got_large, large)):
+        assert got["engine"] == "engine-0.0" and got["method"] == "predict_batch" and got["kwargs"] == {"version": 3}
+        tenant, sent = got["args"]
+        assert tenant == "t" and len(sent) == 4
+        for a, b in zip(sent, obs, strict=True):
+            assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a if k != "instruction")

@@ -44,6 +44,7 @@ from tornado.ioloop import PeriodicCallback
 from nexus import gc_tuning
 from nexus.dask_streams import send_promptly
 from nexus.data.output_dir import TenantOutputDir, unmark_evaluation
+from nexus.engine_client import pack, unpack
 from nexus.errors import Draining, NexusError, Unavailable, to_reply
 from nexus.inputs import wire_json
 from nexus.messages import HEALTH_TOPIC, HEARTBEAT_S, Heartbeat, Rendezvous
@@ -161,9 +162,10 @@ class NexusWorkerPlugin(WorkerPlugin):
         return host
 
     # -- handlers ------------------------------------------------------------------------------------
-    async def _h_engine(self, engine: str, method: str, payload: dict[str, Any]) -> dict[str, Any]:
-        out = await self._engine(engine).call(method, payload.get("args", []), payload.get("kwargs", {}))
-        return {"result": ToPickle(out)}  # pickled whole, not item by item (``nexus.engine_client.call_engine``)
+    async def _h_engine(self, engine: str, method: str, payload: Any) -> dict[str, Any]:
+        call = unpack(payload)  # both ways packed whole (``nexus.engine_client.pack``)
+        out = await self._engine(engine).call(method, call.get("args", []), call.get("kwargs", {}))
+        return {"result": pack(out)}
 
     async def _h_engine_ctl(self, engine: str, action: str, **msg: Any) -> Any:
         out = await self._engine(engine).control(action, **msg)
