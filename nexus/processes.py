@@ -7,8 +7,8 @@ with the same options; only where they run, and the addresses they bind, differ.
 * scheduler: ``dask scheduler --preload nexus.control.plugin --nexus-config ROOT/service.json``
   (the config path is the plugin's own preload argument)
 * worker of a role: ``dask worker --resources SIM=1|ACTOR=1|INFER=1|TRACK=1 --preload nexus.services.worker_plugin``
-  (``TRACK``: a worker of its own for the MLflow tracker, ``cluster.tracker_worker``)
-  (the worker finds the scheduler in ``ROOT/scheduler.json``)
+  (the worker finds the scheduler in ``ROOT/scheduler.json``; ``TRACK``: the MLflow tracker's own worker, with
+  ``cluster.tracker_worker``)
 * gateway: ``python -m nexus.gateway --config ROOT/service.json``
 
 Every list returned here is the arguments after ``python -m``.

@@ -75,10 +75,9 @@ class Supervisor:
         self._task: asyncio.Task | None = None
         self._tracker_starts = 0
         self._tracker_retry_at = 0.0
-        # the workers it goes on (below)
-        self._tracker_role_seen = self.boot_time  # when a worker of that role was last in the cluster
-        self._tracker_role = ("TRACK" if config.resolved_tracker_worker()
+        self._tracker_role = ("TRACK" if config.resolved_tracker_worker()  # the workers it goes on (below)
                               else "ACTOR" if config.emulation is not None else "INFER")
+        self._tracker_role_seen = self.boot_time  # when a worker of that role was last in the cluster
         self.placement = ActorPlacement(config, runtime, health, actors, pool, registry, dispatcher, offload)
         self._producer_requests: dict[str, int] = {}
         for role in actors.roles:
@@ -198,7 +197,8 @@ class Supervisor:
         # Without its own worker an emulated service's goes on the actor rank's worker, which only sleeps: on
         # the one worker carrying every emulated engine, MLflow's logging and plots would hold the lock their event
         # loop needs, host time that a GPU's forwards do not pay (at k = 20 it cost the shared run ~15 % of its
-        # device time; on the actor's worker still ~5 %, its lent simulator steps and updates)
+        # device time; on the actor rank's worker, beside its updates and lent simulator steps, still ~5 %: the run
+        # without any tracker, side by side)
         workers = own or (self.runtime.workers() if time.time() - self._tracker_role_seen > TRACKER_GRACE_S else [])
         if not workers or time.monotonic() < self._tracker_retry_at:
             return

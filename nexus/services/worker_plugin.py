@@ -76,6 +76,12 @@ def _errors_as_replies(fn):
     return handler
 
 
+def _run_nicer_than_the_nanny(by: int) -> None:
+    """This process at ``by`` more niceness than its parent (the nanny): the same however often a plugin is set up."""
+    want = min(19, os.getpriority(os.PRIO_PROCESS, os.getppid()) + by)
+    os.setpriority(os.PRIO_PROCESS, 0, max(want, os.getpriority(os.PRIO_PROCESS, 0)))
+
+
 class NexusWorkerPlugin(WorkerPlugin):
     name = PLUGIN_NAME
 
@@ -96,7 +102,7 @@ class NexusWorkerPlugin(WorkerPlugin):
         self.worker = worker
         send_promptly(worker.batched_stream)  # its stream to the scheduler: tasks done
         if worker.state.total_resources.get(ROLE_RESOURCES["tracker"]):
-            os.nice(TRACKER_NICE)  # the tracker's own worker (``cluster.tracker_worker``)
+            _run_nicer_than_the_nanny(TRACKER_NICE)  # the tracker's own worker (``cluster.tracker_worker``)
         # the data path's callers (gateway, producers) unpickle what a handler raises; the control plane's get its
         # NexusErrors as replies (nexus.errors.to_reply)
         worker.handlers.update({"nexus_engine": self._in_worker(self._h_engine), "nexus_env": self._h_env,
