@@ -1,5 +1,6 @@
 """The actor's weight push to an engine whose worker has just died: reported, not raised, and given up after
-the short push window (the actor is shared: a dead engine must not stall every tenant's updates)."""
+the short push window (the actor is shared: a dead engine must not stall every tenant's updates); an engine call's
+payload and reply on the wire (small ones as pickled bytes, large ones out of band)."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ LATENCY_COLUMNS = [("tenant", "tenant"), ("count", "predicts"), ("rejected", "re
                    ("mean_ms", "mean ms"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms")]
 # the jobs table's metric column: an evaluation shows its success rate only
 HEADLINE = {**JOB_HEADLINE, "eval": JOB_HEADLINE["eval"][:1]}
-ROLE_OF_RESOURCE = {"SIM": "simulator", "ACTOR": "actor", "INFER": "inference"}
+ROLE_OF_RESOURCE = {"SIM": "simulator", "ACTOR": "actor", "INFER": "inference", "TRACK": "tracker"}
 ROW_PX, HEADER_PX, MAX_ROWS = 25, 30, 14  # tables longer than MAX_ROWS scroll
 
 
