@@ -352,25 +352,29 @@ async def run_eval(ctx: FlowContext, js: JobState, t: TenantState) -> dict[str, 
         return await _evaluate(ctx, js, t, version)
     except BaseException as e:  # failed or cancelled: no report, so the version need not outlive retention
         if js.cancel_requested or not isinstance(e, asyncio.CancelledError):  # closing: the next boot unmarks
-            await _unmark(ctx, t, js, after=mark)
+            await _marking_ended(mark)
+            await _unmark(ctx, t, js)
         raise
 
 
 MARK_SETTLE_S = 1.0  # how long an unmarking waits for its marking task still in flight (a file write, once it runs)
 
 
-async def _unmark(ctx: FlowContext, t: TenantState, js: JobState, after: asyncio.Future | None = None) -> None:
-    """The job's retention marker goes (an evaluation without its report; a GRPO job's KL reference). ``after``:
-    the marking task, which may still be in flight (its marker written on the worker, its result not back): it
-    ends first — or, still queued for a simulator slot after :data:`MARK_SETTLE_S`, is cancelled before it runs —
-    so no marker is written after the unmarking."""
-    if after is not None and not after.done():
-        await asyncio.wait([after], timeout=MARK_SETTLE_S)
-        if not after.done():
-            after.cancel()  # cancels its Dask task (``DaskRuntime.run``)
-            await asyncio.wait([after], timeout=MARK_SETTLE_S)
-    if after is not None and after.done() and not after.cancelled():
-        after.exception()  # read: a refused marking is the job's error already, not an unread task's
+async def _marking_ended(mark: asyncio.Future) -> None:
+    """The marking task, which may still be in flight (its marker written on the worker, its result not back), ends
+    before the unmarking — or, still queued for a simulator slot after :data:`MARK_SETTLE_S`, is cancelled before it
+    runs: no marker is written after the unmarking."""
+    if not mark.done():
+        await asyncio.wait([mark], timeout=MARK_SETTLE_S)
+    if not mark.done():
+        mark.cancel()  # cancels its Dask task (``DaskRuntime.run``)
+        await asyncio.wait([mark], timeout=MARK_SETTLE_S)
+    if mark.done() and not mark.cancelled():
+        mark.exception()  # read: a refused marking is the job's error already, not an unread task's
+
+
+async def _unmark(ctx: FlowContext, t: TenantState, js: JobState) -> None:
+    """The job's retention marker goes (an evaluation without its report; a GRPO job's KL reference)."""
     try:  # a worker handler, not a SIM task: it never waits behind rollouts for a simulator
         await asyncio.wait_for(ctx.runtime.io("unmark_evaluation", output_dir=t.output_dir, job=js.job_id), 30)
     except Exception as err:
