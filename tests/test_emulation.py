@@ -239,6 +239,51 @@ def test_an_engine_runs_its_forwards_first_on_the_device_it_lends_and_the_lent_p
     assert far is not None and far.device == d
 
 
+def test_an_engines_notice_of_a_forward_goes_one_way_to_the_simulator_workers_and_arrives_in_order():
+    """``lend_inference``: an engine tells every simulator worker of each forward (``DeviceLender.preempt``) over a
+    real TCP comm without waiting for it to be handled (a reply per forward cost both event loops a message): the
+    notices return while the simulator worker's handler is still held, then arrive in order with what was sent; a
+    worker without ``SIM`` hears nothing."""
+    from distributed.core import ConnectionPool, Server
+
+    from nexus.services.device_lender import DeviceLender
+
+    got: list[tuple] = []
+    release = asyncio.Event()
+
+    async def nexus_preempt(device: str, at: float, seconds: float, share: float) -> None:
+        await release.wait()
+        got.append((device, at, seconds, share))
+
+    async def main() -> None:
+        sim, infer = Server({"nexus_preempt": nexus_preempt}), Server({})
+        for s in (sim, infer):
+            await s.listen("tcp://127.0.0.1:0")
+        pool = await ConnectionPool(limit=4)
+
+        async def identity() -> dict:
+            return {"workers": {sim.address: {"resources": {"SIM": 1}}, infer.address: {"resources": {"INFER": 1}}}}
+
+        engine_worker = SimpleNamespace(rpc=pool, scheduler=SimpleNamespace(identity=identity))
+        lender = DeviceLender()
+        try:
+            for i in range(3):  # each returns at once: the first one's handling is held until all three are sent
+                await asyncio.wait_for(lender.preempt(engine_worker, "infer-0#0", 100.0 + i, 0.01, 0.5), 3)
+            assert got == []
+            release.set()
+            for _ in range(300):
+                if len(got) == 3:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await pool.close()
+            sim.stop()
+            infer.stop()
+
+    asyncio.run(main())
+    assert got == [("infer-0#0", 100.0 + i, 0.01, 0.5) for i in range(3)]
+
+
 def test_a_producer_pushed_back_on_a_lent_device_sleeps_the_push_as_a_wait_for_the_device():
     lent, clock = LentDevices(), DeviceClock()
     lent.preempt("infer-0#0", at=time.time() - 1, seconds=0.0)

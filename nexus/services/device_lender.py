@@ -33,9 +33,12 @@ class DeviceLender:
 
     async def preempt(self, worker: Any, device: str, at: float, seconds: float, share: float) -> None:
         """From an event loop (an engine's): ``device`` runs ``seconds`` of its own work from ``at`` (wall clock)
-        first, and is lent otherwise; ``share``: the part of its time that work takes lately."""
+        first, and is lent otherwise; ``share``: the part of its time that work takes lately. One way: sent, not
+        answered (one notice per forward, as many as the action requests: a reply each cost both workers' event
+        loops a message for nothing)."""
         try:
-            await self._all(worker, "nexus_preempt", {"device": device, "at": at, "seconds": seconds, "share": share})
+            await self._all(worker, "nexus_preempt", {"device": device, "at": at, "seconds": seconds, "share": share},
+                            reply=False)
         except (TimeoutError, OSError) as e:
             logger.warning("nexus_preempt: the scheduler did not answer: %s", e)
             self._sims = None
@@ -51,14 +54,14 @@ class DeviceLender:
             self._sims = None
             return []
 
-    async def _all(self, worker: Any, op: str, msg: dict[str, Any]) -> list[Any]:
+    async def _all(self, worker: Any, op: str, msg: dict[str, Any], reply: bool = True) -> list[Any]:
         if self._sims is None:
             ident = await asyncio.wait_for(worker.scheduler.identity(), CALL_TIMEOUT_S)
             self._sims = [a for a, w in ident.get("workers", {}).items() if "SIM" in (w.get("resources") or {})]
         out = []
         for addr in self._sims:
             try:
-                out.append(await asyncio.wait_for(getattr(worker.rpc(addr), op)(**msg), CALL_TIMEOUT_S))
+                out.append(await asyncio.wait_for(getattr(worker.rpc(addr), op)(**msg, reply=reply), CALL_TIMEOUT_S))
             except (TimeoutError, OSError) as e:  # gone or restarting: asked again next time
                 logger.warning("%s to simulator worker %s failed: %s", op, addr, e)
                 self._sims = None
