@@ -249,14 +249,18 @@ def test_an_engines_notice_of_a_forward_goes_one_way_to_the_simulator_workers_an
     from nexus.services.device_lender import DeviceLender
 
     got: list[tuple] = []
+    heard_elsewhere: list[str] = []
     release = asyncio.Event()
 
     async def nexus_preempt(device: str, at: float, seconds: float, share: float) -> None:
         await release.wait()
         got.append((device, at, seconds, share))
 
+    async def not_a_simulator(device: str, **_) -> None:
+        heard_elsewhere.append(device)
+
     async def main() -> None:
-        sim, infer = Server({"nexus_preempt": nexus_preempt}), Server({})
+        sim, infer = Server({"nexus_preempt": nexus_preempt}), Server({"nexus_preempt": not_a_simulator})
         for s in (sim, infer):
             await s.listen("tcp://127.0.0.1:0")
         pool = await ConnectionPool(limit=4)
@@ -282,6 +286,7 @@ def test_an_engines_notice_of_a_forward_goes_one_way_to_the_simulator_workers_an
 
     asyncio.run(main())
     assert got == [("infer-0#0", 100.0 + i, 0.01, 0.5) for i in range(3)]
+    assert heard_elsewhere == []
 
 
 def test_a_producer_pushed_back_on_a_lent_device_sleeps_the_push_as_a_wait_for_the_device():
