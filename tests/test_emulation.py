@@ -244,45 +244,36 @@ def test_an_engines_notice_of_a_forward_goes_one_way_to_the_simulator_workers_an
     real TCP comm without waiting for it to be handled (a reply per forward cost both event loops a message): the
     notices return while the simulator worker's handler is still held, then arrive in order with what was sent; a
     worker without ``SIM`` hears nothing."""
-    from distributed.core import ConnectionPool, Server
-
     from nexus.services.device_lender import DeviceLender
+    from tests.dask_servers import loopback_servers
 
     got: list[tuple] = []
     heard_elsewhere: list[str] = []
-    release = asyncio.Event()
+    release, all_in = asyncio.Event(), asyncio.Event()
 
     async def nexus_preempt(device: str, at: float, seconds: float, share: float) -> None:
         await release.wait()
         got.append((device, at, seconds, share))
+        if len(got) == 3:
+            all_in.set()
 
     async def not_a_simulator(device: str, **_) -> None:
         heard_elsewhere.append(device)
 
     async def main() -> None:
-        sim, infer = Server({"nexus_preempt": nexus_preempt}), Server({"nexus_preempt": not_a_simulator})
-        for s in (sim, infer):
-            await s.listen("tcp://127.0.0.1:0")
-        pool = await ConnectionPool(limit=4)
+        async with loopback_servers({"nexus_preempt": nexus_preempt},
+                                    {"nexus_preempt": not_a_simulator}) as (pool, [sim, infer]):
+            async def identity() -> dict:
+                return {"workers": {sim.address: {"resources": {"SIM": 1}},
+                                    infer.address: {"resources": {"INFER": 1}}}}
 
-        async def identity() -> dict:
-            return {"workers": {sim.address: {"resources": {"SIM": 1}}, infer.address: {"resources": {"INFER": 1}}}}
-
-        engine_worker = SimpleNamespace(rpc=pool, scheduler=SimpleNamespace(identity=identity))
-        lender = DeviceLender()
-        try:
+            engine_worker = SimpleNamespace(rpc=pool, scheduler=SimpleNamespace(identity=identity))
+            lender = DeviceLender()
             for i in range(3):  # each returns at once: the first one's handling is held until all three are sent
                 await asyncio.wait_for(lender.preempt(engine_worker, "infer-0#0", 100.0 + i, 0.01, 0.5), 3)
             assert got == []
             release.set()
-            for _ in range(300):
-                if len(got) == 3:
-                    break
-                await asyncio.sleep(0.01)
-        finally:
-            await pool.close()
-            sim.stop()
-            infer.stop()
+            await asyncio.wait_for(all_in.wait(), 3)
 
     asyncio.run(main())
     assert got == [("infer-0#0", 100.0 + i, 0.01, 0.5) for i in range(3)]

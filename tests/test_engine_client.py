@@ -43,9 +43,9 @@ def test_an_engine_calls_payload_and_reply_cross_a_tcp_comm_packed_whole():
     import asyncio
 
     import numpy as np
-    from distributed.core import ConnectionPool, Server
 
     from nexus.engine_client import INLINE_MAX_BYTES, call_engine, pack, unpack
+    from tests.dask_servers import loopback_servers
 
     seen: list[type] = []
 
@@ -59,16 +59,10 @@ def test_an_engine_calls_payload_and_reply_cross_a_tcp_comm_packed_whole():
     assert 4 * 128 * 128 * 3 > INLINE_MAX_BYTES
 
     async def main() -> list:
-        server = Server({"nexus_engine": nexus_engine})
-        await server.listen("tcp://127.0.0.1:0")
-        pool = await ConnectionPool(limit=4)
-        try:
+        async with loopback_servers({"nexus_engine": nexus_engine}) as (pool, [server]):
             ep = EngineEndpoint(engine="engine-0.0", address=server.address)
             return [await call_engine(SimpleNamespace(rpc=pool), ep, "predict_batch", "t", obs, version=3)
                     for obs in (small, large)]
-        finally:
-            await pool.close()
-            server.stop()
 
     got_small, got_large = asyncio.run(main())
     assert seen == [bytes, list]  # as sent: bytes Dask passes through, a 1-list it unpickled
