@@ -21,6 +21,7 @@ from nexus.emulation import Calibration, DeviceCounts, EmulationSettings, Servic
 from nexus.errors import SpecError
 from nexus.processes import TRACKER_NICE
 from nexus.services.device_clock import DeviceClock
+from nexus.services.device_piece import DevicePiece
 from nexus.services.lanes import Lanes, lane_label
 from nexus.services.lent_devices import LentDevices
 
@@ -93,6 +94,13 @@ def test_lanes_hold_distinct_devices_and_wait_when_all_are_busy():
     assert got and got[0][0] in (0, 1)
 
 
+def placed(lanes: Lanes, seconds: float, lent: LentDevices,
+           unit: float | None = None) -> tuple[float, DevicePiece | None]:
+    """A piece placed on lane 0 or on a device ``lent``: -> (its wait, the lent device's piece; None on its own)."""
+    wait, piece, borrowed = lanes.place(0, seconds, lent=lent, unit=unit)
+    return wait, piece if borrowed else None
+
+
 def test_shared_lanes_spread_first_and_their_device_work_takes_turns():
     lanes = Lanes(2, share=2)
     with lanes.hold() as a, lanes.hold() as b, lanes.hold() as c, lanes.hold() as d:
@@ -113,6 +121,32 @@ def test_shared_lanes_spread_first_and_their_device_work_takes_turns():
     assert 0.35 < lanes.occupy(1, 0.1, ahead=0.1) <= 0.4
     with pytest.raises(ValueError, match="at least one holder"):
         Lanes(2, share=0)
+
+
+def test_a_device_runs_the_pieces_in_their_order_on_the_devices_clock_not_in_the_hosts():
+    """A producer owing host time reaches its device late, but came earlier on the devices' clock: its piece goes
+    ahead of those queued since whose producers still sleep on them — they are pushed back, the device never running
+    two at once — and never ahead of one whose producer went on."""
+    lanes = Lanes(1)
+    _, first, _ = lanes.place(0, 0.5)
+    time.sleep(0.1)
+    wait, later, _ = lanes.place(0, 0.2)
+    assert 0 < wait <= 0.4 and later.start == first.end
+    wait, early, lent = lanes.place(0, 0.1, ahead=0.05)  # owes 0.05 s: arrived before ``later`` did, after ``first``
+    assert not lent and early.start == first.end and 0.05 < wait <= 0.45 and first.pushed == 0
+    assert later.pushed == pytest.approx(0.1) and later.end == pytest.approx(early.end + 0.2)
+    assert later.wait_cut(0) == (0, pytest.approx(0.1))  # its producer sleeps the push and goes on
+    _, last, _ = lanes.place(0, 0.1, ahead=5.0)  # earlier than all, but ``later``'s producer went on
+    assert last.start == later.end and later.pushed == pytest.approx(0.1)
+    pieces = sorted((first, early, later, last), key=lambda p: p.start)
+    assert all(b.start + b.pushed >= a.end - 1e-9 for a, b in itertools.pairwise(pieces))  # one at a time
+    # a piece over leaves the queue, not its end: one that came before it on the devices' clock starts after it
+    lanes, t0 = Lanes(1), time.time()
+    assert lanes.occupy(0, 0.05) == 0.0
+    time.sleep(0.1)
+    _, now, _ = lanes.place(0, 0.01)  # the first is over
+    _, before, _ = lanes.place(0, 0.2, ahead=0.12)  # came at about the first's start
+    assert before.start >= t0 + 0.05 and now.start + now.pushed == pytest.approx(max(now.start, before.end))
 
 
 def test_shared_lanes_take_the_least_loaded_device_when_holders_say_their_load():
@@ -136,28 +170,28 @@ def test_a_busy_simulator_device_borrows_a_lent_one_until_its_owner_takes_it_bac
     service lends, when it starts sooner there; taken back, the device starts no new step: a piece on it is cut at
     its next step boundary and its owner learns when the steps that run end."""
     lanes, lent = Lanes(1), LentDevices()
-    assert lanes.occupy_or_borrow(0, 0.5, lent=lent) == (0.0, None)  # nothing lent: its own device, idle
-    wait, piece = lanes.occupy_or_borrow(0, 0.2, lent=lent)
+    assert placed(lanes, 0.5, lent=lent) == (0.0, None)  # nothing lent: its own device, idle
+    wait, piece = placed(lanes, 0.2, lent=lent)
     assert piece is None and 0.45 < wait <= 0.5  # nothing lent yet: it queues behind its device's piece
     lent.lend(["actor-0#0"], free_at=time.time() + 0.1)  # idle from 0.1 s on
-    wait, reset = lanes.occupy_or_borrow(0, 0.3, lent=lent)
+    wait, reset = placed(lanes, 0.3, lent=lent)
     assert reset.device == "actor-0#0" and reset.ran == pytest.approx(0.3) and 0.05 < wait <= 0.1  # sooner there
-    wait, chunk = lanes.occupy_or_borrow(0, 0.4, lent=lent, unit=0.1)  # 4 steps, behind the lent device's 0.3 s
+    wait, chunk = placed(lanes, 0.4, lent=lent, unit=0.1)  # 4 steps, behind the lent device's 0.3 s
     assert chunk.device == "actor-0#0" and chunk.start == reset.end and 0.35 < wait <= 0.4
     back = lent.reclaim(["actor-0#0"], at=reset.start + 0.15)  # in the reset, a piece of one step
     assert back == reset.end and lent.lent == []  # the reset runs to its end, the chunk not at all
     assert reset.wait_cut(0) == (0, 0) and chunk.wait_cut(0) == (pytest.approx(0.4), 0)
-    wait, piece = lanes.occupy_or_borrow(0, 0.3, lent=lent, unit=0.1)
+    wait, piece = placed(lanes, 0.3, lent=lent, unit=0.1)
     assert piece is None and 0.6 < wait <= 0.7  # taken back: the rest on its own device, however late
 
     lent.lend(["actor-0#0", "actor-0#1"], free_at=time.time())  # lent again: the reset queued there is not forgotten
-    _, chunk = lanes.occupy_or_borrow(0, 0.4, lent=lent, unit=0.1)
+    _, chunk = placed(lanes, 0.4, lent=lent, unit=0.1)
     assert chunk.device == "actor-0#1"
     assert lent.reclaim(["actor-0#1"], at=chunk.start + 0.15) == pytest.approx(chunk.start + 0.2)  # after 2 steps
     assert chunk.ran == pytest.approx(0.2) and chunk.wait_cut(0) == (pytest.approx(0.2), 0)
-    assert Lanes(1).occupy_or_borrow(0, 0.1, lent=lent) == (0.0, None)  # an idle own device is never left
+    assert placed(Lanes(1), 0.1, lent=lent) == (0.0, None)  # an idle own device is never left
     lent.lend(["actor-0#1"], free_at=time.time())
-    _, done = lanes.occupy_or_borrow(0, 0.4, lent=lent, unit=0.1)
+    _, done = placed(lanes, 0.4, lent=lent, unit=0.1)
     assert done.wait_cut(0) == (0, 0)  # its producer went on with all 4 steps
     assert lent.reclaim([done.device], at=done.end) == done.end and done.revoked == 0  # taken back after: all ran
 
@@ -215,12 +249,12 @@ def test_an_engine_runs_its_forwards_first_on_the_device_it_lends_and_the_lent_p
     pushed — and a producer takes that device only when its piece is expected to end sooner there, at the share of
     the device the engine leaves."""
     lanes, lent, d = Lanes(1), LentDevices(), "infer-0#0"
-    assert lanes.occupy_or_borrow(0, 0.5, lent=lent) == (0.0, None)  # its own device busy for 0.5 s
+    assert placed(lanes, 0.5, lent=lent) == (0.0, None)  # its own device busy for 0.5 s
     now = time.time()
     lent.preempt(d, at=now, seconds=0.1)  # a forward: the device is lent from its end on
     assert lent.lent == [d]
-    _, p1 = lanes.occupy_or_borrow(0, 0.2, lent=lent, unit=0.1)
-    _, p2 = lanes.occupy_or_borrow(0, 0.2, lent=lent, unit=0.1)
+    _, p1 = placed(lanes, 0.2, lent=lent, unit=0.1)
+    _, p2 = placed(lanes, 0.2, lent=lent, unit=0.1)
     assert (p1.device, p2.device) == (d, d) and p1.start == pytest.approx(now + 0.1) and p2.start == p1.end
     lent.preempt(d, at=p1.start + 0.05, seconds=0.1, share=0.5)  # in p1's first step
     assert (p1.pushed, p2.pushed) == (pytest.approx(0.1), pytest.approx(0.1))
@@ -233,7 +267,7 @@ def test_an_engine_runs_its_forwards_first_on_the_device_it_lends_and_the_lent_p
     assert p2.pushed == pytest.approx(0.1) and p2.missed == 0  # p1 keeps its end: p2 starts then, as before
     # at half the device, 0.4 s there (from ~0.65 s on) would end ~0.65 s after it does on its own device (0.4 s
     # from now): it queues there instead
-    wait, piece = lanes.occupy_or_borrow(0, 0.4, lent=lent, unit=0.1)
+    wait, piece = placed(lanes, 0.4, lent=lent, unit=0.1)
     assert piece is None and 0.3 < wait <= 0.4
     far = lent.take(time.time(), 0.1, before=time.time() + 5.0)  # 0.1 s at half the device, 5 s sooner there
     assert far is not None and far.device == d
@@ -361,6 +395,17 @@ def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_c
     one = DeviceClock()
     one.owe(5.0)
     assert one.debt == 0.0 and one.ask(0.004) == 0.004
+    # so is its own loop between steps and requests (its locks, its share of the interpreter): what no message said
+    loop = DeviceClock(4.0)
+    time.sleep(0.02)
+    loop.settle()
+    owed = loop.debt
+    assert owed >= 0.75 * 0.02
+    t = time.perf_counter()
+    time.sleep(0.02)
+    loop.message(time.perf_counter() - t, served=0.02)  # a round trip that was the engine's device time
+    loop.settle()
+    assert loop.debt - owed < 0.01  # neither owed twice nor owed as the loop's
     # a batch split over rollout tasks ended when its last part did; what is not said stays 0
     parts = [BatchRef("a", 8, 1, 3, "t", ended_at=5.0), BatchRef("b", 8, 1, 2, "t", ended_at=7.0)]
     assert BatchRef.joined(parts).ended_at == 7.0

@@ -16,13 +16,19 @@ def host_share(late: float, k: float) -> float:
 
 
 class DeviceClock:
-    """``k``: the time scale (host time beyond the devices' is owed less its share :func:`host_share`)."""
+    """``k``: the time scale (host time beyond the devices' is owed less its share :func:`host_share`). Every host
+    second from the clock's start is either a device's — slept for device work (:meth:`spend`) or another device's
+    work waited for (``served`` of a :meth:`message`) — or owed: a message's own time, the timer's lateness, and the
+    caller's loop between them (:meth:`settle`; its locks and its share of the process's interpreter, which grow with
+    the host's load, not with k)."""
 
     def __init__(self, k: float = 1.0) -> None:
         self.k = k
         self.debt = 0.0  # host time not yet taken off a later sleep
         self.slept = 0.0  # calibrated time spent, whatever was actually slept
         self.queued = 0.0  # time waited for a device shared with other work
+        self._mark = time.perf_counter()  # host time up to here is accounted for
+        self._accounted = 0.0  # host time since the mark accounted for already (messages)
 
     def ask(self, seconds: float) -> float:
         """What to sleep for ``seconds`` of device time: the owed host time is paid out of it first."""
@@ -37,24 +43,38 @@ class DeviceClock:
     def owe(self, seconds: float) -> None:
         self.debt += max(0.0, seconds) - host_share(seconds, self.k)
 
+    def message(self, took: float, served: float) -> None:
+        """A round trip of ``took`` host seconds, ``served`` of them another device's work waited for (an engine's
+        queue and forward, on its own clock): the rest is the host's messaging, owed."""
+        self.owe(took - served)
+        self._accounted += max(0.0, took)
+
+    def settle(self) -> None:
+        """Owe the host time since the last accounted moment that no message accounted for: the caller's own loop."""
+        now = time.perf_counter()
+        self.owe(now - self._mark - self._accounted)
+        self._mark, self._accounted = now, 0.0
+
     def revoke(self, seconds: float) -> None:
         """``seconds`` of device work slept on a lent device that, on the devices' clock, its owner had taken back
-        already (``LentPiece.revoked``): not spent — they are run again — and the time slept for them is owed."""
+        already (``DevicePiece.revoked``): not spent — they are run again — and the time slept for them is owed."""
         self.slept -= seconds
         self.debt += seconds
 
     def spend(self, seconds: float, queued: float = 0.0,
               cut: Callable[[float], tuple[float, float]] | None = None) -> float:
         """Sleep ``seconds`` of device time in this thread, after ``queued`` seconds waiting for a shared device
-        (``Lanes.occupy``, counted from the arrival the debt puts earlier: so the debt is paid out of the wait
+        (``Lanes.place``, counted from the arrival the debt puts earlier: so the debt is paid out of the wait
         first); the timer's lateness is owed too. ``cut``: the piece may be cut short or pushed back while it runs
-        (on a lent device: taken back, or its owner's work run first; ``LentPiece.wait_cut``): it waits the sleep's
-        length plus the pushes and answers the seconds cut off the piece's end and those it was pushed back (waited
-        for the device, as ``queued``). -> the device seconds spent."""
+        (on a lent device: taken back, or its owner's work run first; on its own, pushed back by pieces that came
+        earlier on the devices' clock; ``DevicePiece.wait_cut``): it waits the sleep's length plus the pushes and
+        answers the seconds cut off the piece's end and those it was pushed back (waited for the device, as
+        ``queued``). -> the device seconds spent."""
+        self.settle()
         self.queued += queued
         wait = self._pay(queued)
         work = self.ask(seconds)
-        t0 = time.perf_counter()
+        t0 = self._mark
         off, pushed = cut(wait + work) if cut is not None else (0.0, 0.0)
         if off > 0:  # the steps not run are neither slept nor spent; the debt they paid is owed again
             self.slept -= off
@@ -65,8 +85,10 @@ class DeviceClock:
         left = asked - (time.perf_counter() - t0)
         if left > 0:
             time.sleep(left)
+        end = time.perf_counter()
         if asked > 0 or cut is not None:
-            self.owe(time.perf_counter() - t0 - asked)
+            self.owe(end - t0 - asked)
+            self._mark = end
         return seconds - off
 
 

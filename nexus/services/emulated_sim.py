@@ -6,9 +6,9 @@ worker; with ``producers_per_sim`` > 1 other producers hold it too, and each res
 theirs on the device) and steps K envs in lockstep: a reset, then per action request — one real ``predict_batch`` to the
 tenant's routed engine with observations of the tenant's schema, through the engine's inference queue —
 ``chunk`` env steps of calibrated time. Episodes have the catalog's length; outcomes are drawn from the
-seed. The host's own messaging time (round trip minus the engine's wait and compute) is taken off the
-next step's sleep, so what the emulated producer spends is the calibrated step time plus the engine's
-real queueing and forward time, whatever the machine's load.
+seed. The host's own time — messaging (round trip minus the engine's wait and compute) and the producer's loop
+between its steps and requests — is taken off the next step's sleep, so what the emulated producer spends is the
+calibrated step time plus the engine's real queueing and forward time, whatever the machine's load.
 """
 
 from __future__ import annotations
@@ -107,9 +107,10 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
                 lent_s -= redo
                 seconds += redo
             while seconds > 1e-9:
-                queued, piece = lanes.occupy_or_borrow(lane, seconds, ahead=clock.debt, lent=lent, unit=unit)
-                if piece is None:
-                    clock.spend(seconds, queued=queued)
+                clock.settle()  # the loop's host time since is owed too: the device saw the piece arrive that early
+                queued, piece, borrowed = lanes.place(lane, seconds, ahead=clock.debt, lent=lent, unit=unit)
+                if not borrowed:  # its own device: pushed back, not cut, by pieces that came earlier
+                    clock.spend(seconds, queued=queued, cut=piece.wait_cut)
                     return
                 ran = clock.spend(seconds, queued=queued, cut=piece.wait_cut)
                 pieces.append(piece)
@@ -127,7 +128,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
                     got = time.perf_counter() - sent
                     versions.update(int(o.version) for o in reply.outputs)
                     served = reply.engine_wait_s + reply.compute_s
-                    clock.owe(got - served)  # messaging: the host's, not the emulated devices'
+                    clock.message(got, served)  # messaging: the host's, not the emulated devices'
                     wait += min(got, served)
                     rtt, engine_wait, compute = rtt + got, engine_wait + reply.engine_wait_s, compute + reply.compute_s
                     requests, rows = requests + 1, rows + n
@@ -137,6 +138,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
             run_on_device(0.0)  # steps revoked meanwhile
         finally:
             link.close()
+        clock.settle()
         t1 = time.time()
         ended = t1 - clock.debt  # on the devices' clock: the host time still owed is not the devices'
     missed = sum(p.missed + p.take_revoked() for p in pieces)  # heard of too late: what the emulation got for free

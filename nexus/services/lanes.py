@@ -3,11 +3,12 @@ count), and each piece of work runs on lanes it holds until it ends, so every sp
 (``<worker>#<lane>``, the slots :mod:`nexus.control.accounting` counts).
 
 A lane may be shared by ``share`` holders (simulator devices running several producers): they hold it at once,
-but its device work runs one piece at a time (:meth:`Lanes.occupy`). A holder may say what share of a device's
+but its device work runs one piece at a time, in the order the pieces arrived on the devices' clock
+(:meth:`Lanes.place`). A holder may say what share of a device's
 time it expects to use (its ``load``): then a new holder takes the open lane with the least load held, so two
 producers that step most of the time do not end up taking turns on one device while another steps little.
 Another service may lend its idle devices to the worker (:class:`LentDevices`): a piece whose own device is busy then
-runs there when it is expected to end sooner (:meth:`Lanes.occupy_or_borrow`)."""
+runs there when it is expected to end sooner."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from nexus.services.lent_devices import LentDevices, LentPiece
+from nexus.services.device_piece import DevicePiece
+from nexus.services.lent_devices import LentDevices
 
 
 def lane_label(worker_name: str, count: int, lane: int) -> str:
@@ -36,7 +38,9 @@ class Lanes:
         self.n, self.share = n, share
         self._holders = [0] * n
         self._load = [0.0] * n  # the holders' expected shares of each device's time, summed
-        self._free_at = [0.0] * n  # wall-clock time at which the work queued on each device ends
+        # each device's pieces not over, in their order there, with their arrivals; the end of those over
+        self._queue: list[list[tuple[float, DevicePiece]]] = [[] for _ in range(n)]
+        self._done_at = [0.0] * n
         self._cv = threading.Condition()
 
     def _open(self) -> list[int]:
@@ -64,27 +68,45 @@ class Lanes:
                 self._cv.notify_all()
 
     def occupy(self, lane: int, seconds: float, ahead: float = 0.0) -> float:
-        """Queue ``seconds`` of work on ``lane``'s device, arriving ``ahead`` seconds before now (a producer's host
-        time still owed, ``DeviceClock.debt``: on the devices' clock it came that much earlier). The device runs
-        one piece at a time, in the order asked: returns how long this piece waits, from its arrival, behind the
-        work queued before it (0 on an idle device); the caller sleeps the wait plus ``seconds``, less what it
-        owes, so its host time meets the device's again when the piece ends."""
-        return self.occupy_or_borrow(lane, seconds, ahead)[0]
+        """:meth:`place` for a caller that does not sleep on its piece (it cannot be pushed back): -> its wait."""
+        wait, piece, _ = self.place(lane, seconds, ahead)
+        piece.wait_cut(0)
+        return wait
 
-    def occupy_or_borrow(self, lane: int, seconds: float, ahead: float = 0.0, lent: LentDevices | None = None,
-                         unit: float | None = None) -> tuple[float, LentPiece | None]:
-        """:meth:`occupy`, or on a device another service lends (``lent``) when the piece is expected to end sooner
-        there (``LentDevices.take``): its owner may cut it at a step boundary (steps of ``unit`` seconds), and the
-        caller asks again for the rest, or push it back. -> (the wait, the lent piece or None)."""
+    def place(self, lane: int, seconds: float, ahead: float = 0.0, lent: LentDevices | None = None,
+              unit: float | None = None) -> tuple[float, DevicePiece, bool]:
+        """Queue ``seconds`` of work (steps of ``unit``) on ``lane``'s device, arriving ``ahead`` seconds before now (a
+        producer's host time still owed, ``DeviceClock.debt``: on the devices' clock it came that much earlier). The
+        device runs one piece at a time, in the order they arrived on the devices' clock: this piece goes ahead of
+        those queued since its arrival whose producers still sleep on them, and pushes them back
+        (:meth:`DevicePiece.push`); it never goes ahead of one whose producer went on. Or, on a device another
+        service lends (``lent``), when the piece is expected to end sooner there (``LentDevices.take``: its owner
+        may cut it at a step boundary, and the caller asks again for the rest, or push it back).
+        -> (its wait from its arrival: 0 on an idle device; the piece, to sleep on with :meth:`DevicePiece.wait_cut`;
+        whether it is on a lent device). The caller sleeps the wait plus ``seconds`` and the pushes, less what it
+        owes, so its host time meets the device's again when the piece ends."""
         with self._cv:
             arrival = time.time() - max(0.0, ahead)
-            start = max(arrival, self._free_at[lane])
+            queue = self._queue[lane]
+            over = [p.end for _, p in queue if p.end <= arrival]
+            if over:
+                self._done_at[lane] = max(self._done_at[lane], *over)
+                queue[:] = [(a, p) for a, p in queue if p.end > arrival]
+            at = len(queue)  # the host's lateness reorders arrivals: a piece owing more came earlier
+            while at > 0 and queue[at - 1][0] > arrival and not queue[at - 1][1].settled:
+                at -= 1
+            start = max(arrival, queue[at - 1][1].end if at else self._done_at[lane])
             if lent is not None and start > arrival:
-                piece = lent.take(arrival, seconds, before=start, unit=unit)
-                if piece is not None:
-                    return piece.start - arrival, piece
-            self._free_at[lane] = start + seconds
-        return start - arrival, None
+                borrowed = lent.take(arrival, seconds, before=start, unit=unit)
+                if borrowed is not None:
+                    return borrowed.start - arrival, borrowed, True
+            piece = DevicePiece(str(lane), start, seconds, unit)
+            busy_until = piece.end
+            for _, later in queue[at:]:
+                later.push(busy_until - (later.end - later.ran))  # to start when the one before it ends
+                busy_until = max(busy_until, later.end)
+            queue.insert(at, (arrival, piece))
+        return start - arrival, piece, False
 
     @property
     def busy(self) -> int:

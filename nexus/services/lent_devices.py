@@ -2,7 +2,7 @@
 (``EmulationSettings.lend_actor``): the emulated actor rank lends its devices when an update ends and takes them
 back at the next one's start on its devices' clock (its message arrives a host's dispatch later). While lent, a
 producer whose own device is busy may run its next piece of device work (a reset, or the env steps of an action
-chunk) on one of them, as one :class:`LentPiece`. Taken back, a device starts no new step: a piece running on it is
+chunk) on one of them, as one :class:`DevicePiece`. Taken back, a device starts no new step: a piece running on it is
 cut at its next step boundary (its producer, woken, does the rest on its own device), steps that began after the
 take-back while the message travelled are revoked (their producer runs them again on its own device), and its
 owner starts its own work when the last step begun before ends (:meth:`LentDevices.reclaim` says when). A piece is
@@ -19,83 +19,17 @@ Times are wall-clock seconds: the lender is another process on the same host."""
 
 from __future__ import annotations
 
-import math
 import threading
-import time
+
+from nexus.services.device_piece import DevicePiece
 
 RECLAIM_LATE_S = 2.0  # how far back a reclaim may cut the pieces on a device (they are kept that long after their end)
-
-
-class LentPiece:
-    """``seconds`` of device work queued on lent ``device`` from ``start``, in steps of ``unit`` seconds."""
-
-    def __init__(self, device: str, start: float, seconds: float, unit: float | None = None) -> None:
-        self.device, self.start, self.seconds = device, start, seconds
-        self.unit = unit if unit and unit > 0 else seconds
-        self.ran = seconds  # the device seconds it runs: all of them unless it is cut
-        self.pushed = 0.0  # seconds its owner's own work (forwards run first) pushed it back
-        self.missed = 0.0  # ... and what would have pushed it, heard of after its producer went on (too late)
-        self.revoked = 0.0  # steps that ran after its owner took the device back, heard of after its producer went on
-        self._changed = threading.Condition()
-        self._cut = False
-        self._settled = False  # its producer has read how much ran and how long it was pushed: final
-
-    @property
-    def end(self) -> float:
-        return self.start + self.pushed + self.ran
-
-    def cut(self, at: float) -> float:
-        """No step of the piece begins after ``at``: it ends at the first step boundary from ``at`` on (its start
-        when it had not begun). A piece whose producer went on already ran those steps: they are :attr:`revoked`,
-        for its producer to run again on its own device (``at`` may be past: the owner's start on its devices'
-        clock, which its message reaches a host's dispatch later). -> its end."""
-        with self._changed:
-            if at < self.end:
-                steps = max(0, math.ceil((at - self.start - self.pushed) / self.unit - 1e-9))
-                kept = min(self.ran, steps * self.unit)
-                if self._settled:
-                    self.revoked += self.ran - kept
-                else:
-                    self._cut = True
-                    self._changed.notify_all()
-                self.ran = kept
-            return self.end
-
-    def take_revoked(self) -> float:
-        """The device seconds revoked since last asked (:meth:`cut`)."""
-        with self._changed:
-            out, self.revoked = self.revoked, 0.0
-            return out
-
-    def push(self, seconds: float) -> None:
-        """The device's owner ran ``seconds`` of its own work first: the piece ends that much later (a piece whose
-        producer has gone on is not pushed: the push is counted as ``missed``, what the emulation got for free)."""
-        with self._changed:
-            if seconds > 0 and self._settled:
-                self.missed += seconds
-            elif seconds > 0:
-                self.pushed += seconds
-                self._changed.notify_all()
-
-    def wait_cut(self, timeout: float) -> tuple[float, float]:
-        """Wait ``timeout`` seconds, plus what the piece is pushed back meanwhile, unless it is cut first: -> (the
-        seconds cut off its end, 0 when none; the seconds it was pushed back). What it answers is final: a piece is
-        neither cut nor pushed after its producer has gone on."""
-        deadline = time.perf_counter() + max(0.0, timeout)
-        with self._changed:
-            while not self._cut:
-                left = deadline + self.pushed - time.perf_counter()
-                if left <= 0:
-                    break
-                self._changed.wait(left)
-            self._settled = True  # its producer goes on from here: the device stays its until the piece's end
-            return self.seconds - self.ran, self.pushed
 
 
 class LentDevices:
     def __init__(self) -> None:
         self._free_at: dict[str, float] = {}  # device -> end of the work queued on it (wall clock)
-        self._pieces: dict[str, list[LentPiece]] = {}  # device -> its pieces not over (or lately: RECLAIM_LATE_S)
+        self._pieces: dict[str, list[DevicePiece]] = {}  # device -> its pieces not over (or lately: RECLAIM_LATE_S)
         self._open: set[str] = set()  # devices lent now
         self._owner_share: dict[str, float] = {}  # device -> the share of its time its owner's own work takes
         self._lock = threading.Lock()
@@ -109,7 +43,7 @@ class LentDevices:
 
     def reclaim(self, devices: list[str], at: float) -> float:
         """Take ``devices`` back at ``at`` (wall clock, never in the future): no new piece starts on them and the
-        pieces queued on them are cut at their next step boundary from ``at`` (:meth:`LentPiece.cut`: steps run
+        pieces queued on them are cut at their next step boundary from ``at`` (:meth:`DevicePiece.cut`: steps run
         since are revoked). -> when those end (0 when none was ever queued)."""
         with self._lock:
             self._open.difference_update(devices)
@@ -138,7 +72,7 @@ class LentDevices:
                 busy_until = max(busy_until, piece.end)
             self._free_at[device] = max(self._free_at.get(device, 0.0), busy_until)
 
-    def take(self, earliest: float, seconds: float, before: float, unit: float | None = None) -> LentPiece | None:
+    def take(self, earliest: float, seconds: float, before: float, unit: float | None = None) -> DevicePiece | None:
         """A piece of ``seconds`` (steps of ``unit``), able to start at ``earliest``, queued on the lent device where
         it is expected to end soonest (at the share of the device its owner leaves), if that is sooner than on its
         own device, where it would start at ``before``. None when none is."""
@@ -148,11 +82,11 @@ class LentDevices:
             if best is None or best[0] >= before + seconds:
                 return None
             start, device = max(earliest, self._free_at[best[1]]), best[1]
-            piece = LentPiece(device, start, seconds, unit)
+            piece = DevicePiece(device, start, seconds, unit)
             self._free_at[device] = piece.end
             queue = self._pieces.setdefault(device, [])
             # those over before this one could start are done; on a device its owner takes back, kept a while: the
-            # reclaim reaches here a host's dispatch after its devices' start (it cuts those after: LentPiece.cut)
+            # reclaim reaches here a host's dispatch after its devices' start (it cuts those after: DevicePiece.cut)
             kept = 0.0 if device in self._owner_share else RECLAIM_LATE_S  # an engine's device is lent for good
             queue[:] = [p for p in queue if p.end > earliest - kept]
             queue.append(piece)
