@@ -4,9 +4,9 @@ count), and each piece of work runs on lanes it holds until it ends, so every sp
 
 A lane may be shared by ``share`` holders (simulator devices running several producers): they hold it at once,
 but its device work runs one piece at a time, in the order the pieces arrived on the devices' clock
-(:meth:`Lanes.place`). A holder may say what share of a device's
-time it expects to use (its ``load``): then a new holder takes the open lane with the least load held, so two
-producers that step most of the time do not end up taking turns on one device while another steps little.
+(:meth:`Lanes.place`). A holder may say what share of a device's time it expects to use (its ``load``): then a new
+holder takes the open lane with the least load held, so two producers that step most of the time do not end up
+taking turns on one device while another steps little.
 Another service may lend its idle devices to the worker (:class:`LentDevices`): a piece whose own device is busy then
 runs there when it is expected to end sooner."""
 
