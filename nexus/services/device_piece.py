@@ -19,7 +19,7 @@ class DevicePiece:
         self.device, self.start, self.seconds = device, start, seconds
         self.unit = unit if unit and unit > 0 else seconds
         self.ran = seconds  # the device seconds it runs: all of them unless it is cut
-        self.pushed = 0.0  # seconds its owner's own work (forwards run first) pushed it back
+        self.pushed = 0.0  # seconds other work run first pushed it back (a lent device's owner's, an earlier piece)
         self.missed = 0.0  # ... and what would have pushed it, heard of after its producer went on (too late)
         self.revoked = 0.0  # steps that ran after its owner took the device back, heard of after its producer went on
         self._changed = threading.Condition()
