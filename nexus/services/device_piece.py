@@ -27,8 +27,13 @@ class DevicePiece:
         self._settled = False  # its producer has read how much ran and how long it was pushed: final
 
     @property
+    def begins(self) -> float:
+        """Its start on the device, after the work run ahead of it (:meth:`push`)."""
+        return self.start + self.pushed
+
+    @property
     def end(self) -> float:
-        return self.start + self.pushed + self.ran
+        return self.begins + self.ran
 
     def cut(self, at: float) -> float:
         """No step of the piece begins after ``at``: it ends at the first step boundary from ``at`` on (its start
@@ -37,7 +42,7 @@ class DevicePiece:
         clock, which its message reaches a host's dispatch later). -> its end."""
         with self._changed:
             if at < self.end:
-                steps = max(0, math.ceil((at - self.start - self.pushed) / self.unit - 1e-9))
+                steps = max(0, math.ceil((at - self.begins) / self.unit - 1e-9))
                 kept = min(self.ran, steps * self.unit)
                 if self._settled:
                     self.revoked += self.ran - kept

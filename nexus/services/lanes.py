@@ -103,7 +103,7 @@ class Lanes:
             piece = DevicePiece(str(lane), start, seconds, unit)
             busy_until = piece.end
             for _, later in queue[at:]:
-                later.push(busy_until - (later.end - later.ran))  # to start when the one before it ends
+                later.push(busy_until - later.begins)  # to start when the one before it ends
                 busy_until = max(busy_until, later.end)
             queue.insert(at, (arrival, piece))
         return start - arrival, piece, False

@@ -68,7 +68,7 @@ class LentDevices:
             for piece in sorted(self._pieces.get(device, []), key=lambda p: p.start):
                 if piece.end <= at:
                     continue
-                piece.push(seconds if piece.start + piece.pushed < at else busy_until - piece.start - piece.pushed)
+                piece.push(seconds if piece.begins < at else busy_until - piece.begins)
                 busy_until = max(busy_until, piece.end)
             self._free_at[device] = max(self._free_at.get(device, 0.0), busy_until)
 
