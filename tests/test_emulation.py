@@ -221,6 +221,11 @@ def test_a_device_taken_back_at_its_owners_start_revokes_the_steps_lent_since_fo
     assert early.wait_cut(0) == later.wait_cut(0) == (0, 0)
     assert lent.reclaim(["actor-0#0"], at=early.start) == early.start  # a dispatch of a second: both still revoked
     assert (early.revoked, later.revoked) == (pytest.approx(0.1), pytest.approx(0.1))
+    lent.lend(["actor-0#0"], free_at=time.time())
+    ahead = lent.take(time.time() + 0.5, 0.2, before=time.time() + 1, unit=0.1)  # its producer owes nothing: later
+    assert ahead.wait_cut(0) == (0, 0)
+    at = ahead.start - 0.4  # taken back before it began: it never runs there, and its owner does not wait for it
+    assert lent.reclaim(["actor-0#0"], at=at) == at and ahead.revoked == pytest.approx(0.2)
 
     clock = DeviceClock()
     clock.spend(0.4)

@@ -51,9 +51,10 @@ class LentDevices:
                 pieces = self._pieces.pop(d, [])
                 for piece in pieces:
                     piece.cut(at)
-                if pieces:  # the last piece that runs a step ends the device's work; else its work before them did
+                if pieces:  # the last piece that runs a step ends the device's work; else its work before them did,
+                    # by ``at`` (so its owner starts then, not at the start of a piece revoked: it never runs there)
                     ran = [p.end for p in pieces if p.ran > 0]
-                    self._free_at[d] = max(ran) if ran else pieces[0].start
+                    self._free_at[d] = max(ran) if ran else min(pieces[0].start, at)
             return max((self._free_at.get(d, 0.0) for d in devices), default=0.0)
 
     def preempt(self, device: str, at: float, seconds: float, share: float = 0.0) -> None:
