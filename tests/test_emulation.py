@@ -221,7 +221,9 @@ def test_a_device_taken_back_at_its_owners_start_revokes_the_steps_lent_since_fo
     assert early.wait_cut(0) == later.wait_cut(0) == (0, 0)
     assert lent.reclaim(["actor-0#0"], at=early.start) == early.start  # a dispatch of a second: both still revoked
     assert (early.revoked, later.revoked) == (pytest.approx(0.1), pytest.approx(0.1))
-    lent.lend(["actor-0#0"], free_at=time.time())
+    lent.lend(["actor-0#0"], free_at=time.time() - 0.05)
+    now = time.time()
+    assert lent.take(now - 0.5, 0.1, before=now + 1, unit=0.1) is None  # made before it was lent (its host late)
     ahead = lent.take(time.time() + 0.5, 0.2, before=time.time() + 1, unit=0.1)  # its producer owes nothing: later
     assert ahead.wait_cut(0) == (0, 0)
     at = ahead.start - 0.4  # taken back before it began: it never runs there, and its owner does not wait for it
@@ -370,6 +372,16 @@ def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tm
     assert eng.queue.waits_of([99.9, 100.5], 101.5, "all_waiting") == [pytest.approx(0.7), pytest.approx(0.1)]
     assert eng._start == pytest.approx(100.6)
     assert eng.queue.waits_of([99.9], 99.95, "timeout") == [pytest.approx(0.1)]  # fired before T was up
+    # a request counts from when it was made on the devices' clock: its arrival less its producer's host time still
+    # owed (ahead); a producer's late message keeps neither the group's other requests nor the device waiting
+    eng.timeline.free_at[0] = 100.0
+    assert eng.queue.waits_of([101.0, 101.3], 101.5, "all_waiting", [0.0, 0.3]) == [pytest.approx(0.02)] * 2
+    assert eng._start == pytest.approx(101.02)  # + 1/k of the host's lateness after the last request was in
+    eng.timeline.free_at[0] = 100.0
+    assert eng.queue.waits_of([101.0, 101.3], 101.5, "all_waiting") == [pytest.approx(0.32), pytest.approx(0.02)]
+    eng.timeline.free_at[0] = 100.0
+    assert eng.queue.waits_of([101.0], 101.1, "timeout", [0.5]) == [pytest.approx(0.002 + 0.0098)]
+    assert eng._start == pytest.approx(100.5 + 0.002 + 0.0098)  # T from when it was made; lateness from the host's
     # the forward sleeps to the device's end: a group that started long ago on the device's clock sleeps nothing,
     # and the device's timeline moves by the calibrated time, not by the host's
     eng.heads.specs["a"] = (SimpleNamespace(env="maniskill/pushcube-state", action_head="oft"),
@@ -411,6 +423,14 @@ def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_c
     loop.message(time.perf_counter() - t, served=0.02)  # a round trip that was the engine's device time
     loop.settle()
     assert loop.debt - owed < 0.01  # neither owed twice nor owed as the loop's
+    # a request made earlier on the devices' clock by the debt (ahead) waited that long at the engine there: the
+    # wait before its arrival pays the debt off, and only the host's messaging is owed
+    paying = DeviceClock(4.0)
+    paying.debt = 0.3
+    paying.message(0.05, served=0.33, paid=0.3)  # 0.3 s of the engine's wait before it arrived, 0.03 after
+    assert paying.debt == pytest.approx(0.02 * 0.75)  # the round trip's 0.02 s of messaging, less its 1/k
+    paying.message(0.05, served=0.03)  # nothing owed when it was made: as before, the 0.02 s of messaging owed
+    assert paying.debt == pytest.approx(2 * 0.02 * 0.75)
     # a batch split over rollout tasks ended when its last part did; what is not said stays 0
     parts = [BatchRef("a", 8, 1, 3, "t", ended_at=5.0), BatchRef("b", 8, 1, 2, "t", ended_at=7.0)]
     assert BatchRef.joined(parts).ended_at == 7.0

@@ -43,10 +43,14 @@ class DeviceClock:
     def owe(self, seconds: float) -> None:
         self.debt += max(0.0, seconds) - host_share(seconds, self.k)
 
-    def message(self, took: float, served: float) -> None:
+    def message(self, took: float, served: float, paid: float = 0.0) -> None:
         """A round trip of ``took`` host seconds, ``served`` of them another device's work waited for (an engine's
-        queue and forward, on its own clock): the rest is the host's messaging, owed."""
-        self.owe(took - served)
+        queue and forward, on its own clock): the rest is the host's messaging, owed. ``paid``: the part of
+        ``served`` before the request reached the host (it was made earlier on the devices' clock by the debt,
+        ``ahead``): waited on the devices' clock instead of the host's, so paid off the debt."""
+        paid = min(max(0.0, paid), self.debt)
+        self.debt -= paid
+        self.owe(took - served + paid)
         self._accounted += max(0.0, took)
 
     def settle(self) -> None:
@@ -102,10 +106,12 @@ class DeviceTimeline:
         self.k = k  # the time scale
         self.free_at = [0.0] * n  # each device's end of its last piece of work
 
-    def start(self, lanes: list[int], ready: float, now: float) -> float:
-        """The start on ``lanes`` of a piece ready at ``ready`` (never after ``now``)."""
+    def start(self, lanes: list[int], ready: float, now: float, late_from: float | None = None) -> float:
+        """The start on ``lanes`` of a piece ready at ``ready`` (never after ``now``). ``late_from``: when the host had
+        it ready, when that is later (its requests' host time before is owed by their producers): the host's
+        lateness is counted from there."""
         base = max(min(ready, now), *(self.free_at[i] for i in lanes))
-        return base + host_share(now - base, self.k)
+        return base + host_share(now - max(base, late_from or base), self.k)
 
     def end(self, lanes: list[int], t: float) -> None:
         for i in lanes:

@@ -81,11 +81,16 @@ class EmulatedEngine(InferenceEngine):
         self.share = 0.0  # the part of the device's time forwards take lately (what lent steps lose to them)
         self._told: set[asyncio.Task] = set()  # messages to the simulator workers on their way
 
-    def _device_waits(self, arrivals: list[float], now: float, reason: str) -> list[float]:
-        """The group's start on the device's timeline, and each request's wait from its arrival to it."""
-        ready = min(arrivals) + self.queue.batcher.max_wait_s if reason == "timeout" else max(arrivals)
-        self._start = self.timeline.start([0], ready, now)
-        return [max(0.0, self._start - a) for a in arrivals]
+    def _device_waits(self, arrivals: list[float], now: float, reason: str,
+                      ahead: list[float] | None = None) -> list[float]:
+        """The group's start on the device's timeline, and each request's wait from when it was made on the devices'
+        clock (its arrival less its producer's host time still owed, ``ahead``): a producer's late messages keep
+        neither its group's other requests waiting nor the device idle, at any k."""
+        made = [a - h for a, h in zip(arrivals, ahead or [0.0] * len(arrivals), strict=True)]
+        t = self.queue.batcher.max_wait_s
+        ready, host_ready = (min(made) + t, min(arrivals) + t) if reason == "timeout" else (max(made), max(arrivals))
+        self._start = self.timeline.start([0], ready, now, late_from=host_ready)
+        return [max(0.0, self._start - m) for m in made]
 
     # The group wait T is a time on the devices' clock like every service time: divided by k here, reported in
     # emulated seconds (a T of 5 ms left as is would be 100 emulated ms at k = 20).

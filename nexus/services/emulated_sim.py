@@ -123,12 +123,16 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
                 n = min(k, req.episodes - first)
                 run_on_device(times.reset_s(req.env))
                 for c in range(math.ceil(length / cost.chunk)):
+                    clock.settle()  # the request was made as early on the devices' clock as the host time owed
+                    ahead = clock.debt
                     sent = time.perf_counter()
-                    reply = link.submit([obs] * n).result()
+                    reply = link.submit([obs] * n, ahead_s=ahead).result()
                     got = time.perf_counter() - sent
                     versions.update(int(o.version) for o in reply.outputs)
                     served = reply.engine_wait_s + reply.compute_s
-                    clock.message(got, served)  # messaging: the host's, not the emulated devices'
+                    # messaging: the host's, not the emulated devices'; the engine's wait from before the request's
+                    # arrival is the devices' time the debt stood for
+                    clock.message(got, served, paid=min(ahead, reply.engine_wait_s))
                     wait += min(got, served)
                     rtt, engine_wait, compute = rtt + got, engine_wait + reply.engine_wait_s, compute + reply.compute_s
                     requests, rows = requests + 1, rows + n

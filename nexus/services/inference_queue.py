@@ -27,6 +27,7 @@ class Call:
     producer: str | None
     future: asyncio.Future
     t_arrival: float = field(default_factory=time.monotonic)
+    ahead: float = 0.0  # made this much before it arrived, on the devices' clock (an emulated producer's owed time)
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,10 @@ class InferenceQueue:
         self._on_group = on_group
         self._timer: asyncio.TimerHandle | None = None
         self._firing = False
-        # the group's requests' waits, from their arrivals, the firing time and its reason, and the group's compute
-        # from the measured one: the host's times here; an emulated engine counts its device's
-        self.waits_of: Callable[[list[float], float, str], list[float]] = lambda arrivals, now, reason: [
+        # the group's requests' waits, from their arrivals, the firing time, its reason and how much earlier each
+        # request was made on the devices' clock, and the group's compute from the measured one: the host's times
+        # here (``ahead`` unused); an emulated engine counts its device's
+        self.waits_of: Callable[..., list[float]] = lambda arrivals, now, reason, ahead=None: [
             now - a for a in arrivals]
         self.compute_of: Callable[[float], float] = lambda measured: measured
 
@@ -79,10 +81,13 @@ class InferenceQueue:
         self._schedule()
 
     # -- requests -------------------------------------------------------------------------------
-    async def submit(self, rows: list[Any], producer: str | None) -> tuple[list[Any], float, float, int]:
-        """Wait for ``rows``' group -> (their outputs, this request's wait, the group's compute, its rows)."""
+    async def submit(self, rows: list[Any], producer: str | None,
+                     ahead: float = 0.0) -> tuple[list[Any], float, float, int]:
+        """Wait for ``rows``' group -> (their outputs, this request's wait, the group's compute, its rows).
+        ``ahead``: how much earlier than now the request was made on the devices' clock (an emulated producer's host
+        time still owed; the group still fires on the host's arrivals)."""
         now = time.monotonic()
-        call = Call(rows, producer, asyncio.get_running_loop().create_future(), now)
+        call = Call(rows, producer, asyncio.get_running_loop().create_future(), now, ahead)
         self.batcher.add(call, rows=len(rows), producer=producer, now=now)
         self._schedule()
         return await call.future
@@ -112,7 +117,8 @@ class InferenceQueue:
         now = time.monotonic()
         group = [r for c in calls for r in c.rows]
         try:
-            waits = self.waits_of([c.t_arrival for c in calls], now, reason)  # before the forward moves its clock
+            # before the forward moves its clock
+            waits = self.waits_of([c.t_arrival for c in calls], now, reason, [c.ahead for c in calls])
             t0, wall0 = time.perf_counter(), time.time()
             outs = await self._forward(group)
             busy = self.compute_of(time.perf_counter() - t0)

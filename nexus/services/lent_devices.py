@@ -20,6 +20,7 @@ Times are wall-clock seconds: the lender is another process on the same host."""
 from __future__ import annotations
 
 import threading
+import time
 
 from nexus.services.device_piece import DevicePiece
 
@@ -31,6 +32,9 @@ class LentDevices:
         self._free_at: dict[str, float] = {}  # device -> end of the work queued on it (wall clock)
         self._pieces: dict[str, list[DevicePiece]] = {}  # device -> its pieces not over (or lately: RECLAIM_LATE_S)
         self._open: set[str] = set()  # devices lent now
+        # device -> since when it is lent on the devices' clock (its lend said then: a piece made before, on that
+        # clock, was placed where it could go then, even if its producer's host reaches here later)
+        self._lent_at: dict[str, float] = {}
         self._owner_share: dict[str, float] = {}  # device -> the share of its time its owner's own work takes
         self._lock = threading.Lock()
 
@@ -39,6 +43,8 @@ class LentDevices:
         with self._lock:
             for d in devices:
                 self._free_at[d] = max(self._free_at.get(d, 0.0), free_at)
+                if d not in self._open:
+                    self._lent_at[d] = min(free_at, time.time())
                 self._open.add(d)
 
     def reclaim(self, devices: list[str], at: float) -> float:
@@ -63,6 +69,8 @@ class LentDevices:
         queued after it are pushed back as far as the work needs; ``share``: the part of the device's time the
         owner's work takes lately (what a new piece expects to lose to it)."""
         with self._lock:
+            if device not in self._open:
+                self._lent_at[device] = min(at + seconds, time.time())
             self._open.add(device)
             self._owner_share[device] = min(max(share, 0.0), 0.95)
             busy_until = at + seconds
@@ -74,12 +82,13 @@ class LentDevices:
             self._free_at[device] = max(self._free_at.get(device, 0.0), busy_until)
 
     def take(self, earliest: float, seconds: float, before: float, unit: float | None = None) -> DevicePiece | None:
-        """A piece of ``seconds`` (steps of ``unit``), able to start at ``earliest``, queued on the lent device where
-        it is expected to end soonest (at the share of the device its owner leaves), if that is sooner than on its
-        own device, where it would start at ``before``. None when none is."""
+        """A piece of ``seconds`` (steps of ``unit``), able to start at ``earliest`` (made then on the devices' clock:
+        only a device lent by then takes it), queued on the lent device where it is expected to end soonest (at the
+        share of the device its owner leaves), if that is sooner than on its own device, where it would start at
+        ``before``. None when none is."""
         with self._lock:
             best = min(((max(earliest, self._free_at[d]) + seconds / (1.0 - self._owner_share.get(d, 0.0)), d)
-                        for d in self._open), default=None)
+                        for d in self._open if earliest >= self._lent_at[d]), default=None)
             if best is None or best[0] >= before + seconds:
                 return None
             start, device = max(earliest, self._free_at[best[1]]), best[1]
