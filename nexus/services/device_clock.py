@@ -46,8 +46,8 @@ class DeviceClock:
     def message(self, took: float, served: float, paid: float = 0.0) -> None:
         """A round trip of ``took`` host seconds, ``served`` of them another device's work waited for (an engine's
         queue and forward, on its own clock): the rest is the host's messaging, owed. ``paid``: the part of
-        ``served`` before the request reached the host (it was made earlier on the devices' clock by the debt,
-        ``ahead``): waited on the devices' clock instead of the host's, so paid off the debt."""
+        ``served`` before the request reached the engine (it was made that much earlier on the devices' clock: the
+        debt it carried, ``ahead_s``): device time the debt stood for, so paid off it."""
         paid = min(max(0.0, paid), self.debt)
         self.debt -= paid
         self.owe(took - served + paid)
