@@ -56,8 +56,8 @@ class InferenceQueue:
         # the group's requests' waits, from their arrivals, the firing time, its reason and how much earlier each
         # request was made on the devices' clock, and the group's compute from the measured one: the host's times
         # here (``ahead`` unused); an emulated engine counts its device's
-        self.waits_of: Callable[..., list[float]] = lambda arrivals, now, reason, ahead=None: [
-            now - a for a in arrivals]
+        self.waits_of: Callable[[list[float], float, str, list[float]], list[float]] = (
+            lambda arrivals, now, reason, ahead: [now - a for a in arrivals])
         self.compute_of: Callable[[float], float] = lambda measured: measured
 
     def __len__(self) -> int:
