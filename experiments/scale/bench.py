@@ -19,6 +19,8 @@ the gateway's HTTP API (operator token) in steps up to each count of ``--tenants
 
     python experiments/scale/bench.py                          # 1, 64, 256, 1024 tenants; ~25 min on 2 cores
     python experiments/scale/bench.py --tenants 1 64 --predict-s 5   # a quick look
+    python experiments/scale/bench.py slot-memory               # one actor slot's memory by component
+                                                                # (slot_memory.py, in one process; its own --help)
 """
 
 from __future__ import annotations
@@ -175,7 +177,15 @@ def step(nx, http, op: dict, tokens: dict, target: int, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    if sys.argv[1:2] == ["slot-memory"]:  # the component microbenchmark (helper module slot_memory.py)
+        sys.path.insert(0, str(HERE))
+        import slot_memory
+
+        sys.argv = [str(HERE / "slot_memory.py"), *sys.argv[2:]]  # its variants rerun that file in fresh processes
+        slot_memory.main()
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="bench.py slot-memory [--help]: one actor slot's memory by component")
     ap.add_argument("--tenants", type=int, nargs="+", default=[1, 64, 256, 1024])
     ap.add_argument("--hidden-dim", type=int, default=256, help="every tenant's head width (the default spec's)")
     ap.add_argument("--trained", type=int, default=16, help="tenants given one optimizer step at each count")
