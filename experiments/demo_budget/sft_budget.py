@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--env-episodes", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dataset", default="pickcube-scripted")
+    ap.add_argument("--out", default=str(HERE / "results.json"), help="the results file; this run is added under "
+                    "its configuration's key")
     args = ap.parse_args()
 
     import tempfile
@@ -78,10 +80,14 @@ def main() -> None:
         print(f"steps {r['steps']:5d}  train {r['train_s']:6.1f} s  loss {r['loss']:.4f}  held-out MSE "
               f"{r['heldout_action_mse']:.4f}  success {r['success_rate']:.2f} ({args.env_episodes} episodes, "
               f"eval {r['eval_s']:.0f} s)", flush=True)
-    out = HERE / f"sft_budget_{args.family}_{args.backbone}_b{args.batch}_seed{args.seed}.json"
-    out.write_text(json.dumps({"meta": {**vars(args), "wall_s": round(time.time() - t_all, 1),
-                                        "command": "python experiments/demo_budget/sft_budget.py "
-                                                   + " ".join(sys.argv[1:])}, "rows": rows}, indent=1))
+    # one results file: each configuration's run under its own key (a rerun of a configuration replaces it)
+    out = Path(args.out)
+    runs = json.loads(out.read_text())["runs"] if out.exists() else {}
+    runs[f"{args.family}_{args.backbone}_b{args.batch}_seed{args.seed}"] = {
+        "meta": {**{k: v for k, v in vars(args).items() if k != "out"}, "wall_s": round(time.time() - t_all, 1),
+                 "command": "python experiments/demo_budget/sft_budget.py " + " ".join(sys.argv[1:])},
+        "rows": rows}
+    out.write_text(json.dumps({"runs": dict(sorted(runs.items()))}, indent=1))
     print(f"wrote {out}")
 
 
