@@ -20,6 +20,8 @@ queue, action requests) p50/p99, Jain fairness of each tenant's isolated time / 
 
     python experiments/paper_scale/bench.py paper --k 2 --ks 2,3,5,10,20   # ~35 min on 2 loaded cores
     python experiments/paper_scale/bench.py large                         # ~20 min
+    python experiments/paper_scale/bench.py validate   # the real CPU run emulated (validate.py) -> results.json
+    python experiments/paper_scale/bench.py calibrate  # calibrations/cpu_multitenant*.toml (calibrate.py)
 """
 
 from __future__ import annotations
@@ -311,8 +313,15 @@ def draw_timelines(runs: list[dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] in (["validate"], ["calibrate"]):  # the other subcommands live in helper modules
+        import importlib
+
+        helper = importlib.import_module(sys.argv[1])
+        sys.argv = [str(HERE / f"{sys.argv[1]}.py"), *sys.argv[2:]]
+        helper.main()
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("paper", "large"))
+    ap.add_argument("what", choices=("paper", "large"), help="also: validate, calibrate (each with its own --help)")
     ap.add_argument("--k", type=float, default=10.0, help="time scale of the main paper-scale runs")
     ap.add_argument("--ks", default="5,10,20", help="time scales of the sweep (isolated, fifo and the best policy)")
     ap.add_argument("--k-large", type=float, default=2.0, help="time scale of the 64-device runs")

@@ -17,6 +17,7 @@ Medians over the isolated rounds. ``python experiments/paper_scale/calibrate.py`
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -50,6 +51,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options; --help
     doc = json.loads(SOURCE.read_text())
     shared = next(m for m in doc["meta"]["policies"] if m != "isolated")
     write(doc, "isolated", OUT, "the isolated runs'")
