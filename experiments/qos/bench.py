@@ -21,11 +21,11 @@ its cost per request is a fraction of httpx's, so the generator takes less of th
 processes) side by side: both services run at once (each in a child process), and every phase runs on the
 baseline, then at once on this checkout, so both see the same load from the rest of the machine:
 
-    mkdir -p /tmp/qos-base && git archive a5dc488 | tar -x -C /tmp/qos-base   # the code before this work
-    python experiments/qos/bench.py --baseline /tmp/qos-base --out experiments/qos/results_cpu.json
+    git worktree add /tmp/qos-base <commit>        # the code to compare with
+    python experiments/qos/bench.py --baseline /tmp/qos-base --out /tmp/qos-ab.json
     python experiments/qos/bench.py --phases predict --clients 1 64 --seconds 5   # a quick look
 
-Writes JSON (``--out``) and prints the tables.
+Writes JSON (``--out``, default ``results.json`` next to this file) and prints the tables.
 """
 
 from __future__ import annotations
@@ -528,7 +528,7 @@ def main() -> None:
                    "(as `nexus up --set`, e.g. qos.gc_freeze=false)")
     p.add_argument("--baseline-set", nargs="*", default=[], metavar="KEY=VALUE", help="settings of the baseline's "
                    "service (with --baseline . : the same code under other settings)")
-    p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--out", default=str(HERE / "results.json"), help="JSON results")
     args = p.parse_args()
     import torch
 
