@@ -10,8 +10,8 @@ Every ``--eval-every`` updates: deterministic episodes on held-out seeds (succes
 step of the episode, return). Episodes run their full length (``--terminate-on-success`` restores the
 catalog's early end).
 
-    python experiments/rl_learning/ppo_maniskill.py                       # PushCube, 15 min budget
-    python experiments/rl_learning/ppo_maniskill.py --budget-min 30 --env maniskill/pickcube-state
+    python experiments/rl_learning/run.py ppo                       # PushCube, 15 min budget
+    python experiments/rl_learning/run.py ppo --budget-min 30 --env maniskill/pickcube-state
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--init-log-std", type=float, default=-0.5, help="the Gaussian head's initial log std")
     ap.add_argument("--proprio-norm", choices=("tanh", "running"), default="tanh",
                     help="how the head reads the state (TenantSpec.proprio_norm)")
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default: ppo_<task>.json next to this file)")
+    ap.add_argument("--out", type=Path, default=HERE / "in_process.json",
+                    help="JSON results file; this run is its section ppo_<task>")
     ap.add_argument("--terminate-on-success", action="store_true",
                     help="end episodes at success (the catalog default); off: fixed-length episodes, as ManiSkill's "
                          "PPO baseline trains — with termination and a dense reward, succeeding early forfeits the "
@@ -160,19 +161,21 @@ def main() -> None:
           f"({os.cpu_count()} cores, torch threads {torch.get_num_threads()})")
 
     slug = args.env.split("/")[-1]
-    out = args.out or HERE / f"ppo_{slug}.json"
-    plot_path = out.with_suffix(".png")
+    out = args.out
+    plot_path = out.with_name(f"ppo_{slug}.png")
     plot(curve, evals, args.env, plot_path)
-    out.write_text(json.dumps({
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    doc[f"ppo_{slug}"] = {
         "meta": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                  "backbone": svc.backbone_cfg.compat_key(), "ppo": ppo.model_dump(),
                  "wall_s": round(time.time() - t_start, 1), "cpu_count": os.cpu_count(),
                  "python": platform.python_version(),
                  "torch": torch.__version__, "plot": plot_path.name, "out": str(out),
-                 "command": "python experiments/rl_learning/ppo_maniskill.py " + " ".join(sys.argv[1:]),
+                 "command": "python experiments/rl_learning/run.py ppo " + " ".join(sys.argv[1:]),
                  "mode": "one process: model + environment service + actor update function (no cluster)"},
         "start": first, "end": last, "end_mean_last3": tail, "best": best, "train_last10": train_tail,
-        "evals": evals, "train": curve}, indent=1, default=float))
+        "evals": evals, "train": curve}
+    out.write_text(json.dumps(doc, indent=1, default=float))
     print(f"wrote {out} and {plot_path}")
 
 

@@ -12,9 +12,9 @@ Settings are those of ``ppo_maniskill.py`` (16 episodes per update, OFT head wid
 (``maniskill/pushcube-state-full``). GRPO: groups of ``--group-size`` episodes, process supervision (every step
 reward standardized over its group, summed from the step on).
 
-    python experiments/rl_learning/service_rl.py                       # 40 updates each, ~15 min on 2 cores
-    python experiments/rl_learning/service_rl.py --updates 20 --algorithms grpo
-    python experiments/rl_learning/service_rl.py --algorithms ppo-c1,ppo-c2 --out ..._collectors.json  # 1 vs 2 sims
+    python experiments/rl_learning/run.py service                       # 40 updates each, ~15 min on 2 cores
+    python experiments/rl_learning/run.py service --updates 20 --algorithms grpo
+    python experiments/rl_learning/run.py service --algorithms ppo-c1,ppo-c2 --out /tmp/collectors.json  # 1 vs 2 sims
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ deterministic action chunk (Gaussian mean; flow integrated from zero noise) agai
 After training each policy also runs ``--env-episodes`` deterministic episodes in the simulator
 (first action of each chunk), as a sanity check of closed-loop behaviour.
 
-    python experiments/rl_learning/sft_families.py                   # ~4 min on CPU
+    python experiments/rl_learning/run.py sft                   # ~4 min on CPU
 """
 
 from __future__ import annotations
@@ -154,12 +154,13 @@ def main() -> None:
     print(f"(baselines: zeros {base['zeros']:.4f}, train mean {base['train_mean']:.4f}; {time.time() - t0:.0f} s)")
     plot_path = HERE / "sft_families.png"
     plot(results, base, plot_path)
-    out = HERE / "sft_families.json"
-    out.write_text(json.dumps({"meta": {**vars(args), "wall_s": round(time.time() - t0, 1), "torch": torch.__version__,
-                                        "python": platform.python_version(), "plot": plot_path.name,
-                                        "command": "python experiments/rl_learning/sft_families.py "
-                                                   + " ".join(sys.argv[1:])},
-                               "baselines": base, "results": results}, indent=1, default=float))
+    out = HERE / "in_process.json"  # this experiment's in-process results, one section per script
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    doc["sft_families"] = {"meta": {**vars(args), "wall_s": round(time.time() - t0, 1), "torch": torch.__version__,
+                                    "python": platform.python_version(), "plot": plot_path.name,
+                                    "command": "python experiments/rl_learning/run.py sft " + " ".join(sys.argv[1:])},
+                           "baselines": base, "results": results}
+    out.write_text(json.dumps(doc, indent=1, default=float))
     print(f"wrote {out} and {plot_path}")
 
 
