@@ -5,8 +5,8 @@ One ``Nexus.local`` service (scheduler, 2 SIM workers, actor, inference engine, 
 per setting and round, no tenant; after a settling pause, the CPU time (user + system) of every process
 over a window, by role. The settings alternate over the rounds.
 
-    python experiments/overhead/idle.py            # ~3 min on 2 cores
-    python experiments/overhead/idle.py --each     # also Dask's defaults with one service setting each
+    python experiments/overhead/bench.py idle            # ~3 min on 2 cores
+    python experiments/overhead/bench.py idle --each     # also Dask's defaults with one service setting each
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=10.0, help="s after start-up before measuring")
     ap.add_argument("--window", type=float, default=30.0, help="s measured")
     ap.add_argument("--each", action="store_true", help="also Dask's defaults with one service setting each")
-    ap.add_argument("--out", default=str(HERE / "results_idle.json"))
+    ap.add_argument("--out", default=str(HERE / "results.json"))
     args = ap.parse_args()
     from nexus.config import DASK_DEFAULTS
 
@@ -73,11 +73,14 @@ def main() -> None:
     totals = {n: sum(m.values()) for n, m in med.items()}
     print(f"{'total':12s}" + "".join(f"{totals[n]:>30.1f}" for n in settings))
     print(f"ratio dask defaults / service settings: {totals['dask defaults'] / max(totals['service'], 1e-9):.1f}x")
-    Path(args.out).write_text(json.dumps({
+    out = Path(args.out)  # one results file for the folder: this script's section of it
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    doc["idle_each" if args.each else "idle"] = {
         "meta": {**vars(args), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                 "command": "python experiments/overhead/idle.py " + " ".join(sys.argv[1:]),
+                 "command": "python experiments/overhead/bench.py idle " + " ".join(sys.argv[1:]),
                  "settings": settings},
-        "median_pct_of_core": med, "totals": totals, "runs": runs}, indent=1))
+        "median_pct_of_core": med, "totals": totals, "runs": runs}
+    out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -13,7 +13,7 @@ thread as a Dask worker runs its tasks:
 User and system CPU seconds and minor page faults per workload (``getrusage``), settings alternating over
 the rounds.
 
-    python experiments/overhead/malloc.py          # ~3 min on 2 cores
+    python experiments/overhead/bench.py malloc          # ~3 min on 2 cores
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--render-steps", type=int, default=40, help="lockstep steps of the 4 rgb envs")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=str(HERE / "results_malloc.json"))
+    ap.add_argument("--out", default=str(HERE / "results.json"))
     args = ap.parse_args()
     if args.child:
         child(args.child, args.steps)
@@ -131,11 +131,14 @@ def main() -> None:
         a, b = (by[s]["cpu_s"] for s in SETTINGS)
         ratios[w] = a / max(b, 1e-9)
         print(f"{w:8s} CPU with Dask's setting / without: {ratios[w]:.2f}x")
-    Path(args.out).write_text(json.dumps({
+    out = Path(args.out)  # one results file for the folder: this script's section of it
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    doc["malloc"] = {
         "meta": {**{k: v for k, v in vars(args).items() if k not in ("child", "steps")}, "settings": SETTINGS,
                  "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                 "command": "python experiments/overhead/malloc.py " + " ".join(sys.argv[1:])},
-        "median": med, "cpu_ratio": ratios, "runs": runs}, indent=1))
+                 "command": "python experiments/overhead/bench.py malloc " + " ".join(sys.argv[1:])},
+        "median": med, "cpu_ratio": ratios, "runs": runs}
+    out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}")
 
 

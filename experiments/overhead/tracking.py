@@ -8,7 +8,7 @@ In one process: the link's messages go straight to the host, so the Dask message
 service (pickling on the scheduler and the worker) is not counted here; the figures are the tracker's
 own work.
 
-    python experiments/overhead/tracking.py        # ~2 min on 2 cores
+    python experiments/overhead/bench.py tracking        # ~2 min on 2 cores
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--sft-rate", type=float, default=20.0, help="SFT steps per s (a train row each)")
     ap.add_argument("--rl-rate", type=float, default=1.0, help="rollout + update rows per s, each of 3 RL jobs")
     ap.add_argument("--lingers", default="0,0.5,1.0", help="the link's linger_s settings compared")
-    ap.add_argument("--out", default=str(HERE / "results_tracking.json"))
+    ap.add_argument("--out", default=str(HERE / "results.json"))
     args = ap.parse_args()
     lingers = [float(x) for x in args.lingers.split(",")]
     runs: dict[float, list[dict[str, float]]] = {x: [] for x in lingers}
@@ -99,10 +99,13 @@ def main() -> None:
     base = med[lingers[0]]["cpu_pct_of_core"]
     for x in lingers[1:]:
         print(f"linger {x:g} s uses {base / max(med[x]['cpu_pct_of_core'], 1e-9):.1f}x less CPU than {lingers[0]:g} s")
-    Path(args.out).write_text(json.dumps({
+    out = Path(args.out)  # one results file for the folder: this script's section of it
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    doc["tracking"] = {
         "meta": {**vars(args), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                 "command": "python experiments/overhead/tracking.py " + " ".join(sys.argv[1:])},
-        "median": {str(x): m for x, m in med.items()}, "runs": {str(x): rs for x, rs in runs.items()}}, indent=1))
+                 "command": "python experiments/overhead/bench.py tracking " + " ".join(sys.argv[1:])},
+        "median": {str(x): m for x, m in med.items()}, "runs": {str(x): rs for x, rs in runs.items()}}
+    out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}")
 
 
