@@ -9,7 +9,7 @@ Both sides run SB3's PPO (``MultiInputPolicy``, the same settings and seed) on N
   worker of a local service (``Nexus.local``), every vector step one HTTP call to the gateway, which forwards
   it to the simulator worker, where it runs on the worker's session thread;
 - service_one_worker: the same for a tenant whose ``limits.env_session_workers`` is 1: the session's envs all on
-  one simulator worker (before 2026-12-03 every session's were; "service" spreads a vector session over up to
+  one simulator worker ("service" spreads a vector session over up to
   ``env_session_workers`` = 2 of the ``--sim-workers`` workers, which step their shares at once);
 - service_inline (``--sides``): a tenant whose ``limits.env_session_inline_s`` is ``--inline-s``: a call whose
   previous call took less runs on the worker's event loop (two thread hand-offs fewer per step).

@@ -274,7 +274,7 @@ async def noisy(host: str, port: int, tokens: dict[str, str], tenants: list[str]
     """Open loop: 15 quiet tenants at ``rate``, in ``rounds`` alternating pairs of windows of ``seconds``
     (alone, then with a 16th tenant at 10x; alone, with, ...), so both cases see the same moments of the shared
     box. ``quiet_p99_increase``: the median of the "with" windows' quiet p99 over the median of the "alone"
-    ones, minus 1 (with ``rounds=1``: round 1/2's one 10-s window each, the old measure); every window is listed
+    ones, minus 1 (with ``rounds=1``: one window each); every window is listed
     (``rounds``), with the pooled percentiles of all windows of a case (``alone``, ``with_noisy``) and each
     pair's own increase."""
     quiet, loud = tenants[:15], tenants[15]
@@ -396,11 +396,11 @@ def engine_phase(eng, start: bool) -> dict | None:
             "rows_per_group": round(rows / groups, 1),
             "busy_ms_per_row": round(1e3 * s["busy_s"] / rows, 2) if rows else None,
             "prefix_cache": s.get("prefix_cache"),  # (none before this cache existed)
-            "gc": s.get("gc")}  # the engine worker's collections in the phase (none before round 3)
+            "gc": s.get("gc")}  # the engine worker's collections in the phase (none on code without it)
 
 
 def gateway_gc(http, token: str) -> dict | None:
-    """The gateway's collections and fair-share refusals so far (``GET /v1/admin/qos``; none before round 3)."""
+    """The gateway's collections and fair-share refusals so far (``GET /v1/admin/qos``; None on code without it)."""
     r = http.get("/v1/admin/qos", headers={"Authorization": f"Bearer {token}"})
     view = r.json() if r.status_code == 200 else {}
     return {**view["gc"], "shed": view.get("shed", 0)} if "gc" in view else None
