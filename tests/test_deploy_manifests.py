@@ -158,19 +158,11 @@ def test_jobqueue_example_job_script_runs_the_nexus_worker():
 REPO = DEPLOY.parent
 
 
-def _dockerfile() -> list[tuple[str, str]]:
-    """The Dockerfile's instructions as (KEYWORD, arguments): comments dropped, continuations joined."""
-    lines = [ln for ln in (REPO / "Dockerfile").read_text().splitlines() if not ln.lstrip().startswith("#")]
-    out = []
-    for ins in "\n".join(lines).replace("\\\n", " ").splitlines():
-        if ins.strip():
-            key, _, rest = ins.strip().partition(" ")
-            out.append((key.upper(), rest.strip()))
-    return out
-
-
 def _instr(key: str) -> list[str]:
-    return [rest for k, rest in _dockerfile() if k == key]
+    """The arguments of each ``key`` instruction of the Dockerfile (dockerfile-parse: continuations joined)."""
+    from dockerfile_parse import DockerfileParser
+
+    return [i["value"] for i in DockerfileParser(path=str(REPO / "Dockerfile")).structure if i["instruction"] == key]
 
 
 def _words(rest: str) -> list[str]:
@@ -181,18 +173,16 @@ def _words(rest: str) -> list[str]:
 
 
 def _image_facts() -> dict:
+    from dockerfile_parse import DockerfileParser
+
+    df = DockerfileParser(path=str(REPO / "Dockerfile"))
     (workdir,) = _instr("WORKDIR")
     (user,) = _instr("USER")
-    env = {}
-    for rest in _instr("ENV"):
-        for w in shlex.split(rest):
-            k, _, v = w.partition("=")
-            env[k] = v
-    return {"workdir": workdir, "uid": int(user.split(":")[0]), "gid": int(user.split(":")[1]),
+    return {"base": df.baseimage, "workdir": workdir, "uid": int(user.split(":")[0]), "gid": int(user.split(":")[1]),
             "volumes": {v for rest in _instr("VOLUME") for v in _words(rest)},
             "expose": {int(p.split("/")[0]) for rest in _instr("EXPOSE") for p in rest.split()},
-            "path": env.get("PATH", "").split(":"), "entrypoint": _words(_instr("ENTRYPOINT")[-1]),
-            "args": {k: v for k, _, v in (a.partition("=") for a in _instr("ARG"))}}
+            "path": df.envs.get("PATH", "").split(":"), "entrypoint": _words(_instr("ENTRYPOINT")[-1]),
+            "args": df.args}
 
 
 def _setup_cfg() -> dict:
@@ -227,7 +217,7 @@ def test_image_is_built_by_the_readme_setup_with_a_cuda_build_argument():
     torch_line = next(ln for ln in makefile.splitlines() if "pip install" in ln and "torch==" in ln)
     assert "$(TORCH_INDEX)" in torch_line
     py = re.search(r"^PY \?= (python\d\.\d+)", makefile, re.M).group(1)
-    assert f"PY={py}" in setup[0] and _instr("FROM")[0].startswith(f"python:{py.removeprefix('python')}-")
+    assert f"PY={py}" in setup[0] and facts["base"].startswith(f"python:{py.removeprefix('python')}-")
     # what `make setup` reads is in the build context; local state is not
     for need in ("Makefile", "setup.cfg", "pyproject.toml", "scripts/install_system.sh", "scripts/constraints.txt",
                  "nexus/__init__.py", "configs/service.toml"):
