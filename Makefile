@@ -2,6 +2,9 @@
 #   make demo   — install everything, then run the four-tenant demo on a local Dask cluster
 #   make test   — install everything, then run the test suite
 PY ?= python3.11
+# empty: torch from the configured index (here the CPU wheel on local disk); the Dockerfile passes
+# https://download.pytorch.org/whl/cpu or .../cu128 (a CUDA build)
+TORCH_INDEX ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nexus-installed
@@ -13,7 +16,7 @@ $(STAMP): setup.cfg pyproject.toml scripts/install_system.sh scripts/constraints
 	bash scripts/install_system.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0   # the CPU wheel on local disk; pinned so no CUDA build is pulled
+	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))   # pinned: no CUDA build unless asked
 	$(BIN)/pip install -q -c scripts/constraints.txt -e '.[test]'
 	# robosuite (LIBERO's engine) without its numpy<2 dependency mink; its other needs are in setup.cfg
 	$(BIN)/pip install -q -c scripts/constraints.txt --no-deps robosuite==1.5.2

@@ -13,6 +13,7 @@ the same error class and messages the API raises for the same spec given as a di
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import tomllib
@@ -323,6 +324,16 @@ class RetentionSettings(BaseModel):
     # moment it starts), so reports and MLflow runs stay reproducible
 
 
+def is_loopback(host: str) -> bool:
+    """``host`` names this machine's loopback interface (only local users reach what listens there)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     root: str = Field(description="service folder: tenants' output dirs, MLflow store, logs")
@@ -330,8 +341,9 @@ class ServiceConfig(BaseModel):
                                                "torch.distributed); loopback unless the service spans hosts")
     tls: bool = Field(False, description="Dask comms over mutual TLS, certificates generated under root/tls")
     gateway_port: int = Field(0, ge=0, le=65535, description="tenant gateway port (0: any free port)")
-    open_registration: bool = Field(True, description="anyone reaching the gateway may create a tenant "
-                                                      "(False: the operator token is needed)")
+    open_registration: bool | None = Field(None, description="who may create a tenant: true: anyone reaching the "
+                                           "gateway; false: the operator token is needed; unset: anyone while the "
+                                           "gateway listens on loopback, the operator token off loopback")
     output_base: str | None = Field(None, description="folder inside which a spec's output_dir may point; "
                                                       "unset: every tenant lives in root/tenants/<name>")
     limits: ServiceLimits = ServiceLimits()
@@ -451,6 +463,11 @@ class ServiceConfig(BaseModel):
         for over in self.tenant_limits.values():
             ServiceLimits(**{**self.limits.model_dump(), **over})  # unknown or invalid fields fail here
         return self
+
+    def registration_open(self, host: str) -> bool:
+        """Whether a gateway listening on ``host`` lets a caller without the operator token create tenants:
+        ``open_registration`` when the operator set it, else only on loopback (only this host's users reach it)."""
+        return self.open_registration if self.open_registration is not None else is_loopback(host)
 
     def limits_for(self, tenant: str) -> ServiceLimits:
         over = self.tenant_limits.get(tenant)

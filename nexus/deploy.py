@@ -21,7 +21,6 @@ resource (:mod:`nexus.control.supervisor`).
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import socket
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from nexus.cluster import RootLock
-from nexus.config import ServiceConfig
+from nexus.config import ServiceConfig, is_loopback
 from nexus.errors import SpecError, Unavailable
 from nexus.paths import harden_process, private_mkdir
 from nexus.processes import (
@@ -46,15 +45,6 @@ from nexus.processes import (
 from nexus.tls import ensure_certificates, server_certificate, tls_files
 
 SCHEDULER_PORT, DASHBOARD_PORT = 8786, 8787  # Dask's own defaults
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def facing_address(target: str) -> str:

@@ -10,6 +10,9 @@ that left: its roles fail over, and a simulator is retired once it stays away.
     python deploy/slurm/jobqueue_workers.py --root ~/joynexus/root --role sim --jobs 4 --queue cpu --dry-run
     python deploy/slurm/jobqueue_workers.py --root ~/joynexus/root --role sim --jobs 4 --queue cpu
       (holds the jobs until Ctrl-C, then cancels them)
+
+``--image joynexus-0.1.0.sif`` runs each worker in the repository's image (the Dockerfile, converted for
+Apptainer as ``deploy/slurm/nexus.sbatch`` says) rather than a ``nexus`` installed on the nodes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ def nexus_worker_command(root: str, role: str, scratch: str, memory_limit: str, 
     """The command each job runs: named by ``$SLURM_JOB_ID`` (expanded by the job's shell), or ``actor-RANK``."""
     cmd = ["nexus", "worker", "--role", role, "--root", root, "--scratch", scratch, "--memory-limit", memory_limit]
     return cmd + (["--rank", str(rank)] if rank is not None else ["--name", f"{role}-slurm-$SLURM_JOB_ID"])
+
+
+def in_image(image: str, root: str) -> list[str]:
+    """The Apptainer prefix that runs a command in the image: its WORKDIR, the shared root and /tmp bound."""
+    return ["apptainer", "exec", "--pwd", "/opt/joynexus", "--bind", root, "--bind", "/tmp", image]
 
 
 def worker_job(command: list[str], **slurm):
@@ -62,12 +70,15 @@ def main() -> None:
     p.add_argument("--memory", default="8GB", help="memory of one job (the worker's limit: 90 %% of it)")
     p.add_argument("--walltime", default="04:00:00")
     p.add_argument("--gpus", type=int, default=0, help="GPUs per job (actor / infer on GPU nodes)")
+    p.add_argument("--image", default=None, help="run the worker in this Apptainer image (.sif of the Dockerfile)")
     p.add_argument("--dry-run", action="store_true", help="print the job script and submit nothing")
     a = p.parse_args()
     from dask.utils import parse_bytes
 
     limit = f"{int(parse_bytes(a.memory) * 0.9) // 2**20}MiB"
     command = nexus_worker_command(a.root, a.role, a.scratch, limit, a.rank)
+    if a.image:
+        command = in_image(a.image, a.root) + command
     extra = [f"--gres=gpu:{a.gpus}"] if a.gpus else []
     slurm = dict(queue=a.queue, account=a.account, cores=a.cores, memory=a.memory, walltime=a.walltime,
                  job_name=f"joynexus-{a.role}", job_extra_directives=extra)

@@ -19,6 +19,7 @@ the gateway's HTTP API (operator token) in steps up to each count of ``--tenants
 
     python experiments/scale/bench.py                          # 1, 64, 256, 1024 tenants; ~25 min on 2 cores
     python experiments/scale/bench.py --tenants 1 64 --predict-s 5   # a quick look
+    python experiments/scale/real_shapes.py                     # real-shape backbones counted on the meta device
     python experiments/scale/bench.py slot-memory               # one actor slot's memory by component
                                                                 # (slot_memory.py, in one process; its own --help)
 """
@@ -259,7 +260,9 @@ def main() -> None:
               f"{p99('pump'):>12s} {p99('route'):>13s} {r['create_p50_ms']:8.0f}/{r['create_p99_ms']:<9.0f} "
               f"{r['status_p50_ms']:8.0f}/{r['status_p99_ms']:<9.0f} {r['status_kib']:11.1f} "
               f"{r['predict']['predict_per_s']:10.0f}")
+    kept = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
     Path(args.out).write_text(json.dumps({
+        **{k: v for k, v in kept.items() if k == "real_shapes"},  # real_shapes.py's section
         "meta": {**vars(args), "cpu_count": os.cpu_count(), "python": platform.python_version(),
                  "command": "python experiments/scale/bench.py " + " ".join(sys.argv[1:]),
                  "wall_s": time.time() - t_all}, "base": base, "rows": rows,

@@ -157,7 +157,8 @@ def _add_backbone_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backbone-path", default=None,
                    help="a Hugging Face checkpoint directory of the backbone (from_pretrained, never a hub download)")
     g.add_argument("--backbone-family", default=None, choices=["qwen3vl", "paligemma"])
-    g.add_argument("--backbone-size", default=None, help="offline preset without a checkpoint (tiny, small, medium)")
+    g.add_argument("--backbone-size", default=None, help="offline preset without a checkpoint (tiny, small, "
+                   "medium; the real shapes qwen3vl 2b / 4b, paligemma 3b: random weights)")
     g.add_argument("--image-size", type=int, default=None)
 
 

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 logging.getLogger("nexus.gateway").info(
                     "gc after start-up: %s", apply_gc(config.qos.gc_freeze, config.qos.gc_gen0_threshold))
 
-    app = create_app(config, Backend(address, security(config)), tokens)
+    app = create_app(config, Backend(address, security(config)), tokens, host=bind)
     server = Server(uvicorn.Config(app, loop=config.qos.gateway_loop, http=config.qos.gateway_http,
                                    log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                                    ssl_certfile=a.certfile, ssl_keyfile=a.keyfile))

@@ -304,8 +304,13 @@ class Gateway:
             self.pending[tenant] -= 1
 
 
-def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_ready=None) -> FastAPI:
+def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_ready=None,
+               host: str | None = None) -> FastAPI:
+    """``host``: the address the gateway listens on (default: the config's); off loopback, creating a tenant
+    needs the operator token unless ``open_registration`` is set to true."""
     gw = Gateway(config, backend, tokens)
+    bind = host or config.host
+    registration_open = config.registration_open(bind)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -374,8 +379,10 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
     async def create_tenant(spec: TenantSpec, who: MaybeWho) -> dict[str, Any]:
         """Validate a spec and allocate the tenant's slot; the answer carries its secret ``token`` (shown
         once). Re-creating an existing tenant needs its token (or the operator's) and returns no new one."""
-        if not config.open_registration and not (who and who.operator):
-            raise Forbidden("creating tenants needs the operator token on this service")
+        if not registration_open and not (who and who.operator):
+            why = ("open_registration = false" if config.open_registration is False else
+                   f"the gateway listens on {bind}, not loopback, and open_registration is not set to true")
+            raise Forbidden(f"creating tenants needs the operator token on this service ({why})")
         name = spec.name
         validate_tenant(spec, gw.limits(name))
         if spec.init_from is not None and not (who and who.operator):  # a server path: never another's export

@@ -30,6 +30,11 @@ SIZES: dict[str, dict[str, Any]] = {
     # ~SigLIP-B/16 + a 12-layer Gemma: the GPU preset of the group-batching experiment
     "medium": dict(th=1024, tl=12, tn=8, tkv=1, thd=128, ti=4096, vh=768, vl=12, vn=12, vi=3072, patch=16,
                    img=224),
+    # google/paligemma-3b-pt-224's architecture, random weights (never downloaded): its config.json (Gemma-2B
+    # text tower, 257216-token vocabulary; SigLIP So400m/14 at 224 px, projection to 2048). 11.7 GB in fp32:
+    # count it on the meta device (nexus.model.shapes).
+    "3b": dict(th=2048, tl=18, tn=8, tkv=1, thd=256, ti=16384, vocab=257216, vh=1152, vl=27, vn=16, vi=4304,
+               patch=14, img=224),
 }
 _INIT_SEED = 0
 
@@ -47,7 +52,7 @@ def _build_offline_model(tokenizer: Any, size: str) -> torch.nn.Module:
         vision_config=dict(model_type="siglip_vision_model", hidden_size=s["vh"], intermediate_size=s["vi"],
                            num_hidden_layers=s["vl"], num_attention_heads=s["vn"], image_size=s["img"],
                            patch_size=s["patch"], projection_dim=s["th"]),
-        text_config=dict(model_type="gemma", vocab_size=len(tokenizer), hidden_size=s["th"],
+        text_config=dict(model_type="gemma", vocab_size=s.get("vocab", len(tokenizer)), hidden_size=s["th"],
                          intermediate_size=s["ti"], num_hidden_layers=s["tl"], num_attention_heads=s["tn"],
                          num_key_value_heads=s["tkv"], head_dim=s["thd"], pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
@@ -56,6 +61,15 @@ def _build_offline_model(tokenizer: Any, size: str) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_INIT_SEED)
         return PaliGemmaModel(cfg)
+
+
+def offline_tokenizer() -> Any:
+    return build_bpe_tokenizer([PAD, EOS, BOS, IMAGE_TOKEN], eos=EOS, pad=PAD, bos=BOS)
+
+
+def build_offline_model(size: str) -> torch.nn.Module:
+    """An offline preset's model (on the current default device: ``with torch.device("meta")`` for shapes only)."""
+    return _build_offline_model(offline_tokenizer(), size)
 
 
 class PaliGemmaInputs:
@@ -85,7 +99,7 @@ class PaliGemmaFamily:
             tokenizer = AutoTokenizer.from_pretrained(cfg.local_path)
             image_processor = SiglipImageProcessorPil.from_pretrained(cfg.local_path)
         else:
-            tokenizer = build_bpe_tokenizer([PAD, EOS, BOS, IMAGE_TOKEN], eos=EOS, pad=PAD, bos=BOS)
+            tokenizer = offline_tokenizer()
             self.model = _build_offline_model(tokenizer, cfg.size)
             image_processor = SiglipImageProcessorPil()  # mean = std = 0.5, as SigLIP was trained
         self.processor = PaliGemmaInputs(tokenizer, image_processor)

@@ -26,11 +26,21 @@ _SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", VISION_START, 
 # 16 px patches merged 2x2 -> image sides must be multiples of 32 to avoid resampling.
 IMAGE_FACTOR = 32
 
-# Offline presets. text: hidden, layers, heads, kv heads, mlp; vision: hidden, depth, heads, mlp, deepstack
+# Offline presets. text: hidden, layers, heads, kv heads, mlp (head dim: hidden / heads unless `hd`; vocabulary:
+# the offline tokenizer's unless `vocab`); vision: hidden, depth, heads, mlp, deepstack (`pos`: its position table)
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(th=64, tl=2, tn=4, tkv=2, ti=128, vh=32, vd=1, vn=2, vi=64, deep=(0,)),
     "small": dict(th=256, tl=4, tn=4, tkv=2, ti=512, vh=128, vd=4, vn=4, vi=256, deep=(1, 2, 3)),
     "medium": dict(th=1024, tl=12, tn=16, tkv=8, ti=2816, vh=768, vd=8, vn=12, vi=3072, deep=(2, 5, 7)),
+    # The architectures of the released models, random weights (never downloaded): the `config.json` of
+    # Qwen/Qwen3-VL-2B-Instruct and Qwen/Qwen3-VL-4B-Instruct (text_config / vision_config; rope theta 5e6,
+    # mrope [24, 20, 20], vision patch 16, merge 2, 2304 position embeddings, deepstack layers 5, 11, 17).
+    # The text towers are Qwen3-1.7B's and Qwen3-4B's shapes. Built for real they take 8 / 18 GB in fp32:
+    # count them on the meta device (nexus.model.shapes).
+    "2b": dict(th=2048, tl=28, tn=16, tkv=8, hd=128, ti=6144, vocab=151936, theta=5e6,
+               vh=1024, vd=24, vn=16, vi=4096, deep=(5, 11, 17), pos=2304),
+    "4b": dict(th=2560, tl=36, tn=32, tkv=8, hd=128, ti=9728, vocab=151936, theta=5e6,
+               vh=1024, vd=24, vn=16, vi=4096, deep=(5, 11, 17), pos=2304),
 }
 
 # Toy corpus for the offline tokenizer: robot instructions, so common words become single tokens.
@@ -98,17 +108,17 @@ def _build_offline_model(tokenizer: Any, size: str) -> torch.nn.Module:
 
     s = SIZES[size]
     tid = tokenizer.convert_tokens_to_ids
-    head_dim = s["th"] // s["tn"]
+    head_dim = s.get("hd", s["th"] // s["tn"])
     cfg = Qwen3VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=s["th"], intermediate_size=s["ti"],
+        text_config=dict(vocab_size=s.get("vocab", len(tokenizer)), hidden_size=s["th"], intermediate_size=s["ti"],
                          num_hidden_layers=s["tl"], num_attention_heads=s["tn"],
                          num_key_value_heads=s["tkv"], head_dim=head_dim, max_position_embeddings=4096,
-                         rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                         rope_parameters=dict(rope_type="default", rope_theta=s.get("theta", 10000.0),
                                               mrope_section=_mrope_section(head_dim), mrope_interleaved=True),
                          pad_token_id=tid("<|endoftext|>")),
         vision_config=dict(depth=s["vd"], hidden_size=s["vh"], intermediate_size=s["vi"], num_heads=s["vn"],
                            patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                           out_hidden_size=s["th"], num_position_embeddings=256,
+                           out_hidden_size=s["th"], num_position_embeddings=s.get("pos", 256),
                            deepstack_visual_indexes=list(s["deep"])),
         image_token_id=tid(IMAGE_PAD), video_token_id=tid("<|video_pad|>"),
         vision_start_token_id=tid(VISION_START), vision_end_token_id=tid(VISION_END),
@@ -133,6 +143,15 @@ def _load_local_processor(path: str) -> Any:
     return _build_processor(AutoTokenizer.from_pretrained(path), Qwen2VLImageProcessorPil.from_pretrained(path))
 
 
+def offline_tokenizer() -> Any:
+    return build_bpe_tokenizer(_SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>")
+
+
+def build_offline_model(size: str) -> torch.nn.Module:
+    """An offline preset's model (on the current default device: ``with torch.device("meta")`` for shapes only)."""
+    return _build_offline_model(offline_tokenizer(), size)
+
+
 class Qwen3VLFamily:
     """Model + processor of one Qwen3-VL backbone, and how a group of VLAFeatures runs through it."""
 
@@ -153,7 +172,7 @@ class Qwen3VLFamily:
             self.model = Qwen3VLModel.from_pretrained(cfg.local_path, dtype=dtype)
             self.processor = _load_local_processor(cfg.local_path)
         else:
-            tokenizer = build_bpe_tokenizer(_SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>")
+            tokenizer = offline_tokenizer()
             self.processor = _build_processor(tokenizer)
             self.model = _build_offline_model(tokenizer, cfg.size)
         self.processor.tokenizer.padding_side = "left"  # grouped == single needs left padding
