@@ -4,7 +4,8 @@ resolve, and the code examples run.
 Which code blocks run is said by an HTML comment on the line before the block's fence (invisible in the rendered
 page; the convention is documented in docs/index.md, "How these pages are tested"):
 
-* ``<!-- run -->``: runs for real, alone, in a fresh namespace and an empty working directory; needs no service.
+* ``<!-- run -->``: runs for real, alone, in a fresh namespace, from the repository root; needs no service (and
+  writes nothing).
 * ``<!-- run: service-start -->``: starts the service the ``service`` blocks use (it must bind ``nx``); every such
   block in the docs must be the same text, and it runs once.
 * ``<!-- run: service -->``: runs against that service, page by page (README first, then the docs in their
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import os
 import re
 import shlex
@@ -35,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.S | re.M)
 MARKER = re.compile(r"<!--\s*(run|run:\s*service-start|run:\s*service|illustrative:[^>]*)\s*-->\s*$")
+SHELL_OPERATORS = {"|", "||", "&&", ";", ">", ">>", "<", "&"}
 # module names of the package layout the docs are written in, aliased to today's module until it exists
 NEW_LAYOUT = {"nexus.export.policy": "nexus.policy"}
 
@@ -122,7 +125,9 @@ def test_shell_blocks_name_real_commands():
         if b.lang not in ("bash", "sh", "shell"):
             continue
         for line in b.code.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
+            lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
+            words = list(itertools.takewhile(lambda w: w not in SHELL_OPERATORS, lexer))  # the first command
             if not words:
                 continue
             if words[0] == "nexus":
@@ -201,8 +206,8 @@ def _run(block: Block, namespace: dict) -> None:
 
 
 @pytest.mark.parametrize("block", [b for b in PYTHON if b.mark == "run"], ids=lambda b: b.where)
-def test_offline_example_runs(block, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def test_offline_example_runs(block, monkeypatch):
+    monkeypatch.chdir(REPO)
     _alias_new_layout()
     _run(block, {"__name__": "__docs__"})
 
