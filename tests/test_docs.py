@@ -117,6 +117,15 @@ def test_readme_is_a_front_door_with_valid_links():
     assert not broken, f"README links to missing files: {broken}"
 
 
+def test_result_commands_name_scripts_that_exist():
+    """The results tables' commands point at the experiments' scripts as they are (scripts get renamed)."""
+    for page in (REPO / "README.md", DOCS / "results.md"):
+        scripts = re.findall(r"python (experiments/\S+?\.py)", page.read_text())
+        assert len(scripts) >= 5, page
+        missing = sorted({s for s in scripts if not (REPO / s).is_file()})
+        assert not missing, f"{page.name}: result commands name missing scripts {missing}"
+
+
 def test_shell_blocks_name_real_commands():
     from nexus.client.cli import build_parser
 
