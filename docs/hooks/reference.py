@@ -8,8 +8,8 @@
   document is a property of the routes); the document itself is published beside the page as
   ``api/openapi.json``.
 
-The one place the settings model is named is ``SETTINGS`` below (``module:attribute``): point it at the model's
-new home when the settings move.
+The one place the settings model is named is ``SETTINGS`` below (``module:attribute``, the first that imports
+wins): the model's home after the package reorganization first, today's second.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-SETTINGS = "nexus.config:ServiceConfig"  # the service's settings model (pydantic); its top level is `service.toml`
+SETTINGS = ("nexus.config.service:ServiceConfig", "nexus.config:ServiceConfig")  # the service's settings (pydantic)
 
 CONFIG_MARK = "<!-- nexus:config-reference -->"
 API_MARK = "<!-- nexus:http-api -->"
@@ -39,8 +39,14 @@ def _repo_on_path(config: Any) -> None:
 
 
 def settings_model() -> type:
-    module, _, attr = SETTINGS.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    """The service's settings model: the top level of a service file, its sections as nested models."""
+    for name in SETTINGS:
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ModuleNotFoundError, AttributeError):
+            continue
+    raise ImportError(f"none of {SETTINGS} names the service's settings model")
 
 
 # -- the configuration reference ------------------------------------------------------------------------------
