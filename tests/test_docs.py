@@ -126,6 +126,24 @@ def test_result_commands_name_scripts_that_exist():
         assert not missing, f"{page.name}: result commands name missing scripts {missing}"
 
 
+def _results_table(text: str) -> list[str]:
+    """The rows of the first table after a "Results" heading (or the page's first table)."""
+    start = re.search(r"^#+ Results\s*$", text, re.M)
+    lines = text[start.end() if start else 0:].splitlines()
+    lines = list(itertools.dropwhile(lambda line: not line.startswith("|"), lines))
+    table = list(itertools.takewhile(lambda line: line.startswith("|"), lines))
+    return table[2:]  # past the header and the rule
+
+
+def test_readme_and_results_page_carry_the_same_figures():
+    readme = _results_table((REPO / "README.md").read_text())
+    page = _results_table((DOCS / "results.md").read_text())
+    assert len(readme) == len(page) >= 8
+    bold = [re.findall(r"\*\*([^*]+)\*\*", r) for r in readme]
+    assert bold == [re.findall(r"\*\*([^*]+)\*\*", r) for r in page]
+    assert sum("being re-measured (issue 51)" in r for r in readme) == 2
+
+
 def test_shell_blocks_name_real_commands():
     from nexus.client.cli import build_parser
 
