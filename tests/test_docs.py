@@ -18,6 +18,7 @@ Every ``python`` block carries one of these; a block without one fails the suite
 
 from __future__ import annotations
 
+import html
 import importlib
 import importlib.util
 import itertools
@@ -26,6 +27,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,9 +185,9 @@ def _hook():
     return module
 
 
-def test_site_builds_strict_with_every_setting_and_every_route(site):
+def test_site_builds_strict_with_every_setting_policy_and_route(site):
     hook = _hook()
-    html = (site / "operator" / "configuration" / "index.html").read_text()
+    config_page = (site / "operator" / "configuration" / "index.html").read_text()
     sections, leaves = [], []
 
     def walk(model, path=""):
@@ -200,9 +202,15 @@ def test_site_builds_strict_with_every_setting_and_every_route(site):
 
     walk(hook.settings_model())
     assert len(leaves) > 50 and sections
-    missing = [k for k in sections if f'id="{hook._anchor(k)}"' not in html]
-    missing += [n for n in leaves if f"<code>{n}</code>" not in html]
+    missing = [k for k in sections if f'id="{hook._anchor(k)}"' not in config_page]
+    missing += [n for n in leaves if f"<code>{n}</code>" not in config_page]
     assert not missing, f"settings missing from the configuration reference: {missing}"
+    policies = (site / "operator" / "scheduling" / "index.html").read_text()
+    shipped = {p.stem: tomllib.loads(p.read_text()) for p in sorted((REPO / "schedulers").glob("*.toml"))}
+    assert shipped
+    for name, data in shipped.items():  # the generated row: the file's description and its settings
+        row = f"<code>{name}</code></td>\n<td>{html.escape(data.get('description', ''), quote=False)}"
+        assert row in policies, name
     api = (site / "api" / "index.html").read_text()
     doc = hook.openapi_document()
     assert (site / "api" / "openapi.json").is_file()

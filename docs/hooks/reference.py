@@ -27,6 +27,7 @@ from typing import Any
 SETTINGS = ("nexus.config.service:ServiceConfig", "nexus.config:ServiceConfig")  # the service's settings (pydantic)
 
 CONFIG_MARK = "<!-- nexus:config-reference -->"
+POLICIES_MARK = "<!-- nexus:scheduling-policies -->"
 API_MARK = "<!-- nexus:http-api -->"
 _openapi_cache: dict[str, Any] = {}
 
@@ -140,6 +141,27 @@ def _anchor(key: str) -> str:
     return "config-" + re.sub(r"[^a-z0-9]+", "-", key.lower()).strip("-")
 
 
+# -- the scheduling policies shipped in schedulers/ -------------------------------------------------------------
+def scheduling_policies(folder: Path) -> list[str]:
+    """Markdown: one row per policy file, its description and every setting it makes (flattened keys)."""
+    import tomllib
+
+    def flat(table: dict[str, Any], prefix: str = "") -> list[str]:
+        out = []
+        for k, v in table.items():
+            if isinstance(v, dict):
+                out += flat(v, f"{prefix}{k}.")
+            elif k != "description":
+                out.append(f"`{prefix}{k} = {json.dumps(v)}`")
+        return out
+
+    lines = ["| policy | what | settings |", "|---|---|---|"]
+    for path in sorted(folder.glob("*.toml")):
+        data = tomllib.loads(path.read_text())
+        lines.append(f"| `{path.stem}` | {_cell(data.get('description', ''))} | {', '.join(flat(data))} |")
+    return lines
+
+
 # -- the HTTP API reference ------------------------------------------------------------------------------------
 def openapi_document() -> dict[str, Any]:
     """The gateway's OpenAPI document, from its FastAPI app built around a backend that is never connected."""
@@ -230,6 +252,9 @@ def on_files(files: Any, config: Any) -> Any:
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if CONFIG_MARK in markdown:
         markdown = markdown.replace(CONFIG_MARK, "\n".join(config_reference(settings_model())))
+    if POLICIES_MARK in markdown:
+        folder = Path(config.config_file_path).resolve().parent / "schedulers"
+        markdown = markdown.replace(POLICIES_MARK, "\n".join(scheduling_policies(folder)))
     if API_MARK in markdown:
         markdown = markdown.replace(API_MARK, "\n".join(http_reference(openapi_document())))
     return markdown
