@@ -70,7 +70,8 @@ def _type_name(annotation: Any) -> str:
     if isinstance(annotation, type) and typing.get_origin(annotation) is None:
         return annotation.__name__
     text = str(annotation).replace("typing.", "")
-    return re.sub(r"\b(?:[a-z_]+\.)+([A-Za-z_]+)", r"\1", text)  # module prefixes off: nexus.x.Y -> Y
+    text = re.sub(r"\b(?:[a-z_]+\.)+([A-Za-z_]+)", r"\1", text)  # module prefixes off: nexus.x.Y -> Y
+    return text.replace(" | ", " or ")  # no pipe: it would end a table cell
 
 
 def _default(field: Any) -> str:
@@ -85,6 +86,8 @@ def _default(field: Any) -> str:
         return "**required**"
     else:
         value = field.default
+    if value is None:
+        return "unset"
     if hasattr(value, "model_dump"):
         value = value.model_dump()
     try:
@@ -122,7 +125,7 @@ def config_reference(model: type, path: str = "") -> list[str]:
             rows.append(f"| `{name}` | section [`[{key}]`](#{_anchor(key)}){note} | | {_cell(field.description)} |")
             sections.append((sub, key))
         else:
-            rows.append(f"| `{name}` | `{_cell(_type_name(field.annotation))}` | {_default(field)} | "
+            rows.append(f"| `{name}` | `{_type_name(field.annotation)}` | {_default(field)} | "
                         f"{_cell(field.description) or '—'} |")
     lines += ["| setting | type | default | what it does |", "|---|---|---|---|", *rows, ""]
     for sub, key in sections:
