@@ -110,6 +110,8 @@ def test_readme_is_a_front_door_with_valid_links():
     assert "make demo" in text and "make test" in text
     assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), "a date in the README (history goes to CHANGELOG.md)"
     assert not re.search(r"`[0-9a-f]{7,12}`", text), "a commit hash in the README"
+    assert not re.search(r"load average|\bfc-v\d+", text), "run conditions in the README (they go with the run)"
+    assert not re.search(r"`[0-9a-f]{7,12}`", (REPO / "CHANGELOG.md").read_text()), "a commit hash in the changelog"
     broken = []
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
         if re.match(r"[a-z]+:", target) or target.startswith("#"):
