@@ -128,6 +128,8 @@ def test_result_commands_name_scripts_that_exist():
         assert len(scripts) >= 5, page
         missing = sorted({s for s in scripts if not (REPO / s).is_file()})
         assert not missing, f"{page.name}: result commands name missing scripts {missing}"
+    folders = set(re.findall(r"`(experiments/\w+/)`", (DOCS / "results.md").read_text()))
+    assert len(folders) >= 10 and not sorted(f for f in folders if not (REPO / f).is_dir())
 
 
 def _results_table(text: str) -> list[str]:
