@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nexus-installed
 
-.PHONY: demo test setup lint clean
+.PHONY: demo test setup lint docs clean
 setup: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml scripts/install_system.sh scripts/constraints.txt
@@ -29,8 +29,12 @@ test: $(STAMP)
 	$(BIN)/ruff check nexus tests experiments datasets examples scripts
 	$(BIN)/pytest -q -ra
 
+# the documentation site (mkdocs + material) into site/; strict: a broken link or reference fails
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
 lint: $(STAMP)
 	$(BIN)/ruff check nexus tests experiments datasets examples scripts
 
 clean:
-	rm -rf runs test-artifacts .pytest_cache
+	rm -rf runs test-artifacts .pytest_cache site
