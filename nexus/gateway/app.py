@@ -204,6 +204,7 @@ class Gateway:
         self.serving = PredictServer(backend, config.qos, lambda t: self.limits(t).max_inflight_predicts)
         self._dirs: dict[str, str] = {}  # tenant -> its output dir (fixed for the tenant's life)
         self.fast_path_served = 0  # predicts answered by nexus.gateway.fast_predict (the others: by the route)
+        self.openpi = None  # nexus.gateway.openpi.OpenpiServer while it serves
 
     async def output_dir(self, tenant: str) -> str:
         if tenant not in self._dirs:
@@ -304,17 +305,27 @@ class Gateway:
             self.pending[tenant] -= 1
 
 
-def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_ready=None) -> FastAPI:
+def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_ready=None, *,
+               openpi_host: str | None = None, openpi_ssl: Any = None) -> FastAPI:
+    """The gateway's app; its lifespan also serves the openpi WebSocket endpoint (``config.openpi``) on
+    ``openpi.host`` (else ``openpi_host``, else ``config.host``), with TLS when ``openpi_ssl`` (an SSLContext)."""
     gw = Gateway(config, backend, tokens)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await backend.connect()
         reporter = asyncio.get_running_loop().create_task(gw.serving.report_forever())
+        if config.openpi.enabled:
+            from nexus.gateway.openpi import OpenpiServer
+
+            gw.openpi = OpenpiServer(gw, config.openpi, config.openpi.host or openpi_host or config.host, openpi_ssl)
+            await gw.openpi.start()
         if on_ready is not None:
             on_ready()
         yield
         reporter.cancel()
+        if gw.openpi is not None:
+            await gw.openpi.stop()
         await backend.close()
 
     app = FastAPI(title="JoyNexus tenant gateway", version="1", lifespan=lifespan, default_response_class=NexusJSON,
