@@ -270,6 +270,7 @@ def test_a_client_that_stops_reading_holds_at_most_one_predict(svc):
             qos = httpx.get(f"{svc['nx'].service.gateway_url}/v1/admin/qos", timeout=60,
                             headers={"Authorization": f"Bearer {svc['nx'].service.operator_token}"}).json()
             assert qos["inflight"].get("cam", 0) <= 1, json.dumps(qos["inflight"])
+            assert qos["openpi"]["connections"] >= 2  # the stuck one is still open: only its own frame waits
         other._ws.close()
     finally:
         stuck.close_socket()

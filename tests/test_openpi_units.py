@@ -125,3 +125,38 @@ def test_inference_queue_never_holds_a_request_past_its_deadline():
         return [g.reason for g in groups]
 
     assert asyncio.run(main()) == ["deadline"]
+
+
+def test_predict_group_goes_out_in_one_call_rerouted_together_all_or_none_admitted():
+    from nexus.config import QosSettings
+    from nexus.errors import Overloaded
+    from nexus.gateway.serving import PredictServer
+    from tests.test_qos_units import Engines
+
+    routes = Engines()  # e0 refuses as draining: every request of the group is sent again to e1
+    server = PredictServer(routes, QosSettings(max_inflight_predicts=16, engine_calls_in_flight=1), lambda t: 4)
+    sent: list[list] = []
+    predict_many = routes.predict_many
+
+    async def recording(ep, requests):
+        sent.append(requests)
+        return await predict_many(ep, requests)
+
+    routes.predict_many = recording
+
+    async def main() -> None:
+        spans: dict[str, float] = {}
+        deadline = asyncio.get_running_loop().time() + 5.0
+        outs = await server.predict_group("a", [1, 2, 3], None, True, spans, deadline)
+        assert outs == [{"tenant": "a"}] * 3 and routes.calls == [("e0", ["a"] * 3), ("e1", ["a"] * 3)]
+        assert all(len(r) == 8 and 0 < r[7] <= 5.0 for r in sent[-1])  # the time left to the deadline travels
+        assert [r[1] for r in sent[-1]] == [1, 2, 3] and {"gateway_queue", "forward"} <= set(spans)
+        with pytest.raises(Overloaded, match="max_inflight_predicts=4"):
+            await server.predict_group("a", [1] * 5, None, True, {})
+        assert server.budgets.held_total == 0  # none kept of a refused group
+        await server.predict("a", 9, None, True, {})
+        assert len(sent[-1][0]) == 7  # no deadline: the wire as before
+        await server.predict("a", 9, None, True, {}, deadline=asyncio.get_running_loop().time() + 2.0)
+        assert len(sent[-1][0]) == 8 and 0 < sent[-1][0][7] <= 2.0
+
+    asyncio.run(main())

@@ -638,9 +638,10 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
     @app.get("/v1/admin/qos", tags=["admin"])
     async def qos(who: Who) -> dict[str, Any]:
         """The predict path now: budgets held per tenant, requests queued per engine, mean time per hop, predicts
-        the fast path answered."""
+        the fast path answered, the openpi endpoint's connections and frames answered."""
         who.require_operator("the QoS view")
-        return {**gw.serving.view(), "fast_path_served": gw.fast_path_served}
+        return {**gw.serving.view(), "fast_path_served": gw.fast_path_served,
+                "openpi": gw.openpi.view() if gw.openpi is not None else None}
 
     @app.get("/v1/admin/tenants", tags=["admin"])
     async def all_tenants(who: Who, limit: PageLimit = None, cursor: PageCursor = None) -> dict[str, Any]:

@@ -53,7 +53,7 @@ import logging
 import math
 import ssl
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -158,7 +158,6 @@ class Session:
     follow_live: bool = False
     deadline_ms: float | None = None
     limit_bytes: int = 0
-    frames: int = field(default=0)
 
     def metadata(self, settings: OpenpiSettings) -> dict[str, Any]:
         return {"server": "joynexus", "protocol": "openpi", "tenant": self.tenant,
@@ -201,7 +200,11 @@ def deadline_ms(value: Any, where: str) -> float | None:
 
 def _query_options(query: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for k, vs in parse_qs(query, keep_blank_values=True, max_num_fields=8).items():
+    try:
+        fields = parse_qs(query, keep_blank_values=True, max_num_fields=8)
+    except ValueError:
+        raise SpecError("query: more than 8 parameters") from None
+    for k, vs in fields.items():
         v = vs[-1]
         if k == "tenant":
             out[k] = v
@@ -265,6 +268,9 @@ class OpenpiServer:
         self.port = self._server.sockets[0].getsockname()[1]
         logger.info("openpi endpoint on %s:%d", self.host, self.port)
         return self.port
+
+    def view(self) -> dict[str, Any]:
+        return {"port": self.port, "connections": self.connections, "frames": self.frames}
 
     async def stop(self) -> None:
         if self._server is not None:

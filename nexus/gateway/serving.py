@@ -244,7 +244,7 @@ class PredictServer:
             raise
         self.fair.admitted(tenant)
         try:
-            deadline = time.monotonic() + self.route_timeout_s
+            route_deadline = time.monotonic() + self.route_timeout_s
             ep = await self.routes.endpoint(tenant)
             while True:
                 p = Pending(tenant, obs, version, deterministic, asyncio.get_running_loop().create_future(),
@@ -257,7 +257,7 @@ class PredictServer:
                     lane.discard(p)
                     raise
                 except Exception as e:
-                    if retryable(e) and time.monotonic() <= deadline:
+                    if retryable(e) and time.monotonic() <= route_deadline:
                         ep = await self.routes.reroute(tenant, ep, e)
                         continue
                     if isinstance(e, NexusError):
