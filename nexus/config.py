@@ -266,6 +266,8 @@ class OpenpiSettings(BaseModel):
                                             "unset: observation/image, observation/wrist_image -> the first two "
                                             "cameras, observation/state -> state, prompt -> instruction")
     max_batch: int = Field(8, ge=1, le=64, description="observations of one batch frame")
+    max_connections: int = Field(16, ge=1, description="open connections of one tenant (past it the handshake is "
+                                 "refused with 429)")
     overload_wait_s: float = Field(10.0, ge=0, description="a frame refused for a budget or the fair share "
                                    "(what HTTP answers 429) is tried again after retry_after_s for up to this long "
                                    "before its error frame: a robot waits its turn instead of losing its connection")

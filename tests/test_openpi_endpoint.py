@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 
 import httpx
@@ -36,7 +37,7 @@ LIMIT = 1 << 20  # limits.max_request_bytes of this service
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
     root = tmp_path_factory.mktemp("openpi")
-    with Nexus.local(root, n_sim=1, limits={"max_request_bytes": LIMIT}) as nx:
+    with Nexus.local(root, n_sim=1, limits={"max_request_bytes": LIMIT}, openpi={"max_connections": 3}) as nx:
         t = {"cam": nx.create_tenant(TenantSpec(name="cam", env="maniskill/pickcube-rgb", chunk=4, seed=1)),
              "st": nx.create_tenant(TenantSpec(name="st", env="maniskill/pushcube-state", seed=2))}
         url = openpi_address(nx.service.config.gateway_dir)
@@ -56,16 +57,16 @@ def st_obs(seed: int) -> dict:
     return {"observation/state": np.random.default_rng(seed).standard_normal(35).astype(np.float32)}
 
 
-def http_predict(svc, tenant: str, obs: dict, version: int) -> dict:
+def http_predict(svc, tenant: str, obs: dict, version: int, status: int = 200, **extra) -> dict:
     wire = {"state": encode_array(obs["observation/state"])}
     if "observation/image" in obs:
         wire["images"] = {"base_camera": encode_array(obs["observation/image"])}
     if "prompt" in obs:
         wire["instruction"] = obs["prompt"]
     r = httpx.post(f"{svc['nx'].service.gateway_url}/v1/tenants/{tenant}/predict", timeout=120,
-                   json={"observation": wire, "version": version},
+                   json={"observation": wire, "version": version, **extra},
                    headers={"Authorization": f"Bearer {svc['t'][tenant].token}"})
-    assert r.status_code == 200, r.text
+    assert r.status_code == status, r.text
     return r.json()
 
 
@@ -101,6 +102,10 @@ def test_openpi_client_drives_the_tenants_policy_as_http_predict(svc):
     assert out["actions"].shape == (1, 4)
     ref = http_predict(svc, "st", st_obs(1), st.get_server_metadata()["version"])
     np.testing.assert_allclose(out["actions"][0], ref["action"], rtol=1e-5, atol=1e-6)
+    # an HTTP predict carries a deadline too
+    timed = http_predict(svc, "st", st_obs(1), st.get_server_metadata()["version"], deadline_ms=500)
+    np.testing.assert_allclose(timed["action"], ref["action"], rtol=1e-5, atol=1e-6)
+    assert "deadline_ms" in http_predict(svc, "st", st_obs(1), 0, status=422, deadline_ms=0)["error"]["message"]
     robot._ws.close()
     st._ws.close()
 
@@ -152,7 +157,28 @@ def test_tokens_reach_only_their_own_tenant(svc):
     # the operator names the tenant
     op = WebsocketClientPolicy(f"{svc['url']}/?tenant=st", api_key=svc["nx"].service.operator_token)
     assert op.get_server_metadata()["tenant"] == "st" and op.infer(st_obs(3))["actions"].shape == (1, 4)
-    op._ws.close()
+    # a tenant holds at most openpi.max_connections (3) at once
+    assert wait_connections(svc, "st", 1)  # st's first was closed by its error frame: the operator's is open
+    more = [WebsocketClientPolicy(svc["host"], svc["port"], api_key=svc["t"]["st"].token) for _ in range(2)]
+    with pytest.raises(InvalidStatus) as e:
+        WebsocketClientPolicy(svc["host"], svc["port"], api_key=svc["t"]["st"].token)
+    assert e.value.response.status_code == 429 and b"openpi.max_connections" in e.value.response.body
+    for c in (op, *more):
+        c._ws.close()
+    assert wait_connections(svc, "st", 0)
+
+
+def wait_connections(svc, tenant: str, n: int, timeout_s: float = 60.0) -> bool:
+    """Wait until the endpoint holds ``n`` open connections of ``tenant`` (a closed one is counted off once the
+    server's side of its close handshake ends)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        qos = httpx.get(f"{svc['nx'].service.gateway_url}/v1/admin/qos", timeout=60,
+                        headers={"Authorization": f"Bearer {svc['nx'].service.operator_token}"}).json()
+        if qos["openpi"]["tenants"].get(tenant, 0) == n:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _raw_array(data: bytes, dtype: str, shape: list[int]) -> dict:

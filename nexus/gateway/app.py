@@ -149,6 +149,8 @@ class PredictBody(_Body):
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="a reproducible sample (deterministic=false): "
                                                                   "sample j of n draws with seed + j")
     n: int = Field(1, ge=1, le=64, description="samples of the action (deterministic=false): actions, logprobs")
+    deadline_ms: float | None = Field(None, gt=0, le=600_000, description="the answer is due this long after the "
+                                      "request arrived: the engine's group starts in time for it")
 
 
 class ScaleBody(_Body):
@@ -251,7 +253,11 @@ class Gateway:
         lim = self.limits(tenant)
         obs = check_observation(body.observation, schema, max_instruction_chars=lim.max_instruction_chars)
         spans["check"] = time.perf_counter() - t_route
-        out = await self.serving.predict(tenant, obs, body.version, body.deterministic, spans, body.seed, body.n)
+        deadline = None
+        if body.deadline_ms is not None:  # from the request's arrival (the timing middleware's start when timed)
+            deadline = time.monotonic() - (time.perf_counter() - spans.get("_t0", t_route)) + body.deadline_ms / 1e3
+        out = await self.serving.predict(tenant, obs, body.version, body.deterministic, spans, body.seed, body.n,
+                                         deadline)
         spans["_tenant"], spans["_t_done"] = tenant, time.perf_counter()
         return NexusJSON(out)  # rendered once here (numpy to lists, NaN to null)
 

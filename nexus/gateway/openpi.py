@@ -10,7 +10,7 @@ Here, in the gateway process (:class:`OpenpiServer`, a ``websockets`` server on 
 
 * the API key is the tenant's token (the gateway's bearer tokens, :mod:`nexus.gateway.auth`; the operator token
   names a tenant with ``?tenant=``); a wrong or missing key is refused at the handshake (HTTP 401, nothing
-  opened). ``GET /healthz`` answers 200.
+  opened), a tenant's connections past ``openpi.max_connections`` with 429. ``GET /healthz`` answers 200.
 * metadata on connect: the tenant, the version pinned for the connection, action dim and horizon (the tenant's
   chunk), cameras, state dim, instruction, and the observation keys it reads.
 * openpi's observation keys map to the tenant's schema: by default ``observation/image`` and
@@ -255,6 +255,7 @@ class OpenpiServer:
         self._server: Server | None = None
         self.port: int | None = None
         self.connections = 0  # open now
+        self.per_tenant: dict[str, int] = {}  # open connections of each tenant (openpi.max_connections)
         self.frames = 0  # answered (replies and error frames)
 
     async def start(self) -> int:
@@ -263,14 +264,15 @@ class OpenpiServer:
                         + [int(v["max_request_bytes"]) for v in self.gw.config.tenant_limits.values()
                            if "max_request_bytes" in v])
         self._server = await serve(self._handle, self.host, self.settings.port, process_request=self._handshake,
-                                   compression=None, max_size=limit, max_queue=4, ssl=self.ssl,
+                                   compression=None, max_size=limit, max_queue=1, ssl=self.ssl,
                                    server_header="joynexus-openpi")
         self.port = self._server.sockets[0].getsockname()[1]
         logger.info("openpi endpoint on %s:%d", self.host, self.port)
         return self.port
 
     def view(self) -> dict[str, Any]:
-        return {"port": self.port, "connections": self.connections, "frames": self.frames}
+        return {"port": self.port, "connections": self.connections, "frames": self.frames,
+                "tenants": dict(self.per_tenant)}
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -296,6 +298,10 @@ class OpenpiServer:
             if tenant is None:
                 raise SpecError("the operator token names the tenant to drive: ?tenant=<name>")
             who.may_act_on(tenant)
+            if self.per_tenant.get(tenant, 0) >= self.settings.max_connections:
+                return conn.respond(HTTPStatus.TOO_MANY_REQUESTS, f"tenant {tenant!r} has "
+                                    f"{self.settings.max_connections} connections open (openpi.max_connections); "
+                                    "close one first\n")
             conn.nexus_session = await self._session(tenant, options)  # type: ignore[attr-defined]
         except NexusError as e:
             status = HTTPStatus(e.http_status) if e.http_status in HTTPStatus._value2member_map_ else 400
@@ -321,6 +327,7 @@ class OpenpiServer:
         s: Session = ws.nexus_session  # type: ignore[attr-defined]
         ws.protocol.max_message_size = 2 * s.limit_bytes  # this tenant's frames, doubled (see the module)
         self.connections += 1
+        self.per_tenant[s.tenant] = self.per_tenant.get(s.tenant, 0) + 1
         try:
             await self._send(ws, pack(s.metadata(self.settings)))
             async for frame in ws:
@@ -336,6 +343,9 @@ class OpenpiServer:
             pass
         finally:
             self.connections -= 1
+            self.per_tenant[s.tenant] -= 1
+            if not self.per_tenant[s.tenant]:
+                del self.per_tenant[s.tenant]
 
     async def _send(self, ws: ServerConnection, data: bytes | str) -> None:
         """Send, or drop the connection when its client does not take the frame in time (it stopped reading)."""
