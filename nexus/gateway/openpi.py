@@ -237,7 +237,9 @@ def api_key(authorization: str | None) -> str | None:
     if not authorization:
         return None
     scheme, _, key = authorization.strip().partition(" ")
-    return key.strip() or None if scheme.lower() in ("api-key", "bearer") else None
+    if scheme.lower() not in ("api-key", "bearer"):
+        return None
+    return key.strip() or None
 
 
 def error_text(e: BaseException) -> str:
@@ -304,8 +306,7 @@ class OpenpiServer:
                                     "close one first\n")
             conn.nexus_session = await self._session(tenant, options)  # type: ignore[attr-defined]
         except NexusError as e:
-            status = HTTPStatus(e.http_status) if e.http_status in HTTPStatus._value2member_map_ else 400
-            return conn.respond(status, error_text(e) + "\n")
+            return conn.respond(e.http_status, error_text(e) + "\n")
         return None
 
     async def _session(self, tenant: str, options: dict[str, Any]) -> Session:
