@@ -254,6 +254,28 @@ class QosSettings(BaseModel):
                                                      "(uvloop: libuv's, asyncio: the standard library's)")
 
 
+class OpenpiSettings(BaseModel):
+    """The gateway's openpi-compatible policy endpoint (``nexus.gateway.openpi``): robots running
+    ``openpi-client`` drive their tenant's policy over a WebSocket, the tenant's token as the API key."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = Field(True, description="serve the openpi WebSocket endpoint from the gateway process")
+    host: str | None = Field(None, description="address to bind (default: the gateway's, loopback by default)")
+    port: int = Field(0, ge=0, le=65535, description="its own port (0: any free port; written to gateway.json)")
+    keys: dict[str, dict[str, str]] = Field(default_factory=dict, description="per tenant: openpi observation key "
+                                            "-> the tenant's field ('state', 'instruction', 'images.<camera>'); "
+                                            "unset: observation/image, observation/wrist_image -> the first two "
+                                            "cameras, observation/state -> state, prompt -> instruction")
+    max_batch: int = Field(8, ge=1, le=64, description="observations of one batch frame")
+    max_connections: int = Field(16, ge=1, description="open connections of one tenant (past it the handshake is "
+                                 "refused with 429)")
+    overload_wait_s: float = Field(10.0, ge=0, description="a frame refused for a budget or the fair share "
+                                   "(what HTTP answers 429) is tried again after retry_after_s for up to this long "
+                                   "before its error frame: a robot waits its turn instead of losing its connection")
+    send_timeout_s: float = Field(30.0, gt=0, description="a reply the client does not take within this long "
+                                  "closes its connection (a robot that stopped reading holds nothing else)")
+
+
 # Dask settings of the embedded deployment's processes (scheduler, nannies, workers, gateway), under
 # ClusterSettings.dask_config. Dask's defaults cost an idle 2-SIM service 25 % of a core (measured, 2
 # cores): each worker samples its threads' stacks every 10 ms for the dashboard's Profile tab, every
@@ -367,6 +389,7 @@ class ServiceConfig(BaseModel):
     dispatch: DispatchSettings = DispatchSettings()
     datapath: DataPathSettings = DataPathSettings()
     qos: QosSettings = QosSettings()
+    openpi: OpenpiSettings = OpenpiSettings()
     cluster: ClusterSettings = ClusterSettings()
     emulation: EmulationSettings | None = Field(None, description="emulated devices: updates, forwards and "
                                                 "simulator steps take calibrated time (nexus.emulation); "

@@ -3,5 +3,6 @@
 ``python -m nexus.gateway --config ROOT/service.json`` runs it (``nexus.cluster`` starts it next to the
 scheduler); :mod:`nexus.gateway.app` holds the routes, :mod:`nexus.gateway.auth` the tokens and
 :mod:`nexus.gateway.backend` every call into the service; :mod:`nexus.gateway.fast_predict` serves the hottest
-route, predict, past FastAPI's machinery.
+route, predict, past FastAPI's machinery; :mod:`nexus.gateway.openpi` serves robots on openpi's WebSocket protocol
+from the same process.
 """

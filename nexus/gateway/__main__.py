@@ -71,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     url = f"{'https' if a.certfile else 'http'}://{host}:{port}"
 
     def ready() -> None:
-        private_write_bytes(config.gateway_dir / "gateway.json",
-                            json.dumps({"url": url, "pid": os.getpid(), "scheduler": address}).encode())
+        info = {"url": url, "pid": os.getpid(), "scheduler": address}
+        if app.state.gateway.openpi is not None:  # the robots' WebSocket endpoint (nexus.gateway.openpi)
+            info["openpi_url"] = f"{'wss' if a.certfile else 'ws'}://{host}:{app.state.gateway.openpi.port}"
+        private_write_bytes(config.gateway_dir / "gateway.json", json.dumps(info).encode())
         logging.getLogger("nexus.gateway").info("gateway serving on %s (docs: %s/docs)", url, url)
 
     class Server(uvicorn.Server):
@@ -84,7 +86,14 @@ def main(argv: list[str] | None = None) -> int:
                 logging.getLogger("nexus.gateway").info(
                     "gc after start-up: %s", apply_gc(config.qos.gc_freeze, config.qos.gc_gen0_threshold))
 
-    app = create_app(config, Backend(address, security(config)), tokens, host=bind)
+    openpi_ssl = None
+    if a.certfile:
+        import ssl
+
+        openpi_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        openpi_ssl.load_cert_chain(a.certfile, a.keyfile)
+    app = create_app(config, Backend(address, security(config)), tokens, host=bind, openpi_host=bind,
+                     openpi_ssl=openpi_ssl)
     server = Server(uvicorn.Config(app, loop=config.qos.gateway_loop, http=config.qos.gateway_http,
                                    log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                                    ssl_certfile=a.certfile, ssl_keyfile=a.keyfile))

@@ -149,6 +149,8 @@ class PredictBody(_Body):
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="a reproducible sample (deterministic=false): "
                                                                   "sample j of n draws with seed + j")
     n: int = Field(1, ge=1, le=64, description="samples of the action (deterministic=false): actions, logprobs")
+    deadline_ms: float | None = Field(None, gt=0, le=600_000, description="the answer is due this long after the "
+                                      "request arrived: the engine's group starts in time for it")
 
 
 class ScaleBody(_Body):
@@ -204,6 +206,7 @@ class Gateway:
         self.serving = PredictServer(backend, config.qos, lambda t: self.limits(t).max_inflight_predicts)
         self._dirs: dict[str, str] = {}  # tenant -> its output dir (fixed for the tenant's life)
         self.fast_path_served = 0  # predicts answered by nexus.gateway.fast_predict (the others: by the route)
+        self.openpi = None  # nexus.gateway.openpi.OpenpiServer while it serves
 
     async def output_dir(self, tenant: str) -> str:
         if tenant not in self._dirs:
@@ -250,7 +253,11 @@ class Gateway:
         lim = self.limits(tenant)
         obs = check_observation(body.observation, schema, max_instruction_chars=lim.max_instruction_chars)
         spans["check"] = time.perf_counter() - t_route
-        out = await self.serving.predict(tenant, obs, body.version, body.deterministic, spans, body.seed, body.n)
+        deadline = None
+        if body.deadline_ms is not None:  # from the request's arrival (the timing middleware's start when timed)
+            deadline = time.monotonic() - (time.perf_counter() - spans.get("_t0", t_route)) + body.deadline_ms / 1e3
+        out = await self.serving.predict(tenant, obs, body.version, body.deterministic, spans, body.seed, body.n,
+                                         deadline)
         spans["_tenant"], spans["_t_done"] = tenant, time.perf_counter()
         return NexusJSON(out)  # rendered once here (numpy to lists, NaN to null)
 
@@ -304,10 +311,12 @@ class Gateway:
             self.pending[tenant] -= 1
 
 
-def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_ready=None,
-               host: str | None = None) -> FastAPI:
-    """``host``: the address the gateway listens on (default: the config's); off loopback, creating a tenant
-    needs the operator token unless ``open_registration`` is set to true."""
+def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_ready=None, *,
+               host: str | None = None, openpi_host: str | None = None, openpi_ssl: Any = None) -> FastAPI:
+    """The gateway's app. ``host``: the address the gateway listens on (default: the config's); off loopback,
+    creating a tenant needs the operator token unless ``open_registration`` is set to true. Its lifespan also serves
+    the openpi WebSocket endpoint (``config.openpi``) on ``openpi.host`` (else ``openpi_host``, else ``config.host``),
+    with TLS when ``openpi_ssl`` (an SSLContext)."""
     gw = Gateway(config, backend, tokens)
     bind = host or config.host
     registration_open = config.registration_open(bind)
@@ -316,10 +325,17 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await backend.connect()
         reporter = asyncio.get_running_loop().create_task(gw.serving.report_forever())
+        if config.openpi.enabled:
+            from nexus.gateway.openpi import OpenpiServer
+
+            gw.openpi = OpenpiServer(gw, config.openpi, config.openpi.host or openpi_host or config.host, openpi_ssl)
+            await gw.openpi.start()
         if on_ready is not None:
             on_ready()
         yield
         reporter.cancel()
+        if gw.openpi is not None:
+            await gw.openpi.stop()
         await backend.close()
 
     app = FastAPI(title="JoyNexus tenant gateway", version="1", lifespan=lifespan, default_response_class=NexusJSON,
@@ -634,9 +650,10 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
     @app.get("/v1/admin/qos", tags=["admin"])
     async def qos(who: Who) -> dict[str, Any]:
         """The predict path now: budgets held per tenant, requests queued per engine, mean time per hop, predicts
-        the fast path answered."""
+        the fast path answered, the openpi endpoint's connections and frames answered."""
         who.require_operator("the QoS view")
-        return {**gw.serving.view(), "fast_path_served": gw.fast_path_served}
+        return {**gw.serving.view(), "fast_path_served": gw.fast_path_served,
+                "openpi": gw.openpi.view() if gw.openpi is not None else None}
 
     @app.get("/v1/admin/tenants", tags=["admin"])
     async def all_tenants(who: Who, limit: PageLimit = None, cursor: PageCursor = None) -> dict[str, Any]:

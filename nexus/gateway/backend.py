@@ -162,6 +162,16 @@ class Backend:
         """Gathered predicts on one engine, straight to its worker (``EngineHost.predict_many``)."""
         return await call_engine(self.client, ep, "predict_many", requests, timeout=self.engines.request_timeout_s)
 
+    async def live_version(self, tenant: str) -> int | None:
+        """The version the engine serving ``tenant`` answers with now (None: it does not hold the tenant yet)."""
+        ep = await self.endpoint(tenant)
+        try:
+            versions = await call_engine(self.client, ep, "versions", timeout=self.engines.request_timeout_s)
+        except (OSError, TimeoutError) as e:
+            raise Unavailable(f"the inference engine is unavailable ({type(e).__name__}: {e})") from None
+        live = versions.get("live", {}).get(tenant)
+        return None if live is None else int(live)
+
     async def qos_report(self, report: dict[str, Any]) -> Any:
         return await self._call("nexus_qos_report", report=report)
 

@@ -78,9 +78,13 @@ class Pending:
     n: int = 1  # samples (each a row of the engine's group)
     t_queued: float = field(default_factory=time.perf_counter)
     t_sent: float = 0.0
+    deadline: float | None = None  # time.monotonic() by which the answer is due (a robot's chunk)
 
     def wire(self) -> list[Any]:
-        return [self.tenant, self.obs, self.version, self.deterministic, self.request_id, self.seed, self.n]
+        out = [self.tenant, self.obs, self.version, self.deterministic, self.request_id, self.seed, self.n]
+        if self.deadline is not None:  # the engine's clock is its own: the time left travels
+            out.append(max(0.0, self.deadline - time.monotonic()))
+        return out
 
 
 class EngineLane:
@@ -101,12 +105,17 @@ class EngineLane:
         return not self._turns and not self._running
 
     def put(self, p: Pending) -> None:
-        q = self._queues.get(p.tenant)
-        if q is None:
-            q = self._queues[p.tenant] = deque()
-            self._turns.append(p.tenant)
-        q.append(p)
-        self.waiting += 1
+        self.put_many([p])
+
+    def put_many(self, ps: list[Pending]) -> None:
+        """Queue requests together: they go out in one call (up to ``max_requests``), so one grouped forward."""
+        for p in ps:
+            q = self._queues.get(p.tenant)
+            if q is None:
+                q = self._queues[p.tenant] = deque()
+                self._turns.append(p.tenant)
+            q.append(p)
+        self.waiting += len(ps)
         self._pump()
 
     def discard(self, p: Pending) -> None:
@@ -222,9 +231,11 @@ class PredictServer:
         return lane
 
     async def predict(self, tenant: str, obs: Any, version: int | None, deterministic: bool,
-                      spans: dict[str, float], seed: int | None = None, n: int = 1) -> dict[str, Any]:
+                      spans: dict[str, float], seed: int | None = None, n: int = 1,
+                      deadline: float | None = None) -> dict[str, Any]:
         """One predict (``n`` samples, reproducible with ``seed``): admitted (or :class:`Overloaded`), queued
-        fairly, sent gathered, re-routed if refused. Fills ``spans`` with its hops from ``gateway_queue`` on."""
+        fairly, sent gathered, re-routed if refused. Fills ``spans`` with its hops from ``gateway_queue`` on.
+        ``deadline`` (``time.monotonic``): the engine's group starts in time for it (``nexus.services.batching``)."""
         self.shed(tenant)
         try:
             self.budgets.acquire(tenant)
@@ -233,11 +244,11 @@ class PredictServer:
             raise
         self.fair.admitted(tenant)
         try:
-            deadline = time.monotonic() + self.route_timeout_s
+            route_deadline = time.monotonic() + self.route_timeout_s
             ep = await self.routes.endpoint(tenant)
             while True:
                 p = Pending(tenant, obs, version, deterministic, asyncio.get_running_loop().create_future(),
-                            seed=seed, n=n)
+                            seed=seed, n=n, deadline=deadline)
                 lane = self._lane(ep)
                 lane.put(p)
                 try:
@@ -246,7 +257,7 @@ class PredictServer:
                     lane.discard(p)
                     raise
                 except Exception as e:
-                    if retryable(e) and time.monotonic() <= deadline:
+                    if retryable(e) and time.monotonic() <= route_deadline:
                         ep = await self.routes.reroute(tenant, ep, e)
                         continue
                     if isinstance(e, NexusError):
@@ -258,6 +269,56 @@ class PredictServer:
                 return reply["output"]
         finally:
             self.budgets.release(tenant)
+
+    async def predict_group(self, tenant: str, observations: list[Any], version: int | None, deterministic: bool,
+                            spans: dict[str, float], deadline: float | None = None) -> list[dict[str, Any]]:
+        """Several observations of one tenant answered together (a robot's batch frame): each admitted as a
+        predict (all or none, :class:`Overloaded`), queued together so they go out in one call and run as one
+        group, re-routed together if refused. ``spans``: the group's hops (as :meth:`predict`'s)."""
+        self.shed(tenant)
+        taken = 0
+        try:
+            for _ in observations:
+                self.budgets.acquire(tenant)
+                taken += 1
+        except Overloaded:
+            self.stats.rejected(tenant)
+            for _ in range(taken):
+                self.budgets.release(tenant)
+            raise
+        for _ in observations:
+            self.fair.admitted(tenant)
+        try:
+            route_deadline = time.monotonic() + self.route_timeout_s
+            ep = await self.routes.endpoint(tenant)
+            while True:
+                loop = asyncio.get_running_loop()
+                ps = [Pending(tenant, o, version, deterministic, loop.create_future(), deadline=deadline)
+                      for o in observations]
+                lane = self._lane(ep)
+                lane.put_many(ps)
+                try:
+                    replies = await asyncio.gather(*(p.future for p in ps))
+                except asyncio.CancelledError:
+                    for p in ps:
+                        lane.discard(p)
+                    raise
+                except Exception as e:
+                    await asyncio.gather(*(p.future for p in ps), return_exceptions=True)  # all settled
+                    if retryable(e) and time.monotonic() <= route_deadline:
+                        ep = await self.routes.reroute(tenant, ep, e)
+                        continue
+                    if isinstance(e, NexusError):
+                        raise
+                    raise Unavailable(f"the inference engine is unavailable ({type(e).__name__}: {e})") from None
+                first, last = ps[0], replies[-1]
+                spans["gateway_queue"] = max(p.t_sent for p in ps) - first.t_queued
+                spans["to_engine"] = max(0.0, last["rtt_s"] - last["wait_s"] - last["compute_s"])
+                spans["engine_queue"], spans["forward"] = last["wait_s"], last["compute_s"]
+                return [r["output"] for r in replies]
+        finally:
+            for _ in observations:
+                self.budgets.release(tenant)
 
     async def _call(self, ep: EngineEndpoint, batch: list[Pending]) -> None:
         """One gathered call to ``ep``; each request's future gets its own reply or error."""

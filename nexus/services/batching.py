@@ -11,6 +11,9 @@ between the producers' tenants). A group fires when
   before the group's deadline (oldest arrival + T) — each producer's usual gap between an answer and
   its next request (a running mean: the time it steps its envs) tells when it will be back; waiting
   for a producer that is still stepping for the next 200 ms only costs T, it never joins, or
+* ``deadline``: a request carries a deadline (a robot's action chunk is due) and the group must start now
+  to end by the earliest one: the deadline minus the expected forward (a running mean of the groups'
+  forwards) has come; that request goes into this group first, or
 * ``timeout``: the oldest request waited ``max_wait_s`` (T).
 
 Producers announce themselves (:meth:`GroupBatcher.open_producer`) and leave
@@ -28,8 +31,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-FIRE_REASONS = ("full", "all_waiting", "none_expected", "timeout")
+FIRE_REASONS = ("full", "all_waiting", "none_expected", "deadline", "timeout")
 GAP_WEIGHT = 0.3  # weight of the newest gap in a producer's running mean
+FORWARD_WEIGHT = 0.3  # weight of the newest group's forward in the expected forward
 
 
 @dataclass
@@ -38,6 +42,7 @@ class _Pending:
     rows: int
     producer: str | None
     request: Any
+    deadline: float | None = None  # the answer is due then (same clock as ``now``)
 
 
 @dataclass
@@ -70,6 +75,7 @@ class GroupBatcher:
     fire_when_all_waiting: bool = False  # the service turns it on (DataPathSettings)
     producer_lease_s: float = 5.0
     expect_arrivals: bool = False  # "none_expected" rule (the service turns it on)
+    forward_s: float = 0.0  # expected forward of a group: running mean of the measured ones (observe_forward)
     _pending: list[_Pending] = field(default_factory=list)
     _producers: dict[str, _Producer] = field(default_factory=dict)
 
@@ -106,7 +112,10 @@ class GroupBatcher:
         return list(self._producers)
 
     # -- requests ----------------------------------------------------------------------------
-    def add(self, request: Any, rows: int = 1, producer: str | None = None, now: float | None = None) -> None:
+    def add(self, request: Any, rows: int = 1, producer: str | None = None, now: float | None = None,
+            deadline: float | None = None) -> None:
+        """Queue a request of ``rows`` rows; ``deadline``: when its answer is due (the group it joins starts by
+        then minus the expected forward)."""
         if rows < 1:
             raise ValueError("a request carries at least one row")
         now = self._now(now)
@@ -117,7 +126,20 @@ class GroupBatcher:
                 gap = now - prod.answered_at
                 prod.gap_s = gap if prod.gap_s is None else (1 - GAP_WEIGHT) * prod.gap_s + GAP_WEIGHT * gap
             prod.pending += 1
-        self._pending.append(_Pending(now, rows, producer, request))
+        if deadline is not None and not math.isfinite(deadline):
+            deadline = None
+        self._pending.append(_Pending(now, rows, producer, request, deadline))
+
+    def observe_forward(self, seconds: float) -> None:
+        """A group's forward took ``seconds``: the expected forward that deadlines leave room for."""
+        if math.isfinite(seconds) and seconds >= 0:
+            self.forward_s = seconds if self.forward_s == 0 else ((1 - FORWARD_WEIGHT) * self.forward_s
+                                                                 + FORWARD_WEIGHT * seconds)
+
+    def latest_start(self) -> float | None:
+        """When the next group must start for the earliest deadline pending to be met (None: no deadline)."""
+        due = [p.deadline for p in self._pending if p.deadline is not None]
+        return min(due) - self.forward_s if due else None
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -164,6 +186,9 @@ class GroupBatcher:
             return "all_waiting"
         if self.fire_when_all_waiting and self.expect_arrivals and self.none_expected(now):
             return "none_expected"
+        start = self.latest_start()
+        if start is not None and now >= start:
+            return "deadline"
         if now - self._pending[0].t_arrival >= self.max_wait_s:
             return "timeout"
         return None
@@ -175,17 +200,21 @@ class GroupBatcher:
         now = self._now(now)
         if self.reason(now) is not None:
             return 0.0
-        return max(0.0, self._pending[0].t_arrival + self.max_wait_s - now)
+        due = self._pending[0].t_arrival + self.max_wait_s
+        start = self.latest_start()
+        return max(0.0, min(due, start) - now if start is not None else due - now)
 
     def _tenant(self, p: _Pending) -> str | None:
         prod = self._producers.get(p.producer) if p.producer is not None else None
         return prod.tenant if prod is not None else None
 
-    def take(self) -> list[Any]:
+    def take(self, now: float | None = None) -> list[Any]:
         """The next group: whole requests up to B rows (always at least one request), tenants in turn —
         each tenant's oldest request first, the tenants by their oldest request, then each one's second, … —
         so a tenant with many producers waiting cannot fill every group while another's request waits
-        (requests without a producer's tenant count as one tenant; one tenant alone: oldest first)."""
+        (requests without a producer's tenant count as one tenant; one tenant alone: oldest first). Requests whose
+        deadline leaves no more time (see :meth:`latest_start`) go first."""
+        now = self._now(now)
         seen: dict[str | None, int] = {}
         ranks = []
         for p in self._pending:
@@ -193,7 +222,8 @@ class GroupBatcher:
             ranks.append(seen.get(key, 0))
             seen[key] = ranks[-1] + 1
         chosen, rows = set(), 0
-        for i in sorted(range(len(self._pending)), key=lambda i: (ranks[i], i)):
+        late = [p.deadline is not None and now >= p.deadline - self.forward_s for p in self._pending]
+        for i in sorted(range(len(self._pending)), key=lambda i: (not late[i], ranks[i], i)):
             p = self._pending[i]
             if chosen and rows + p.rows > self.max_batch:
                 break

@@ -64,7 +64,8 @@ class EngineHost:
 
     async def predict_many(self, requests: list[list[Any]]) -> dict[str, Any]:
         """Predicts of several callers (the gateway's gathered HTTP requests), each ``[tenant, obs, version,
-        deterministic, request_id, seed, n]``: each passes the gate alone (a refused one fails alone), the others run
+        deterministic, request_id, seed, n]`` (and an 8th, ``budget_s``: seconds left to its deadline when it was sent,
+        or None): each passes the gate alone (a refused one fails alone), the others run
         as one request of the inference queue (``InferenceEngine.predict_rows``: one group, whatever B).
         -> ``replies`` (per request, in order: ``{"output", "wait_s", "compute_s"}`` or ``{"error":
         NexusError}``) and ``engine_s`` (this call's time on the engine)."""
@@ -80,7 +81,9 @@ class EngineHost:
             except Exception as e:
                 replies[i] = {"error": e}
         if accepted:
-            work = self.engine.predict_rows([(*requests[i][:4], *requests[i][5:7]) for i in accepted])
+            budgets = [requests[i][7] for i in accepted if len(requests[i]) > 7 and requests[i][7] is not None]
+            work = self.engine.predict_rows([(*requests[i][:4], *requests[i][5:7]) for i in accepted],
+                                            min(budgets) if budgets else None)
             try:
                 out = await self._run(work, [requests[i][4] for i in accepted])
             except Exception as e:  # the group failed: each of its requests sees why

@@ -188,12 +188,14 @@ class InferenceEngine:
                 "feature_key": self.heads.feature_keys.get(tenant) if want else None,
                 "wait_s": wait, "compute_s": compute, "group_rows": group_rows}
 
-    async def predict_rows(self, requests: list[tuple[str, Any, int | None, bool, int | None, int]]) -> dict[str, Any]:
+    async def predict_rows(self, requests: list[tuple[str, Any, int | None, bool, int | None, int]],
+                           budget_s: float | None = None) -> dict[str, Any]:
         """Several callers' predicts ``(tenant, obs, version, deterministic, seed, n)``, possibly of different
         tenants (the gateway's gathered HTTP requests; each already checked): one request of the inference
         queue, so they share one group whatever B (the queue takes whole requests); a request of ``n`` samples
-        is ``n`` rows (as :meth:`predict`). -> ``outputs`` in order (one per request), ``wait_s``, ``compute_s``
-        (the group's), ``group_rows``."""
+        is ``n`` rows (as :meth:`predict`). ``budget_s``: the earliest of their deadlines, in seconds from now (the
+        group starts by then minus the expected forward). -> ``outputs`` in order (one per request), ``wait_s``,
+        ``compute_s`` (the group's), ``group_rows``."""
         for tenant, _, version, *_ in requests:
             if not self.heads.serves(tenant, version):
                 raise KeyError(f"version {version} of tenant {tenant!r} is neither live nor pinned")
@@ -203,7 +205,8 @@ class InferenceEngine:
             seeds = _sample_seeds(seed, n) or [None] * _samples(n)
             spans.append((len(rows), len(seeds)))
             rows += [_Request(tenant, obs, version, det, None, False, now, s) for s in seeds]
-        outs, wait, compute, group_rows = await self.queue.submit(rows, None)
+        deadline = now + budget_s if budget_s is not None and math.isfinite(budget_s) else None
+        outs, wait, compute, group_rows = await self.queue.submit(rows, None, deadline=deadline)
         return {"outputs": [_one_reply(outs[i:i + k]) for i, k in spans], "wait_s": wait, "compute_s": compute,
                 "group_rows": group_rows}
 

@@ -81,14 +81,15 @@ class InferenceQueue:
         self._schedule()
 
     # -- requests -------------------------------------------------------------------------------
-    async def submit(self, rows: list[Any], producer: str | None,
-                     ahead: float = 0.0) -> tuple[list[Any], float, float, int]:
+    async def submit(self, rows: list[Any], producer: str | None, ahead: float = 0.0,
+                     deadline: float | None = None) -> tuple[list[Any], float, float, int]:
         """Wait for ``rows``' group -> (their outputs, this request's wait, the group's compute, its rows).
         ``ahead``: how much earlier than now the request was made on the devices' clock (an emulated producer's host
-        time still owed; the group still fires on the host's arrivals)."""
+        time still owed; the group still fires on the host's arrivals). ``deadline`` (``time.monotonic``): the answer
+        is due then; the request's group starts by then minus the expected forward."""
         now = time.monotonic()
         call = Call(rows, producer, asyncio.get_running_loop().create_future(), now, ahead)
-        self.batcher.add(call, rows=len(rows), producer=producer, now=now)
+        self.batcher.add(call, rows=len(rows), producer=producer, now=now, deadline=deadline)
         self._schedule()
         return await call.future
 
@@ -107,6 +108,9 @@ class InferenceQueue:
             asyncio.get_running_loop().create_task(self._fire(reason))
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(due, self._on_timer)
+        elif self._timer.when() > asyncio.get_running_loop().time() + due:  # an earlier deadline arrived
+            self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_later(due, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -122,6 +126,7 @@ class InferenceQueue:
             t0, wall0 = time.perf_counter(), time.time()
             outs = await self._forward(group)
             busy = self.compute_of(time.perf_counter() - t0)
+            self.batcher.observe_forward(busy)
             self._on_group(Group(group, len(calls), reason, busy, wall0, time.time(),
                                  [w for c, w in zip(calls, waits, strict=True) for _ in c.rows]))
             start = 0
