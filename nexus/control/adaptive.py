@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 from nexus.control.job_state import JobStatus
 
 if TYPE_CHECKING:
+    from nexus.config import ServiceConfig
     from nexus.control.dispatcher import Dispatcher
     from nexus.control.engines import EnginePool
     from nexus.control.jobs import JobManager
     from nexus.control.monitoring import MonitoringState
-    from nexus.scheduling import SchedulerPolicy
 
 
 def remaining_items(jobs: JobManager, tenant: str) -> int:
@@ -67,8 +67,9 @@ class LoadRouting:
         if jobs.ctx.sim_slots is not None:  # the simulators' "critical" order
             jobs.ctx.sim_slots.remaining = lambda t: remaining_sim_s(jobs, monitoring.metered_jobs, t)
 
-    def apply(self, policy: SchedulerPolicy) -> None:
-        self.enabled = policy.routing == "load"
+    def apply(self, config: ServiceConfig) -> None:
+        """A new scheduler: load routing on or off (its ``routing``)."""
+        self.enabled = config.routing == "load"
 
     def tick(self) -> None:
         now = time.monotonic()

@@ -25,7 +25,7 @@ from nexus.control.queues import TrainingItem, TrainingQueue
 from nexus.errors import RoleLost
 
 if TYPE_CHECKING:
-    from nexus.scheduling import SchedulerPolicy
+    from nexus.config import ServiceConfig
 
 logger = logging.getLogger("nexus.dispatcher")
 
@@ -77,9 +77,9 @@ class Dispatcher:
         ev = self._freed.setdefault(tenant, asyncio.Event())
         await ev.wait()
 
-    def apply(self, policy: SchedulerPolicy) -> None:
-        """A new scheduling policy: its ``max_concurrent_updates`` from the next dispatch on."""
-        self.max_concurrent = policy.max_concurrent_updates
+    def apply(self, config: ServiceConfig) -> None:
+        """A new scheduler: its ``dispatch.max_concurrent_updates`` from the next dispatch on."""
+        self.max_concurrent = config.dispatch.max_concurrent_updates
 
     # -- the actor group's availability -------------------------------------------------------------
     @property

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from nexus.control.decisions import DecisionTimes
 
 if TYPE_CHECKING:
-    from nexus.scheduling import SchedulerPolicy
+    from nexus.config import ServiceConfig
 
 ItemKind = Literal["rl", "sft", "op"]
 
@@ -159,10 +159,10 @@ class TrainingQueue:
             return -(1e9 if item.kind == "rl" else 0.0) - self.remaining(item.tenant)
         return 0
 
-    def apply(self, policy: SchedulerPolicy) -> None:
-        """A new scheduling policy: its ``queue_order`` ranks the items queued from now on (and re-ranks
+    def apply(self, config: ServiceConfig) -> None:
+        """A new scheduler: its ``dispatch.queue_order`` ranks the items queued from now on (and re-ranks
         those still queued)."""
-        self.order = policy.queue_order
+        self.order = config.dispatch.queue_order
         self._heap = [(self._rank(it), seq, it) for _, seq, it in self._heap]
         heapq.heapify(self._heap)
 

@@ -82,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
                 ready()
                 gc_pauses()  # counted from now on (GET /v1/admin/qos)
                 logging.getLogger("nexus.gateway").info(
-                    "gc after start-up: %s", apply_gc(config.qos.gc_freeze, config.qos.gc_gen0_threshold))
+                    "gc after start-up: %s", apply_gc(config.gc.freeze, config.gc.gen0_threshold))
 
     app = create_app(config, Backend(address, security(config)), tokens)
-    server = Server(uvicorn.Config(app, loop=config.qos.gateway_loop, http=config.qos.gateway_http,
+    server = Server(uvicorn.Config(app, loop=config.gateway.event_loop, http=config.gateway.http_parser,
                                    log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                                    ssl_certfile=a.certfile, ssl_keyfile=a.keyfile))
     server.run(sockets=[sock])

@@ -53,7 +53,7 @@ class _Request:
 
 class InferenceEngine:
     def __init__(self, config: ServiceConfig | dict[str, Any]) -> None:
-        self.config = config if isinstance(config, ServiceConfig) else ServiceConfig.model_validate(config)
+        self.config = config if isinstance(config, ServiceConfig) else ServiceConfig.restore(config)
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="nexus-infer")
         self.heads = TenantHeads(self.config)
         dp = self.config.datapath
