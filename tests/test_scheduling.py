@@ -1,4 +1,5 @@
-"""Schedulers (``schedulers/*.toml``: named overlays of the service settings), isolated admission and the accounting, without a cluster."""
+"""Schedulers (``schedulers/*.toml``: named overlays of the service's settings), isolated admission and the
+accounting, without a cluster."""
 
 from __future__ import annotations
 
