@@ -19,22 +19,20 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
+from nexus import scheduling
 from nexus.emulation import EmulationSettings
 from nexus.errors import SpecError, describe_errors
 from nexus.paths import private_write_bytes
-
-if TYPE_CHECKING:
-    from nexus.scheduling import Scheduler
 
 ENV_VAR = "NEXUS_SERVICE_CONFIG"
 # Hugging Face ``model_type`` of each backbone family's checkpoints (config.json)
 CHECKPOINT_MODEL_TYPES = {"qwen3vl": ("qwen3_vl",), "paligemma": ("paligemma",)}
 
-DEFAULT_SCHEDULER = "priority"  # the best median efficiency in experiments/multitenant/ (schedulers/priority.toml)
+DEFAULT_SCHEDULER = scheduling.DEFAULT
 # the validation context of a config whose scheduler is already applied (a saved config, a switch's result)
 APPLIED = {"scheduler_applied": True}
 # when ``dispatch.rollout_split`` applies: while simulator places are free now, or to every RL batch
@@ -465,9 +463,7 @@ class ServiceConfig(BaseModel):
             raise ValueError("; ".join(moved))
         if (info.context or {}).get("scheduler_applied"):
             return data
-        from nexus import scheduling  # the catalog validates its files against this model
-
-        sched = scheduling.load(str(data.get("scheduler", DEFAULT_SCHEDULER)))
+        sched = Scheduler.load(str(data.get("scheduler", DEFAULT_SCHEDULER)))
         return _under(data, sched.settings)
 
     @model_validator(mode="after")
@@ -542,6 +538,84 @@ class ServiceConfig(BaseModel):
             raise RuntimeError(f"no service config: pass --nexus-config (or set {ENV_VAR}) to the service.json "
                                "written by nexus.cluster / nexus scheduler")
         return cls.restore(json.loads(Path(path).read_text()))
+
+
+class Scheduler(BaseModel):
+    """A scheduler: a named overlay of the service's own settings (one ``schedulers/<name>.toml``,
+    :mod:`nexus.scheduling`), checked by ``ServiceConfig`` itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(description="the catalog name (the file's stem)")
+    description: str = Field("", description="one line on what the scheduler does")
+    settings: dict[str, Any] = Field(default_factory=dict, description="service settings, as a service file "
+                                     "writes them: top-level keys and [section] tables")
+
+    @classmethod
+    def load(cls, ref: str) -> Scheduler:
+        """A catalog name (``"fifo"`` → ``schedulers/fifo.toml``) or a path to a scheduler file, checked."""
+        name, description, settings, where = scheduling.read(ref)
+        return cls(name=name, description=description, settings=settings).checked(f"scheduler file {where}")
+
+    def checked(self, where: str) -> Scheduler:
+        """This scheduler if its settings are valid service settings; else a :class:`SpecError` naming ``where``
+        and each bad field (unknown keys included: a typo is refused, not ignored)."""
+        bad = [k for k in ("root", "scheduler") if k in self.settings]  # where the service lives, what it runs
+        if bad:
+            raise SpecError(f"{where}: field {bad[0]!r} is not a scheduler setting")
+        try:
+            ServiceConfig.model_validate({"root": ".", **self.settings}, context=APPLIED)
+        except ValidationError as e:
+            raise SpecError(f"{where}: {describe_validation_error(e, field_words=True)}") from None
+        return self
+
+    def with_settings(self, extra: Mapping[str, Any], name: str | None = None) -> Scheduler:
+        """This scheduler with more settings (``extra`` wins; tables merged key by key), checked."""
+        name = name or self.name
+        return Scheduler(name=name, description=self.description,
+                         settings=_merge(self.settings, extra)).checked(f"scheduler {name!r}")
+
+    def value(self, dotted: str) -> Any:
+        """The value this scheduler sets for ``section.key`` (``KeyError`` if it sets none)."""
+        node: Any = self.settings
+        for part in dotted.split("."):
+            node = node[part]
+        return node
+
+    def setting(self, name: str) -> Any:
+        """The value this scheduler sets for the setting ``name`` (its one home), e.g. ``"queue_order"``."""
+        (path,) = setting_homes()[name]
+        return self.value(path)
+
+
+def setting_homes(model: type[BaseModel] = ServiceConfig, prefix: str = "") -> dict[str, list[str]]:
+    """Every setting's name -> the dotted paths that hold it (one each: ``tests/test_settings_homes.py``)."""
+    homes: dict[str, list[str]] = {}
+    for name, f in model.model_fields.items():
+        sections = [a for a in (f.annotation, *get_args(f.annotation))
+                    if isinstance(a, type) and issubclass(a, BaseModel)]
+        for section in sections:
+            for key, paths in setting_homes(section, f"{prefix}{name}.").items():
+                homes.setdefault(key, []).extend(paths)
+        if not sections:
+            homes.setdefault(name, []).append(prefix + name)
+    return homes
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings named by their names alone (``{"queue_order": "critical"}``, each name has one home) as a
+    service file writes them (``{"dispatch": {"queue_order": "critical"}}``)."""
+    homes = setting_homes()
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        paths = homes.get(name, [])
+        if len(paths) != 1:
+            raise SpecError(f"setting {name!r}: " + (f"in several places {paths}" if paths else "no such setting"))
+        *sections, key = paths[0].split(".")
+        node = out
+        for sec in sections:
+            node = node.setdefault(sec, {})
+        node[key] = value
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ files

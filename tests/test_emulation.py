@@ -563,9 +563,9 @@ def nx(tmp_path_factory):
 
 
 def _run(nx, policy: str) -> tuple[float, float, dict]:
-    from nexus import scheduling
+    from nexus.config import Scheduler
 
-    nx.internal("nexus_set_scheduler", scheduler=scheduling.load(policy).model_dump())
+    nx.internal("nexus_set_scheduler", scheduler=Scheduler.load(policy).model_dump())
     t0 = time.time()
     handles = {"emu-lift": nx.tenant("emu-lift").rl(updates=2, episodes_per_batch=4, collectors=2),
                "emu-push": nx.tenant("emu-push").rl(updates=2, episodes_per_batch=4, collectors=2),
@@ -674,11 +674,11 @@ def test_the_isolated_policy_really_isolates_on_emulated_devices(nx):
 def test_the_elastic_policy_splits_an_rl_batch_over_simulators_and_keeps_its_episodes(nx):
     """One RL batch of 8 episodes (K = 4 envs a producer): one rollout task under ``priority``, two at once under
     ``elastic`` (on two of the 2-2-4 service's 4 simulator devices); the same episodes either way."""
-    from nexus import scheduling
+    from nexus.config import Scheduler
 
     got = {}
     for pol in ("priority", "elastic"):
-        nx.internal("nexus_set_scheduler", scheduler=scheduling.load(pol).model_dump())
+        nx.internal("nexus_set_scheduler", scheduler=Scheduler.load(pol).model_dump())
         t0 = time.time()
         out = nx.tenant("emu-push").rl(updates=1, episodes_per_batch=8, collectors=1).result(timeout=300)
         nx.flush()

@@ -65,7 +65,7 @@ def test_isolated_tenants_never_overlap_and_accounting_holds(nx):
 
 
 def test_a_scheduler_switched_on_the_idle_service_moves_t_and_b_to_the_engines(nx):
-    from nexus import scheduling
+    from nexus.config import Scheduler
 
     engine = nx.engine()
     first = nx.internal("nexus_scheduling")["scheduler"]
@@ -83,6 +83,6 @@ def test_a_scheduler_switched_on_the_idle_service_moves_t_and_b_to_the_engines(n
         assert not nx.internal("nexus_scheduling")["admission"]["isolated"]
         assert engine.batching().result(timeout=30)["max_batch"] == 12
     finally:
-        nx.internal("nexus_set_scheduler", scheduler=scheduling.load(first["name"]).model_dump())
+        nx.internal("nexus_set_scheduler", scheduler=Scheduler.load(first["name"]).model_dump())
     assert engine.batching().result(timeout=30) == before
     assert nx.internal("nexus_scheduling")["admission"]["isolated"]

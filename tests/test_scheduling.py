@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from nexus import scheduling
-from nexus.config import ServiceConfig, ServiceLimits
+from nexus.config import Scheduler, ServiceConfig, ServiceLimits
 from nexus.control.admission import Admission
 from nexus.control.lifecycle import with_admission_defaults
 from nexus.control.monitoring import MonitoringState, Span, accounting
@@ -26,19 +26,19 @@ def test_every_catalog_file_validates_and_the_default_is_one_of_them():
     files = sorted((REPO / "schedulers").glob("*.toml"))
     assert {"fifo", "priority", "isolated"} <= {f.stem for f in files}
     for f in files:
-        sched = scheduling.load(f.stem)
+        sched = Scheduler.load(f.stem)
         assert sched.name == f.stem and sched.description
-        assert sched == scheduling.load(str(f))  # by name or by path: the same scheduler
+        assert sched == Scheduler.load(str(f))  # by name or by path: the same scheduler
     assert scheduling.DEFAULT in scheduling.names()
-    assert scheduling.load("isolated").value("dispatch.isolated")
-    assert not scheduling.load(scheduling.DEFAULT).value("dispatch.isolated")
-    assert scheduling.load("fifo").value("dispatch.queue_order") == "fifo"
-    assert scheduling.load("priority").value("dispatch.queue_order") == "priority"
+    assert Scheduler.load("isolated").value("dispatch.isolated")
+    assert not Scheduler.load(scheduling.DEFAULT).value("dispatch.isolated")
+    assert Scheduler.load("fifo").value("dispatch.queue_order") == "fifo"
+    assert Scheduler.load("priority").value("dispatch.queue_order") == "priority"
 
 
 def test_service_config_fills_unset_fields_from_the_scheduler_and_explicit_fields_win(tmp_path):
     c = ServiceConfig(root=str(tmp_path), scheduler="gather")
-    assert c.dispatch.queue_order == "priority" and c.infer_max_batch == scheduling.load("gather").value(
+    assert c.dispatch.queue_order == "priority" and c.infer_max_batch == Scheduler.load("gather").value(
         "infer_max_batch") == 32
     c = ServiceConfig(root=str(tmp_path), scheduler="gather", infer_max_batch=16,
                       dispatch={"item_attempts": 3, "eval_fanout": 4}, datapath={"sync_mode": "eager"})
@@ -82,7 +82,7 @@ def test_a_bad_scheduler_file_is_refused_naming_file_and_field(tmp_path, text, f
     bad = tmp_path / "bad.toml"
     bad.write_text(text)
     with pytest.raises(SpecError) as e:
-        scheduling.load(str(bad))
+        Scheduler.load(str(bad))
     assert str(bad) in str(e.value) and repr(field) in str(e.value)
     with pytest.raises(ValidationError, match=f"{bad}.*'{field}'"):  # the service refuses to start with it
         ServiceConfig(root=str(tmp_path), scheduler=str(bad))
@@ -92,19 +92,19 @@ def test_a_moved_key_is_refused_naming_its_new_home(tmp_path):
     bad = tmp_path / "old.toml"
     bad.write_text('[datapath]\nsync_policy = "eager"\n')
     with pytest.raises(SpecError, match="datapath.sync_policy is now datapath.sync_mode"):
-        scheduling.load(str(bad))
+        Scheduler.load(str(bad))
     with pytest.raises(ValidationError, match="dispatch.default_max_inflight is now limits.default_max_inflight"):
         ServiceConfig(root=str(tmp_path), dispatch={"default_max_inflight": 2})
 
 
 def test_unreadable_unknown_or_malformed_schedulers_are_refused(tmp_path):
     with pytest.raises(SpecError, match="unknown scheduler 'nope'.*fifo"):
-        scheduling.load("nope")
+        Scheduler.load("nope")
     with pytest.raises(SpecError, match="cannot be read"):
-        scheduling.load(str(tmp_path / "missing.toml"))
+        Scheduler.load(str(tmp_path / "missing.toml"))
     (tmp_path / "broken.toml").write_text("infer_max_batch = \n")
     with pytest.raises(SpecError, match="broken.toml: not valid TOML"):
-        scheduling.load(str(tmp_path / "broken.toml"))
+        Scheduler.load(str(tmp_path / "broken.toml"))
 
 
 def test_a_catalog_root_with_a_scheduler_over_the_inflight_cap_is_refused(tmp_path, monkeypatch):
@@ -125,7 +125,7 @@ def test_every_catalog_scheduler_sets_the_same_keys_so_a_switch_between_them_is_
         return {k for key, v in d.items()
                 for k in (keys(v, f"{prefix}{key}.") if isinstance(v, dict) else {prefix + key})}
 
-    sets = {n: keys(scheduling.load(n).settings) for n in scheduling.names()}
+    sets = {n: keys(Scheduler.load(n).settings) for n in scheduling.names()}
     first = sets[scheduling.DEFAULT]
     assert {"dispatch.queue_order", "infer_max_batch", "datapath.sync_mode", "routing"} <= first
     assert all(s == first for s in sets.values()), {n: s ^ first for n, s in sets.items() if s != first}
@@ -133,7 +133,7 @@ def test_every_catalog_scheduler_sets_the_same_keys_so_a_switch_between_them_is_
 
 def test_with_scheduler_applies_its_settings_over_the_running_ones_and_keeps_the_rest(tmp_path):
     c = ServiceConfig(root=str(tmp_path), scheduler="priority", dispatch={"item_attempts": 3})
-    sched = scheduling.load("isolated").with_settings({"infer_max_batch": 5, "datapath": {"sync_mode": "eager",
+    sched = Scheduler.load("isolated").with_settings({"infer_max_batch": 5, "datapath": {"sync_mode": "eager",
                                                        "sync_every": 2}, "dispatch": {"max_concurrent_updates": 2}})
     new = c.with_scheduler(sched)
     assert new.scheduler == "isolated" and new.dispatch.isolated and new.dispatch.queue_order == "fifo"
@@ -141,7 +141,7 @@ def test_with_scheduler_applies_its_settings_over_the_running_ones_and_keeps_the
     assert new.dispatch.max_concurrent_updates == 2
     assert new.dispatch.item_attempts == 3 and new.root == c.root  # not the scheduler's: unchanged
     assert c.scheduler == "priority" and c.dispatch.max_concurrent_updates == 1  # the original is unchanged
-    assert c.with_scheduler(scheduling.load("priority")) == c  # back: every scheduler key again
+    assert c.with_scheduler(Scheduler.load("priority")) == c  # back: every scheduler key again
     with pytest.raises(SpecError, match="default_max_inflight 6 exceeds limits.max_inflight 4"):
         ServiceConfig(root=str(tmp_path), limits={"max_inflight": 4}).with_scheduler(
             sched.with_settings({"limits": {"default_max_inflight": 6}}))
@@ -157,10 +157,10 @@ def test_scheduler_parts_apply_their_settings(tmp_path):
         q.reserve(name)
         q.put(TrainingItem(tenant=name, kind="sft", policy_version=0))
     base = ServiceConfig(root=str(tmp_path))
-    q.apply(base.with_scheduler(scheduling.load("fifo")))
+    q.apply(base.with_scheduler(Scheduler.load("fifo")))
     assert q.order == "fifo" and [q.pop({})[0].tenant for _ in range(2)] == ["low", "high"]  # re-ranked
     adm = Admission(False)
-    adm.apply(base.with_scheduler(scheduling.load("isolated")))
+    adm.apply(base.with_scheduler(Scheduler.load("isolated")))
     assert adm.view()["isolated"]
 
 
@@ -172,7 +172,7 @@ def test_tenants_that_leave_admission_unset_get_the_service_defaults_and_old_spe
     assert with_admission_defaults(TenantSpec(name="a", env="maniskill/pushcube-state"), capped).max_inflight == 2
     old = TenantSpec(name="a", env="maniskill/pushcube-state", max_inflight=1, max_staleness=0)
     assert with_admission_defaults(old, limits) == old
-    shipped = scheduling.load(scheduling.DEFAULT)  # the values these TenantSpec fields defaulted to before
+    shipped = Scheduler.load(scheduling.DEFAULT)  # the values these TenantSpec fields defaulted to before
     assert (shipped.value("limits.default_max_inflight"), shipped.value("limits.default_max_staleness")) == (2, 128)
     assert (ServiceLimits().default_max_inflight, ServiceLimits().default_max_staleness) == (2, 128)
 

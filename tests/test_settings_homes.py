@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from nexus import config, scheduling
-from nexus.config import ServiceConfig
+from nexus.config import Scheduler, ServiceConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # sections owned elsewhere whose fields' descriptions are not this walk's business (the emulated devices'
@@ -127,4 +127,4 @@ def test_scheduler_files_set_exactly_service_config_keys():
         doc = tomllib.loads(f.read_text())
         assert isinstance(doc.pop("description"), str), f  # the one key of the scheduler itself
         assert keys(doc) <= leaves, (f.name, sorted(keys(doc) - leaves))
-        assert scheduling.load(f.stem).settings == doc
+        assert Scheduler.load(f.stem).settings == doc

@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench  # noqa: E402
-from emulated import Workload, policy  # noqa: E402
+from emulated import Workload, knob, policy  # noqa: E402
 
 from nexus.emulation import EmulationSettings  # noqa: E402
 
@@ -131,9 +131,9 @@ def main() -> None:
                                   emulation=devices)[0]
         row = {"layout": args.layout, "producers_per_sim": m, **devices, "rollout_split": split,
                "max_inflight": inflight or 2,
-               "rule": pol["rollout_split_rule"], "queue_order": pol["queue_order"], "sim_order": pol["sim_order"],
-               "routing": pol["routing"],
-               "infer_max_batch": pol["infer_max_batch"], "infer_max_wait_s": pol["infer_max_wait_s"],
+               "rule": knob(pol, "rollout_split_rule"), "queue_order": knob(pol, "queue_order"),
+               "sim_order": knob(pol, "sim_order"), "routing": knob(pol, "routing"),
+               "infer_max_batch": knob(pol, "infer_max_batch"), "infer_max_wait_s": knob(pol, "infer_max_wait_s"),
                "isolated_makespan_s": i["makespan_s"], "isolated_device_s": i["device_s"],
                "makespan_s": shared["makespan_s"], "device_s": shared["device_s"],
                "rounds_device_s": shared["rounds_device_s"], **bench.compare(i, shared),

@@ -12,7 +12,7 @@ Variants, each in its own child process (its own ``nexus`` package), measured in
 see the same load from the rest of the machine:
 
 * ``before``: another checkout (``--baseline DIR``, e.g. main before this work);
-* ``no-cache``: this checkout with ``qos.prefix_cache_mb = 0`` (what the prefix cache alone buys);
+* ``no-cache``: this checkout with ``caches.prefix_cache_mb = 0`` (what the prefix cache alone buys);
 * ``after``: this checkout.
 
 Every variant also answers one fixed group per case (deterministic rows and seeded samples), and the parent
@@ -58,7 +58,7 @@ class Child:
         self.np, self.Request = np, _Request
         cfg = {"root": os.environ.get("TMPDIR", "/tmp")}
         if not cache:
-            cfg["qos"] = {"prefix_cache_mb": 0}
+            cfg["caches"] = {"prefix_cache_mb": 0}
         self.engine = InferenceEngine(ServiceConfig.model_validate(cfg))
         heads = self.engine.heads
         hidden = heads.framework.backbone.hidden_size

@@ -57,9 +57,9 @@ def remaining_sim_s(jobs: JobManager, metered: dict[str, dict[str, float]], tena
 
 class LoadRouting:
     def __init__(self, pool: EnginePool, monitoring: MonitoringState, jobs: JobManager, dispatcher: Dispatcher,
-                 period_s: float = 3.0) -> None:
+                 routing: str = "static", period_s: float = 3.0) -> None:
         self.pool, self.monitoring, self.period_s = pool, monitoring, period_s
-        self.enabled = False
+        self.enabled = routing == "load"  # the service's ``routing`` (its scheduler's); a switch changes it
         self.moves = 0
         self._last: dict[str, float] = {}
         self._t = 0.0

@@ -89,9 +89,8 @@ class Master:
                                      self.tracker, self.dispatcher, self.lifecycle, self.jobs, self.offload)
         self.ops = LowLevelOps(self.registry, self.runtime, ctx, self.op_runs)
         self.accounts = ServiceAccounting(scheduler, self.actors, self.pool, self.monitoring, config.emulation)
-        self.routing = LoadRouting(self.pool, self.monitoring, self.jobs, self.dispatcher)  # control-signal policies
+        self.routing = LoadRouting(self.pool, self.monitoring, self.jobs, self.dispatcher, config.routing)
         parts = [self.queue, self.dispatcher, self.jobs, self.lifecycle, self.engine_ops, self.supervisor, self.routing]
-        self.routing.apply(config)  # load routing when the service's scheduler starts with it
         self.schedulers = SchedulerControl(config, parts, self.pool, self.jobs, self.queue, self.dispatcher)
         self.parts = status.StatusParts(scheduler, self.registry, self.jobs, self.queue, self.dispatcher, self.actors,
                                         self.pool, self.health, self.supervisor, self.monitoring, self.accounts,
@@ -210,9 +209,8 @@ class Master:
         return self.schedulers.view()
 
     async def set_scheduler(self, scheduler: dict[str, Any]) -> dict[str, Any]:
-        """Switch the scheduler of a running, idle service (benchmarks compare schedulers on one cluster):
-        ``scheduler`` is a ``nexus.scheduling.Scheduler`` as a dict. Its T and B go to every serving engine (and
-        to engines started later)."""
+        """Apply a scheduler (a ``nexus.config.Scheduler`` as a dict) to a running, idle service; its T and B
+        go to every serving engine too (benchmarks compare schedulers on one cluster)."""
         return await self.schedulers.switch(scheduler)
 
     # -- new handlers ------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The scheduler of a running service: its view and switching it while the service is idle.
 
 Benchmarks compare schedulers on one cluster (``nexus_set_scheduler``). A switch validates the scheduler (a
-named overlay of the service's settings, :mod:`nexus.scheduling`), builds the new effective config
+named overlay of the service's settings, :class:`nexus.config.Scheduler`), builds the new effective config
 (:meth:`nexus.config.ServiceConfig.with_scheduler`: its settings over the running ones) and hands that config to
 every part that holds one of the settings (``apply``): the training queue's order, the dispatcher's concurrency,
 admission (shared or isolated), the flows' evaluation fan-out, split and weight-sync rule, the admission defaults
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from nexus.config import Scheduler
 from nexus.errors import Conflict, SpecError
-from nexus.scheduling import Scheduler, checked
 
 if TYPE_CHECKING:
     from nexus.config import ServiceConfig
@@ -54,7 +54,7 @@ class SchedulerControl:
         """Switch to the scheduler ``raw`` (``Scheduler`` fields: name, description, settings) while no job runs;
         returns the new view. An invalid scheduler is refused whole: nothing of it applies."""
         try:
-            sched = checked(Scheduler.model_validate(raw), "invalid scheduler")
+            sched = Scheduler.model_validate(raw).checked("invalid scheduler")
         except SpecError:
             raise
         except Exception as e:
