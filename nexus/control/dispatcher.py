@@ -1,7 +1,7 @@
 """Training-queue dispatcher: moves admitted items from the :class:`TrainingQueue` to the actor group.
 
 Its two knobs come from :class:`nexus.config.DispatchSettings`: how many items run at once
-(``max_concurrent_updates``; a scheduling policy switch changes it, :meth:`Dispatcher.apply`) and how
+(``max_concurrent_updates``; a scheduler switch changes it, :meth:`Dispatcher.apply`) and how
 often an item that raises is retried (``item_attempts``). An item whose actor rank was lost
 (``RoleLost``) goes back to the head of the queue, keeps its admission slot, and runs again once the
 actor group has been rebuilt; that retry does not count as an attempt (the actor's restart budget

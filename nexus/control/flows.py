@@ -74,7 +74,7 @@ class FlowContext:
             self.sim_slots.order = dispatch.sim_order
 
     def batch_split(self, split: int, episodes: int, env: str) -> int:
-        """Rollout tasks for one RL batch: the job's ``split``, or more — up to the policy's ``rollout_split``, no
+        """Rollout tasks for one RL batch: the job's ``split``, or more — up to ``dispatch.rollout_split``, no
         more than one wave of a producer's envs each (a part with fewer episodes than a producer's envs would not
         end sooner), and under the rule ``"free"`` no more than the simulator places free now that no tenant waits
         for (``"always"``: the parts queue for places like any rollout task, so the split does not race timing)."""

@@ -114,7 +114,7 @@ class InferenceEngine:
         return True
 
     def set_batching(self, max_wait_s: float, max_batch: int) -> dict[str, Any]:
-        """New T and B (a scheduling policy's) for the groups formed from now on."""
+        """New T and B (a scheduler's) for the groups formed from now on."""
         self.queue.set_limits(max_wait_s, max_batch)
         return self.batching()
 
