@@ -280,8 +280,8 @@ class SimulatorSettings(BaseModel):
     """How tenants' rollout and evaluation tasks share the simulator places (``nexus.control.sim_slots``)."""
 
     model_config = ConfigDict(extra="forbid")
-    fair_share: bool = Field(True, description="simulator places go to the tenant holding the fewest when "
-                             "several wait (in dispatch.sim_order; False: Dask's order, first come first served)")
+    fair_share: bool = Field(True, description="when several tenants wait, a freed simulator place goes by "
+                             "dispatch.sim_order (False: Dask's order, first come first served)")
     task_episodes: int = Field(8, ge=1, description="an evaluation's rollout tasks run at most this many "
                                "episodes each, so simulator places can change hands between them")
 
@@ -467,7 +467,8 @@ class ServiceConfig(BaseModel):
         return _under(data, sched.settings)
 
     @model_validator(mode="after")
-    def _default_within_cap(self) -> ServiceConfig:
+    def _checks(self) -> ServiceConfig:
+        """The admission default within its cap; the backbone's checkpoint directory checked, made absolute."""
         if self.limits.default_max_inflight > self.limits.max_inflight:
             raise ValueError(f"limits.default_max_inflight {self.limits.default_max_inflight} exceeds "
                              f"limits.max_inflight {self.limits.max_inflight}")

@@ -38,11 +38,10 @@ class SchedulerControl:
         self.jobs = jobs
         self.queue = queue
         self.dispatcher = dispatcher
-        self.description = ""  # the running scheduler's, when it came from a switch
 
     def view(self) -> dict[str, Any]:
         c = self.config
-        return {"scheduler": {"name": c.scheduler, "description": self.description,
+        return {"scheduler": {"name": c.scheduler,
                               "infer_max_wait_s": c.infer_max_wait_s, "infer_max_batch": c.infer_max_batch,
                               "routing": c.routing, "dispatch": c.dispatch.model_dump(),
                               "datapath": {"sync_mode": c.datapath.sync_mode, "sync_every": c.datapath.sync_every},
@@ -63,7 +62,7 @@ class SchedulerControl:
         if busy or len(self.queue) or self.dispatcher.running:
             raise Conflict(f"the scheduler changes only while no job runs (running or queued: {busy})")
         config = self.config.with_scheduler(sched)
-        self.config, self.description = config, sched.description
+        self.config = config
         for part in self.parts:
             part.apply(config)
         await self.pool.apply(config)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from nexus.control.runtime import DaskRuntime
-    from nexus.scheduling import SimOrder
+    from nexus.config import SimOrder
 
 
 @dataclass(order=True)
