@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nexus.control.runtime import DaskRuntime
     from nexus.config import SimOrder
+    from nexus.control.runtime import DaskRuntime
 
 
 @dataclass(order=True)
