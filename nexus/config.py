@@ -20,66 +20,79 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from nexus import scheduling
 from nexus.emulation import EmulationSettings
 from nexus.errors import SpecError, describe_errors
 from nexus.paths import private_write_bytes
-from nexus.scheduling import SchedulerPolicy, SimOrder, SplitRule
 
 ENV_VAR = "NEXUS_SERVICE_CONFIG"
 # Hugging Face ``model_type`` of each backbone family's checkpoints (config.json)
 CHECKPOINT_MODEL_TYPES = {"qwen3vl": ("qwen3_vl",), "paligemma": ("paligemma",)}
 
-# policy field -> (ServiceConfig section or None for a top-level field, field there)
-POLICY_FIELDS: dict[str, tuple[str | None, str]] = {
-    "queue_order": ("dispatch", "queue_order"), "isolated": ("dispatch", "isolated"),
-    "max_concurrent_updates": ("dispatch", "max_concurrent_updates"), "eval_fanout": ("dispatch", "eval_fanout"),
-    "rollout_split": ("dispatch", "rollout_split"), "rollout_split_rule": ("dispatch", "rollout_split_rule"),
-    "sim_order": ("dispatch", "sim_order"),
-    "default_max_inflight": ("dispatch", "default_max_inflight"),
-    "default_max_staleness": ("dispatch", "default_max_staleness"),
-    "infer_max_wait_s": (None, "infer_max_wait_s"), "infer_max_batch": (None, "infer_max_batch"),
-    "sync_policy": ("datapath", "sync_policy"), "sync_every": ("datapath", "sync_every"),
-}
+DEFAULT_SCHEDULER = scheduling.DEFAULT
+# the validation context of a config whose scheduler is already applied (a saved config, a switch's result)
+APPLIED = {"scheduler_applied": True}
+# when ``dispatch.rollout_split`` applies: while simulator places are free now, or to every RL batch
+SplitRule = Literal["free", "always"]
+SimOrder = Literal["fair", "critical"]
+BACKBONE_FAMILIES = ("qwen3vl", "paligemma")
+BACKBONE_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def policy_settings(policy: SchedulerPolicy, section: str | None) -> dict[str, Any]:
-    """The policy's knobs that live in one ``ServiceConfig`` section (None: its top-level fields), by the
-    section's field names (:data:`POLICY_FIELDS`)."""
-    return {name: getattr(policy, pf) for pf, (sec, name) in POLICY_FIELDS.items() if sec == section}
+class BackboneConfig(BaseModel):
+    """The shared backbone: which one to build and the processor settings that shape its inputs.
 
+    The one type of both the service's ``[backbone]`` settings and the model side
+    (``nexus.model.backbone.SharedBackbone``); checks that need the family's code (its offline presets, its
+    image patch size) run where the model is built (``nexus.model.backbone.check``)."""
 
-class BackboneSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    family: str = "qwen3vl"
-    size: str = "tiny"
-    local_path: str | None = Field(None, description="a Hugging Face checkpoint directory (from_pretrained); "
-                                   "resolved to an absolute path, since service processes run elsewhere")
-    image_size: int = Field(64, ge=16)
-    dtype: str = "float32"
-    device: str = "cpu"
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    family: str = Field("qwen3vl", description=f"backbone family: {' | '.join(BACKBONE_FAMILIES)}")
+    size: str = Field("tiny", description="offline preset (random weights under a fixed seed), ignored when "
+                      "local_path is set")
+    local_path: str | None = Field(None, description="a Hugging Face checkpoint directory (from_pretrained); the "
+                                   "service resolves it to an absolute path, since its processes run elsewhere")
+    image_size: int = Field(64, ge=16, description="square side every camera image is resized to")
+    dtype: str = Field("float32", description="float32 on CPU (bfloat16 is 3-4x slower there), bfloat16 on GPU")
+    device: str = Field("cpu", description="torch device of the backbone")
 
     @model_validator(mode="after")
-    def _checkpoint_dir(self) -> BackboneSettings:
-        """A checkpoint directory must exist and hold a model of the family (never a hub name)."""
-        if self.local_path is None:
-            return self
-        path = Path(self.local_path).expanduser().resolve()
-        if not (path / "config.json").is_file():
-            raise ValueError(f"backbone local_path {self.local_path!r} is not a Hugging Face checkpoint "
-                             "directory (no config.json there)")
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
-        expected = CHECKPOINT_MODEL_TYPES.get(self.family)
-        if expected is not None and model_type not in expected:
-            fits = [f for f, types in CHECKPOINT_MODEL_TYPES.items() if model_type in types]
-            raise ValueError(f"backbone checkpoint {str(path)!r} is a {model_type!r} model, not a {self.family!r} "
-                             "backbone" + (f" (use family {fits[0]!r})" if fits else ""))
-        self.local_path = str(path)
+    def _known(self) -> BackboneConfig:
+        if self.family not in BACKBONE_FAMILIES:
+            raise ValueError(f"unknown backbone family {self.family!r} (supported: {sorted(BACKBONE_FAMILIES)})")
+        if self.dtype not in BACKBONE_DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r} (one of {sorted(BACKBONE_DTYPES)})")
         return self
+
+    def model_key(self) -> str:
+        """Names the weights and numerics (not the input settings): one resident model per model key."""
+        return f"{self.family}:{self.local_path or self.size}:{self.dtype}"
+
+    def compat_key(self) -> str:
+        """Requests with equal keys may share one backbone forward (``nexus.model.backbone.compatible``)."""
+        return f"{self.model_key()}@{self.image_size}px"
+
+
+def checkpoint_dir(backbone: BackboneConfig) -> BackboneConfig:
+    """The service's backbone with its checkpoint directory checked and made absolute: it must exist and hold
+    a model of the family (never a hub name)."""
+    if backbone.local_path is None:
+        return backbone
+    path = Path(backbone.local_path).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"backbone local_path {backbone.local_path!r} is not a Hugging Face checkpoint "
+                         "directory (no config.json there)")
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    expected = CHECKPOINT_MODEL_TYPES.get(backbone.family)
+    if expected is not None and model_type not in expected:
+        fits = [f for f, types in CHECKPOINT_MODEL_TYPES.items() if model_type in types]
+        raise ValueError(f"backbone checkpoint {str(path)!r} is a {model_type!r} model, not a {backbone.family!r} "
+                         "backbone" + (f" (use family {fits[0]!r})" if fits else ""))
+    return backbone.model_copy(update={"local_path": str(path)})
 
 
 class HealthSettings(BaseModel):
@@ -92,7 +105,7 @@ class HealthSettings(BaseModel):
     fail_after_s: float = Field(60.0, gt=0, description="no heartbeat this long: failed, its worker is restarted")
     producer_stall_s: float = Field(300.0, gt=0, description="a rollout/dataset producer without progress: suspect")
     restart_budget: int = Field(5, ge=0, description="in-place restarts of one role allowed within budget_window_s")
-    budget_window_s: float = Field(600.0, gt=0)
+    budget_window_s: float = Field(600.0, gt=0, description="the window restart_budget counts restarts in")
 
     @model_validator(mode="after")
     def _suspect_before_failed(self) -> HealthSettings:
@@ -103,26 +116,32 @@ class HealthSettings(BaseModel):
 
 
 class DispatchSettings(BaseModel):
-    """The training-queue dispatcher's settings (``nexus.control.dispatcher.Dispatcher`` reads
-    ``max_concurrent_updates`` and ``item_attempts``) and the admission defaults of the scheduling policy."""
+    """How training items, jobs and simulator places are dispatched (``nexus.control.dispatcher``, the training
+    queue, admission and the flows); the schedulers (``schedulers/*.toml``) set most of them."""
 
     model_config = ConfigDict(extra="forbid")
     max_concurrent_updates: int = Field(1, ge=1, description="training items running at once on the actor group")
     item_attempts: int = Field(2, ge=1, description="runs of an update that raises before its job fails")
     rollout_attempts: int = Field(3, ge=1, description="runs of a failing rollout (same episodes) before its job fails")
-    # set by the scheduling policy (schedulers/*.toml) unless given here
-    queue_order: Literal["fifo", "priority", "critical"] = Field("priority", description="training queue order")
-    isolated: bool = Field(False, description="isolated baseline: tenants' jobs one after another")
-    eval_fanout: int = Field(2, ge=1, description="rollout tasks per evaluation job")
-    rollout_split: int = Field(1, ge=1, description="an RL batch over up to this many rollout tasks (1: the job's "
-                               "own split)")
-    rollout_split_rule: SplitRule = Field("free", description="'free': split only over simulator places free now; "
-                                          "'always': every RL batch")
-    sim_order: SimOrder = Field("fair", description="a freed simulator place to the tenant holding the fewest "
-                                "('fair') or with the most simulator work left ('critical')")
-    default_max_inflight: int = Field(2, ge=1, description="TenantSpec.max_inflight when a tenant leaves it unset")
-    default_max_staleness: int = Field(128, ge=0, description="TenantSpec.max_staleness when a tenant leaves it "
-                                       "unset")
+    queue_order: Literal["fifo", "priority", "critical"] = Field(
+        "priority", description="training queue: 'priority' (highest TenantSpec.priority first, FIFO within "
+        "one), 'fifo' (submission order, priorities ignored) or 'critical' (items that unblock a producer — "
+        "RL — before filler, then the job with the most remaining work: its measured item time x items left)")
+    isolated: bool = Field(False, description="the isolated baseline: a job waits 'queued' until no other "
+                           "tenant's job runs (tenants one after another, FIFO by submission)")
+    eval_fanout: int = Field(2, ge=1, description="rollout tasks an evaluation job splits its episodes over")
+    rollout_split: int = Field(1, ge=1, description="an RL batch is split over up to this many rollout tasks at "
+                               "once (one wave of a producer's envs each; when: rollout_split_rule); 1: each job's "
+                               "own RLJob.split only")
+    rollout_split_rule: SplitRule = Field(
+        "free", description="when rollout_split applies: 'free' (only while that many simulator places are free "
+        "that no tenant waits for: the split follows the moment's free places) or 'always' (every RL batch, the "
+        "parts queueing for places like any rollout task: the split does not depend on timing)")
+    sim_order: SimOrder = Field(
+        "fair", description="who gets a freed simulator place: 'fair' (the tenant holding the fewest: max-min fair "
+        "share) or 'critical' (the tenant whose running RL jobs have the most simulator work left — its updates "
+        "left x its simulator seconds per update so far —, so the job on the critical path is not the one left "
+        "alone at the end; a job's parts in flight stay bounded by its max_inflight x split)")
 
 
 class ServiceLimits(BaseModel):
@@ -139,23 +158,27 @@ class ServiceLimits(BaseModel):
     actor_memory_fraction: float = Field(0.7, gt=0, le=0.95,
                                          description="share of the actor worker's memory limit slots may use "
                                                      "(Dask restarts a worker at 0.95)")
-    max_sft_steps: int = Field(100_000, ge=1)
+    max_sft_steps: int = Field(100_000, ge=1, description="steps of one SFT job")
     max_batch_size: int = Field(1024, ge=1, description="SFT batch size")
-    max_rl_updates: int = Field(10_000, ge=1)
-    max_episodes_per_batch: int = Field(64, ge=1)
-    max_collectors: int = Field(8, ge=1)
-    max_eval_episodes: int = Field(500, ge=1)
+    max_rl_updates: int = Field(10_000, ge=1, description="updates of one RL job")
+    max_episodes_per_batch: int = Field(64, ge=1, description="episodes of one RL batch")
+    max_collectors: int = Field(8, ge=1, description="rollout collectors of one RL job")
+    max_eval_episodes: int = Field(500, ge=1, description="episodes of one evaluation job")
     max_update_epochs: int = Field(32, ge=1, description="PPO epochs over one RL batch")
     max_concurrent_evals: int = Field(2, ge=1, description="evaluation jobs of one tenant queued or running")
     max_priority: int = Field(10, ge=0, description="|TenantSpec.priority| (priorities share one actor)")
     max_seed: int = Field(600, ge=0, description="episode seeds derived from it stay below 2**32 (simulators)")
     max_inflight: int = Field(8, ge=1, description="cap of TenantSpec.max_inflight")
+    default_max_inflight: int = Field(2, ge=1, description="TenantSpec.max_inflight of a tenant that leaves it "
+                                      "unset (training items admitted at once; at most max_inflight)")
+    default_max_staleness: int = Field(128, ge=0, description="TenantSpec.max_staleness of a tenant that leaves "
+                                       "it unset")
     max_queued_ops: int = Field(8, ge=1, description="low-level calls of one tenant waiting at the gateway")
     max_inflight_predicts: int = Field(8, ge=1, description="predicts of one tenant queued or running at the "
-                                       "gateway at once; past it 429 with Retry-After (qos.max_inflight_predicts "
+                                       "gateway at once; past it 429 with Retry-After (qos.max_gateway_predicts "
                                        "bounds all tenants together)")
     max_batch_rows: int = Field(4096, ge=1, description="samples in one forward_backward batch")
-    max_instruction_chars: int = Field(2000, ge=1)
+    max_instruction_chars: int = Field(2000, ge=1, description="characters of one instruction")
     max_versions_kept: int = Field(50, ge=0, description="newest policy versions whose weights stay on disk "
                                    "(0: all; the initial and every evaluated version are kept too)")
     max_checkpoints_kept: int = Field(3, ge=1, description="DeepSpeed checkpoints kept per tenant")
@@ -178,7 +201,7 @@ class DataPathSettings(BaseModel):
     """Knobs of the data path (producers, inference grouping, feature cache, weight sync).
 
     Every knob is passed explicitly to the worker-side code that uses it (rollout producers, the
-    inference engine, the update), so a scheduling policy can set any of them.
+    inference engine, the update), so a scheduler can set any of them.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -200,23 +223,22 @@ class DataPathSettings(BaseModel):
                                  "trajectory; the PPO update reads them instead of re-running the backbone")
     feature_cache_max_dim: int = Field(16384, ge=0, description="pooled features wider than this are "
                                        "recomputed, not stored (bounds the store's size per step)")
-    sync_policy: Literal["lazy", "eager"] = Field(
-        "lazy", description="lazy: a new head goes to inference only when something will use it (an RL "
-        "job's rollouts, every sync_every versions, the job's end); eager: every version")
+    sync_mode: Literal["lazy", "eager"] = Field(
+        "lazy", description="weight sync to inference. lazy: a new head goes to inference only when something "
+        "will use it (an RL job's rollouts, every sync_every versions, the job's end); eager: every version")
     sync_every: int = Field(0, ge=0, description="lazy sync: also push every N versions (0: never)")
 
 
 class QosSettings(BaseModel):
-    """Serving at QoS: the gateway's predict budgets and fast path, and the simulators' fair share.
+    """Serving predicts at QoS: the gateway's predict budgets, gathering and fair share.
 
     Predicts past a budget are refused at once with 429 (``nexus.errors.Overloaded``) instead of waiting
     without bound; admitted ones wait in per-tenant queues that the gateway serves round-robin, gathered
-    into one call per engine. Simulator slots are shared fairly between tenants' rollout and evaluation
-    tasks (``nexus.control.sim_slots``)."""
+    into one call per engine."""
 
     model_config = ConfigDict(extra="forbid")
-    max_inflight_predicts: int = Field(64, ge=1, description="predicts of all tenants queued or running at "
-                                       "one gateway at once (each tenant: limits.max_inflight_predicts)")
+    max_gateway_predicts: int = Field(64, ge=1, description="predicts of all tenants queued or running at "
+                                      "one gateway at once (each tenant: limits.max_inflight_predicts)")
     retry_after_s: float = Field(0.1, gt=0, le=3600, description="the wait a refused predict is told to "
                                  "back off (body retry_after_s; the Retry-After header rounds it up to whole s)")
     gather_max_requests: int = Field(64, ge=1, description="predicts of several HTTP clients in one call to an "
@@ -230,28 +252,51 @@ class QosSettings(BaseModel):
                                      "refused (429 + Retry-After; 0: off; nexus.gateway.fair_share)")
     fair_share_window_s: float = Field(1.0, gt=0, description="the time constant of each tenant's admitted "
                                        "predict rate (qos.fair_share_factor)")
-    gc_freeze: bool = Field(True, description="the gateway and each inference engine's worker freeze the "
-                            "objects alive after start-up (gc.freeze): full collections no longer walk them "
-                            "(nexus.gc_tuning)")
-    gc_gen0_threshold: int = Field(10_000, ge=0, description="the young generation's collection threshold in the "
-                                   "gateway and the engines' workers (0: Python's, 700); a request's objects are "
-                                   "mostly freed by reference counting, so collections become rare")
-    sim_fair_share: bool = Field(True, description="simulator slots go to the tenant holding the fewest when "
-                                 "several wait (False: Dask's order, first come first served)")
-    sim_task_episodes: int = Field(8, ge=1, description="an evaluation's rollout tasks run at most this many "
-                                   "episodes each, so simulator slots can change hands between them")
-    prefix_cache_mb: float = Field(64.0, ge=0, description="an inference engine keeps the backbone features of "
-                                   "image-free prefixes (a state-only tenant's instruction) up to this size, so "
-                                   "their predicts run the tenant's head only (0: off; nexus.model.prefix_cache)")
-    head_bank_tenants: int = Field(64, ge=0, description="an inference engine stacks the Gaussian OFT heads of up "
-                                   "to this many tenants per head shape and runs a group's rows of several of them "
-                                   "as one batched forward (0: off, one head call per tenant; nexus.model.head_bank)")
-    gateway_http: Literal["httptools", "h11"] = Field("httptools", description="the gateway's HTTP/1.1 parser "
-                                                      "(uvicorn's; httptools: C, h11: pure Python)")
+
+
+class GatewaySettings(BaseModel):
+    """The gateway's HTTP server (``nexus.gateway``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    http_parser: Literal["httptools", "h11"] = Field("httptools", description="the gateway's HTTP/1.1 parser "
+                                                     "(uvicorn's; httptools: C, h11: pure Python)")
+    event_loop: Literal["uvloop", "asyncio"] = Field("uvloop", description="the gateway's event loop "
+                                                     "(uvloop: libuv's, asyncio: the standard library's)")
     predict_fast_path: bool = Field(True, description="the gateway serves a predict without FastAPI's routing and "
                                     "dependencies (the same answers; nexus.gateway.fast_predict)")
-    gateway_loop: Literal["uvloop", "asyncio"] = Field("uvloop", description="the gateway's event loop "
-                                                     "(uvloop: libuv's, asyncio: the standard library's)")
+
+
+class GcSettings(BaseModel):
+    """Python's garbage collector in the gateway and the inference engines' workers (``nexus.gc_tuning``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    freeze: bool = Field(True, description="the gateway and each inference engine's worker freeze the objects "
+                         "alive after start-up (gc.freeze): full collections no longer walk them")
+    gen0_threshold: int = Field(10_000, ge=0, description="the young generation's collection threshold in the "
+                                "gateway and the engines' workers (0: Python's, 700); a request's objects are "
+                                "mostly freed by reference counting, so collections become rare")
+
+
+class SimulatorSettings(BaseModel):
+    """How tenants' rollout and evaluation tasks share the simulator places (``nexus.control.sim_slots``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    fair_share: bool = Field(True, description="when several tenants wait, a freed simulator place goes by "
+                             "dispatch.sim_order (False: Dask's order, first come first served)")
+    task_episodes: int = Field(8, ge=1, description="an evaluation's rollout tasks run at most this many "
+                               "episodes each, so simulator places can change hands between them")
+
+
+class CacheSettings(BaseModel):
+    """The inference engines' caches (``nexus.model.prefix_cache``, ``nexus.model.head_bank``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prefix_cache_mb: float = Field(64.0, ge=0, description="an inference engine keeps the backbone features of "
+                                   "image-free prefixes (a state-only tenant's instruction) up to this size, so "
+                                   "their predicts run the tenant's head only (0: off)")
+    head_bank_tenants: int = Field(64, ge=0, description="an inference engine stacks the Gaussian OFT heads of up "
+                                   "to this many tenants per head shape and runs a group's rows of several of them "
+                                   "as one batched forward (0: off, one head call per tenant)")
 
 
 class OpenpiSettings(BaseModel):
@@ -260,7 +305,8 @@ class OpenpiSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = Field(True, description="serve the openpi WebSocket endpoint from the gateway process")
-    host: str | None = Field(None, description="address to bind (default: the gateway's, loopback by default)")
+    bind_address: str | None = Field(None, description="address the endpoint binds (default: the gateway's, "
+                                     "loopback by default)")
     port: int = Field(0, ge=0, le=65535, description="its own port (0: any free port; written to gateway.json)")
     keys: dict[str, dict[str, str]] = Field(default_factory=dict, description="per tenant: openpi observation key "
                                             "-> the tenant's field ('state', 'instruction', 'images.<camera>'); "
@@ -332,18 +378,32 @@ class ClusterSettings(BaseModel):
                 for k, v in merged.items()}
 
 
-class RetentionSettings(BaseModel):
-    """Which policy versions keep their weights file (``weights/vNNNNNN.pt``) in a tenant's output dir.
+# settings that moved (old dotted key -> where it lives now): a file that still uses one is refused naming the new
+# key, never silently ignored or rewritten
+MOVED: dict[str, str] = {
+    "retention": "limits.max_versions_kept and limits.max_checkpoints_kept",
+    "retention.keep_last": "limits.max_versions_kept", "retention.keep_checkpoints": "limits.max_checkpoints_kept",
+    "datapath.sync_policy": "datapath.sync_mode",
+    "dispatch.default_max_inflight": "limits.default_max_inflight",
+    "dispatch.default_max_staleness": "limits.default_max_staleness",
+    "qos.max_inflight_predicts": "qos.max_gateway_predicts",
+    "qos.gc_freeze": "gc.freeze", "qos.gc_gen0_threshold": "gc.gen0_threshold",
+    "qos.sim_fair_share": "simulators.fair_share", "qos.sim_task_episodes": "simulators.task_episodes",
+    "qos.prefix_cache_mb": "caches.prefix_cache_mb", "qos.head_bank_tenants": "caches.head_bank_tenants",
+    "qos.gateway_http": "gateway.http_parser", "qos.gateway_loop": "gateway.event_loop",
+    "qos.predict_fast_path": "gateway.predict_fast_path",
+}
 
-    The user-facing spelling of two service-wide limits (one mechanism: ``TenantOutputDir.prune``):
-    ``keep_last`` is ``limits.max_versions_kept`` and ``keep_checkpoints`` is ``limits.max_checkpoints_kept``;
-    ``tenant_limits`` still override them per tenant."""
 
-    model_config = ConfigDict(extra="forbid")
-    keep_last: int = Field(50, ge=0, description="the newest N versions (0: keep every version)")
-    keep_checkpoints: int = Field(3, ge=1, description="the newest N DeepSpeed checkpoints")
-    # always kept besides the newest N: the initial version and every version an evaluation pinned (from the
-    # moment it starts), so reports and MLflow runs stay reproducible
+def moved_keys(doc: Mapping[str, Any]) -> list[str]:
+    """``old -> new`` for every moved key (:data:`MOVED`) that ``doc`` (a service file's data) still uses."""
+    found = []
+    for old, new in MOVED.items():
+        section, _, key = old.rpartition(".")
+        table = doc.get(section) if section else doc
+        if isinstance(table, Mapping) and key in table:
+            found.append(f"{old} is now {new}")
+    return found
 
 
 def is_loopback(host: str) -> bool:
@@ -357,6 +417,11 @@ def is_loopback(host: str) -> bool:
 
 
 class ServiceConfig(BaseModel):
+    """The service's settings: one home per setting (``tests/test_settings_homes.py``).
+
+    A scheduler (``schedulers/<name>.toml``, :mod:`nexus.scheduling`) is a named overlay of these same keys:
+    the one ``scheduler`` names applies over the defaults, and the settings this config sets itself win."""
+
     model_config = ConfigDict(extra="forbid")
     root: str = Field(description="service folder: tenants' output dirs, MLflow store, logs")
     host: str = Field("127.0.0.1", description="address every service process listens on (Dask, gateway, "
@@ -368,12 +433,15 @@ class ServiceConfig(BaseModel):
                                            "gateway listens on loopback, the operator token off loopback")
     output_base: str | None = Field(None, description="folder inside which a spec's output_dir may point; "
                                                       "unset: every tenant lives in root/tenants/<name>")
-    limits: ServiceLimits = ServiceLimits()
+    limits: ServiceLimits = Field(ServiceLimits(), description="quotas and limits of one tenant")
     tenant_limits: dict[str, dict[str, int | float]] = Field(default_factory=dict,
                                                        description="per-tenant overrides of `limits`")
-    backbone: BackboneSettings = BackboneSettings()
-    infer_max_wait_s: float = Field(0.005, ge=0, description="inference queue: max wait T")
-    infer_max_batch: int = Field(8, ge=1, description="inference queue: target group size B")
+    backbone: BackboneConfig = Field(BackboneConfig(), description="the shared backbone")
+    infer_max_wait_s: float = Field(0.005, ge=0, description="inference group: max wait T (s)")
+    infer_max_batch: int = Field(8, ge=1, description="inference group: target size B (rows)")
+    routing: Literal["static", "load"] = Field(
+        "static", description="tenants to inference engines: 'static' (spread by count, moved only when the "
+        "pool changes) or 'load' (re-balanced every few seconds by each tenant's measured inference load)")
     tracking_uri: str | None = Field(None, description="MLflow URI; default sqlite in root")
     experiment: str | None = Field(None, description="MLflow experiment; default: one per service root")
     ops_idle_s: float = Field(120.0, gt=0, description="a client session's low-level ops are one MLflow run; it "
@@ -385,12 +453,16 @@ class ServiceConfig(BaseModel):
     inference_engines: int = Field(1, ge=1, description="inference engines at start (Nexus.scale_inference changes it)")
     actor_ranks: int = Field(1, ge=1, description="ranks of the actor group: ACTOR workers forming one "
                              "torch.distributed group (gloo on CPU, nccl on CUDA), each batch split between them")
-    health: HealthSettings = HealthSettings()
-    dispatch: DispatchSettings = DispatchSettings()
-    datapath: DataPathSettings = DataPathSettings()
-    qos: QosSettings = QosSettings()
-    openpi: OpenpiSettings = OpenpiSettings()
-    cluster: ClusterSettings = ClusterSettings()
+    health: HealthSettings = Field(HealthSettings(), description="the health manager")
+    dispatch: DispatchSettings = Field(DispatchSettings(), description="training dispatch and admission")
+    datapath: DataPathSettings = Field(DataPathSettings(), description="the data path")
+    qos: QosSettings = Field(QosSettings(), description="serving predicts at QoS")
+    gateway: GatewaySettings = Field(GatewaySettings(), description="the gateway's HTTP server")
+    gc: GcSettings = Field(GcSettings(), description="garbage collection in the gateway and engines")
+    simulators: SimulatorSettings = Field(SimulatorSettings(), description="sharing the simulator places")
+    openpi: OpenpiSettings = Field(OpenpiSettings(), description="the openpi-compatible robot endpoint")
+    caches: CacheSettings = Field(CacheSettings(), description="the inference engines' caches")
+    cluster: ClusterSettings = Field(ClusterSettings(), description="the embedded local deployment")
     emulation: EmulationSettings | None = Field(None, description="emulated devices: updates, forwards and "
                                                 "simulator steps take calibrated time (nexus.emulation); "
                                                 "everything else is the real service")
@@ -411,75 +483,50 @@ class ServiceConfig(BaseModel):
         self.inference_engines = emu.devices.inference
         return self
 
+    scheduler: str = Field(DEFAULT_SCHEDULER, description="the scheduler: a schedulers/ catalog name or a path "
+                           "to a scheduler .toml, whose settings apply over the defaults; the settings this config "
+                           "sets itself win over the file's")
+
     @model_validator(mode="before")
     @classmethod
-    def _retention_sets_limits(cls, data: Any) -> Any:
-        """``[retention]`` is written into ``limits`` (the one place retention is read from)."""
-        if not isinstance(data, dict) or "retention" not in data:
+    def _apply_scheduler(cls, data: Any, info: ValidationInfo) -> Any:
+        """Refuse moved keys; lay the scheduler's settings under the ones given (a saved config, or a switch's
+        result, already holds them: :data:`APPLIED`)."""
+        if not isinstance(data, dict):
             return data
-        data = dict(data)
-        raw = data.pop("retention")
-        try:
-            r = RetentionSettings.model_validate(raw)
-        except ValidationError as e:
-            raise ValueError(describe_errors(e.errors(), prefix="retention.")) from None
-        limits = data.get("limits")
-        limits = limits.model_dump() if isinstance(limits, ServiceLimits) else dict(limits or {})
-        for key, name in (("max_versions_kept", "keep_last"), ("max_checkpoints_kept", "keep_checkpoints")):
-            if name not in r.model_fields_set:
-                continue
-            if key in limits and limits[key] != getattr(r, name):
-                raise ValueError(f"retention.{name}={getattr(r, name)} and limits.{key}={limits[key]} "
-                                 "disagree (they are one setting); set one of them")
-            limits[key] = getattr(r, name)
-        data["limits"] = limits
-        return data
-
-    @property
-    def retention(self) -> RetentionSettings:
-        return RetentionSettings(keep_last=self.limits.max_versions_kept,
-                                 keep_checkpoints=self.limits.max_checkpoints_kept)
-    scheduler: str = Field(scheduling.DEFAULT, description="scheduling policy: a schedulers/ catalog name or a "
-                           "path to a policy .toml; fields given explicitly in this config win over the file's")
-    scheduler_policy: SchedulerPolicy | None = Field(None, description="the effective policy (filled in from "
-                                                     "`scheduler` and the explicit fields; kept so workers "
-                                                     "never re-read the file)")
+        moved = moved_keys(data)
+        if moved:
+            raise ValueError("; ".join(moved))
+        if (info.context or {}).get("scheduler_applied"):
+            return data
+        sched = Scheduler.load(str(data.get("scheduler", DEFAULT_SCHEDULER)))
+        return _under(data, sched.settings)
 
     @model_validator(mode="after")
-    def _apply_scheduler(self) -> ServiceConfig:
-        """Fill every policy knob the caller did not set from the policy file; record the effective policy."""
-        if self.scheduler_policy is not None:  # a saved config: its fields already hold the policy
-            return self
-        policy = scheduling.load(self.scheduler)
-        effective = {}
-        for pf, (section, name) in POLICY_FIELDS.items():
-            holder = self if section is None else getattr(self, section)
-            if name in holder.model_fields_set:  # explicit: it wins
-                effective[pf] = getattr(holder, name)
-            else:
-                effective[pf] = getattr(policy, pf)
-                if section is None:
-                    setattr(self, name, effective[pf])
-                else:
-                    setattr(self, section, holder.model_copy(update={name: effective[pf]}))
-        if self.dispatch.default_max_inflight > self.limits.max_inflight:
-            raise ValueError(f"scheduler {policy.name!r}: default_max_inflight {self.dispatch.default_max_inflight} "
-                             f"exceeds limits.max_inflight {self.limits.max_inflight}")
-        self.scheduler_policy = policy.model_copy(update=effective)
+    def _checks(self) -> ServiceConfig:
+        """The admission default within its cap; the backbone's checkpoint directory checked, made absolute."""
+        if self.limits.default_max_inflight > self.limits.max_inflight:
+            raise ValueError(f"limits.default_max_inflight {self.limits.default_max_inflight} exceeds "
+                             f"limits.max_inflight {self.limits.max_inflight}")
+        self.backbone = checkpoint_dir(self.backbone)
         return self
 
-    def with_policy(self, policy: SchedulerPolicy) -> ServiceConfig:
-        """This config under another scheduling policy: every policy knob (:data:`POLICY_FIELDS`) set from
-        ``policy``, which becomes the effective one. Raises :class:`SpecError` when its admission default
-        exceeds this service's limits."""
-        if policy.default_max_inflight > self.limits.max_inflight:
-            raise SpecError(f"scheduler {policy.name!r}: default_max_inflight {policy.default_max_inflight} exceeds "
-                            f"limits.max_inflight {self.limits.max_inflight}")
-        sections = {sec for sec, _ in POLICY_FIELDS.values() if sec is not None}
-        update: dict[str, Any] = {sec: getattr(self, sec).model_copy(update=policy_settings(policy, sec))
-                                  for sec in sections}
-        return self.model_copy(update={**update, **policy_settings(policy, None), "scheduler": policy.name,
-                                       "scheduler_policy": policy})
+    @classmethod
+    def restore(cls, data: Mapping[str, Any]) -> ServiceConfig:
+        """A saved config (``model_dump``): its sections already hold its scheduler's settings, so the
+        scheduler's file is not read again (a worker may not have it)."""
+        return cls.model_validate(data, context=APPLIED)
+
+    def with_scheduler(self, sched: Scheduler) -> ServiceConfig:
+        """This config under another scheduler: its settings applied over this config's (the rest unchanged),
+        ``scheduler`` naming it. Raises :class:`SpecError` (nothing changed) when the result is invalid, e.g. its
+        admission default exceeds this service's limits."""
+        doc = _merge(self.model_dump(), sched.settings)
+        doc["scheduler"] = sched.name
+        try:
+            return ServiceConfig.restore(doc)
+        except ValidationError as e:
+            raise SpecError(f"scheduler {sched.name!r}: {describe_validation_error(e)}") from None
 
     @model_validator(mode="after")
     def _overrides_name_limits(self) -> ServiceConfig:
@@ -532,13 +579,91 @@ class ServiceConfig(BaseModel):
         if not path:
             raise RuntimeError(f"no service config: pass --nexus-config (or set {ENV_VAR}) to the service.json "
                                "written by nexus.cluster / nexus scheduler")
-        return cls.model_validate(json.loads(Path(path).read_text()))
+        return cls.restore(json.loads(Path(path).read_text()))
+
+
+class Scheduler(BaseModel):
+    """A scheduler: a named overlay of the service's own settings (one ``schedulers/<name>.toml``,
+    :mod:`nexus.scheduling`), checked by ``ServiceConfig`` itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(description="the catalog name (the file's stem)")
+    description: str = Field("", description="one line on what the scheduler does")
+    settings: dict[str, Any] = Field(default_factory=dict, description="service settings, as a service file "
+                                     "writes them: top-level keys and [section] tables")
+
+    @classmethod
+    def load(cls, ref: str) -> Scheduler:
+        """A catalog name (``"fifo"`` → ``schedulers/fifo.toml``) or a path to a scheduler file, checked."""
+        name, description, settings, where = scheduling.read(ref)
+        return cls(name=name, description=description, settings=settings).checked(f"scheduler file {where}")
+
+    def checked(self, where: str) -> Scheduler:
+        """This scheduler if its settings are valid service settings; else a :class:`SpecError` naming ``where``
+        and each bad field (unknown keys included: a typo is refused, not ignored)."""
+        bad = [k for k in ("root", "scheduler") if k in self.settings]  # where the service lives, what it runs
+        if bad:
+            raise SpecError(f"{where}: field {bad[0]!r} is not a scheduler setting")
+        try:
+            ServiceConfig.model_validate({"root": ".", **self.settings}, context=APPLIED)
+        except ValidationError as e:
+            raise SpecError(f"{where}: {describe_validation_error(e, field_words=True)}") from None
+        return self
+
+    def with_settings(self, extra: Mapping[str, Any], name: str | None = None) -> Scheduler:
+        """This scheduler with more settings (``extra`` wins; tables merged key by key), checked."""
+        name = name or self.name
+        return Scheduler(name=name, description=self.description,
+                         settings=_merge(self.settings, extra)).checked(f"scheduler {name!r}")
+
+    def value(self, dotted: str) -> Any:
+        """The value this scheduler sets for ``section.key`` (``KeyError`` if it sets none)."""
+        node: Any = self.settings
+        for part in dotted.split("."):
+            node = node[part]
+        return node
+
+    def setting(self, name: str) -> Any:
+        """The value this scheduler sets for the setting ``name`` (its one home), e.g. ``"queue_order"``."""
+        (path,) = setting_homes()[name]
+        return self.value(path)
+
+
+def setting_homes(model: type[BaseModel] = ServiceConfig, prefix: str = "") -> dict[str, list[str]]:
+    """Every setting's name -> the dotted paths that hold it (one each: ``tests/test_settings_homes.py``)."""
+    homes: dict[str, list[str]] = {}
+    for name, f in model.model_fields.items():
+        sections = [a for a in (f.annotation, *get_args(f.annotation))
+                    if isinstance(a, type) and issubclass(a, BaseModel)]
+        for section in sections:
+            for key, paths in setting_homes(section, f"{prefix}{name}.").items():
+                homes.setdefault(key, []).extend(paths)
+        if not sections:
+            homes.setdefault(name, []).append(prefix + name)
+    return homes
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings named by their names alone (``{"queue_order": "critical"}``, each name has one home) as a
+    service file writes them (``{"dispatch": {"queue_order": "critical"}}``)."""
+    homes = setting_homes()
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        paths = homes.get(name, [])
+        if len(paths) != 1:
+            raise SpecError(f"setting {name!r}: " + (f"in several places {paths}" if paths else "no such setting"))
+        *sections, key = paths[0].split(".")
+        node = out
+        for sec in sections:
+            node = node.setdefault(sec, {})
+        node[key] = value
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ files
-def describe_validation_error(e: ValidationError) -> str:
-    """A pydantic error as one line: ``field.path: message; ...``."""
-    return describe_errors(e.errors())
+def describe_validation_error(e: ValidationError, **how: Any) -> str:
+    """A pydantic error as one line: ``field.path: message; ...`` (``how``: :func:`describe_errors`'s options)."""
+    return describe_errors(e.errors(), **how)
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -597,6 +722,20 @@ def load_service_config(path: str | Path | None = None, overrides: Iterable[str]
     except ValidationError as e:
         raise SpecError(f"{where}invalid service config: {describe_validation_error(e)}") from None
     return cfg.model_copy(update={"root": str(Path(cfg.root).expanduser().resolve())})
+
+
+def _under(top: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+    """``top`` with ``base``'s settings where ``top`` has none (tables merged key by key; a section given as a
+    model counts its explicitly set fields)."""
+    out = dict(top)
+    for k, v in base.items():
+        if k not in out:
+            out[k] = v
+        elif isinstance(v, Mapping):
+            mine = out[k].model_dump(exclude_unset=True) if isinstance(out[k], BaseModel) else out[k]
+            if isinstance(mine, Mapping):
+                out[k] = _under(mine, v)
+    return out
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

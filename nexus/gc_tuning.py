@@ -5,7 +5,7 @@ several hundred thousand after start-up (modules, the app, Dask's state), so eac
 ms in the middle of whichever predicts are running, a tail latency. :func:`apply` moves what exists after
 start-up out of the collector's sight (``gc.freeze``: never collected, never walked again) and can raise the
 young generation's threshold (fewer, larger collections of short-lived request objects), as
-``QosSettings.gc_freeze`` / ``qos.gc_gen0_threshold`` say. :class:`GcPauses` counts the collections and their
+``gc.freeze`` / ``gc.gen0_threshold`` (``GcSettings``) say. :class:`GcPauses` counts the collections and their
 time (``GET /v1/admin/qos``, the engine's stats) so the effect can be seen. Plain Python, no I/O.
 """
 

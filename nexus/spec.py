@@ -125,12 +125,12 @@ class TenantSpec(_Spec):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0, description="max gradient norm of every optimizer step")
     priority: int = 0
-    # None: the service's scheduling policy decides (schedulers/*.toml: default_max_inflight 2 and
-    # default_max_staleness 128 in the shipped files, the values these fields had before)
+    # None: the service decides (limits.default_max_inflight 2 and default_max_staleness 128 by default and in
+    # every shipped scheduler, the values these fields had before)
     max_inflight: int | None = Field(None, ge=1, description="training items admitted at once (queued + running); "
-                                     "unset: the scheduler's default_max_inflight")
+                                     "unset: the service's limits.default_max_inflight")
     max_staleness: int | None = Field(None, ge=0, description="RL batches lagging more versions are dropped; "
-                                      "unset: the scheduler's default_max_staleness")
+                                      "unset: the service's limits.default_max_staleness")
     seed: int = Field(0, ge=0, description="simulator episode seeds derive from it (ServiceLimits.max_seed)")
     output_dir: str | None = Field(None, max_length=4096, description="default: <root>/tenants/<name>; elsewhere "
                                                                       "only inside the service's output_base")

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from nexus.config import ServiceConfig
 from nexus.features import CameraSpec, Observation, TenantSchema
-from nexus.model.backbone import BackboneConfig, SharedBackbone, compatible
+from nexus.model.backbone import BackboneConfig, SharedBackbone, check, compatible
 from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.framework import VLAFramework
 from nexus.model.paligemma import IMAGE_TOKEN
@@ -122,13 +123,19 @@ def test_paligemma_local_checkpoint_gives_the_same_features(tiny_paligemma, tmp_
 def test_config_validation():
     with pytest.raises(ValueError, match="unknown backbone family"):
         BackboneConfig(family="llava")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        BackboneConfig(dtype="float8")
+    # what needs the family's code is checked where a backbone or a preprocessor is built from the config
     with pytest.raises(ValueError, match="multiple of 16"):
-        BackboneConfig(family="paligemma", size="tiny", image_size=72)
+        check(BackboneConfig(family="paligemma", size="tiny", image_size=72))
     with pytest.raises(ValueError, match="multiple of 32"):
-        BackboneConfig(size="tiny", image_size=48)
+        SharedBackbone(BackboneConfig(size="tiny", image_size=48))
     with pytest.raises(ValueError, match="paligemma backbone size"):
-        BackboneConfig(family="paligemma", size="huge")
-    assert BackboneConfig(family="paligemma", image_size=48).compat_key() == "paligemma:tiny:float32@48px"
+        TenantPreprocessor(ONE_CAM, BackboneConfig(family="paligemma", size="huge"))
+    assert check(BackboneConfig(family="paligemma", image_size=48)).compat_key() == "paligemma:tiny:float32@48px"
+    # the service's [backbone] settings are this one type
+    assert ServiceConfig(root=".", backbone={"family": "paligemma", "image_size": 48}).backbone == \
+        BackboneConfig(family="paligemma", image_size=48)
 
 
 # -- the compatibility rule ------------------------------------------------------------------------

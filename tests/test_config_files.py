@@ -20,9 +20,9 @@ def test_service_file_gives_the_config_the_api_builds(tmp_path):
     cfg = load_service_config(CONFIGS / "service.toml", [f"root={tmp_path / 'svc'}"])
     assert cfg == ServiceConfig(root=str(tmp_path / "svc"))  # the example file spells out the defaults
     over = load_service_config(CONFIGS / "service.toml", ["backbone.family=paligemma", "infer_max_batch=16",
-                                                          "retention.keep_last=4", "cluster.sim_workers=3",
+                                                          "limits.max_versions_kept=4", "cluster.sim_workers=3",
                                                           f"root={tmp_path}"])
-    assert (over.backbone.family, over.infer_max_batch, over.retention.keep_last, over.cluster.sim_workers) == (
+    assert (over.backbone.family, over.infer_max_batch, over.limits.max_versions_kept, over.cluster.sim_workers) == (
         "paligemma", 16, 4, 3)
     # the config round-trips through the JSON file the workers read
     assert ServiceConfig.load(over.save(tmp_path / "service.json")) == over
@@ -42,7 +42,10 @@ def test_relative_root_is_taken_from_the_current_directory(tmp_path, monkeypatch
     ("no_such_field = 1\n", None, "no_such_field: Extra inputs are not permitted"),
     ("[backbone]\nfamily = 3\n", None, "backbone.family"),
     ("root = \n", None, "invalid TOML"),
-    ("", "retention.keep_last=-1", "retention.keep_last"),
+    ("", "limits.max_versions_kept=-1", "limits.max_versions_kept"),
+    ("", "retention.keep_last=3", "retention.keep_last is now limits.max_versions_kept"),  # the old spelling
+    ("[qos]\ngc_freeze = false\n", None, "qos.gc_freeze is now gc.freeze"),
+    ("[datapath]\nsync_policy = 'eager'\n", None, "datapath.sync_policy is now datapath.sync_mode"),
     ("", "infer_max_batch", "expected key=value"),
     ("[backbone]\nfamily = 'qwen3vl'\n", "backbone.family.x=1", "backbone.family is a value"),
 ])

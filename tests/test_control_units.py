@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from nexus.config import DispatchSettings, HealthSettings
+from nexus.config import DispatchSettings, HealthSettings, ServiceConfig
 from nexus.control.dispatcher import Dispatcher
 from nexus.control.engines import EnginePool, MemberState, PoolPolicy
 from nexus.control.health import HealthManager, RoleState
@@ -23,7 +23,6 @@ from nexus.control.transitions import IllegalTransition
 from nexus.errors import Draining, NotFound, RoleLost, SpecError, Unavailable
 from nexus.features import TenantSchema
 from nexus.messages import EngineEndpoint, Heartbeat, TenantSetup
-from nexus.scheduling import SchedulerPolicy
 from nexus.spec import SFTJob, TenantSpec
 
 
@@ -297,10 +296,10 @@ def test_dispatcher_drops_stale_items_and_frees_their_slots():
     run(main())
 
 
-def test_dispatcher_reads_its_knobs_from_the_dispatch_settings_and_a_policy_changes_its_concurrency():
+def test_dispatcher_reads_its_knobs_from_the_dispatch_settings_and_a_scheduler_changes_its_concurrency():
     d = Dispatcher(TrainingQueue(), None, dict, DispatchSettings(max_concurrent_updates=3, item_attempts=4))
     assert (d.max_concurrent, d.item_attempts) == (3, 4)
-    d.apply(SchedulerPolicy(max_concurrent_updates=2))
+    d.apply(ServiceConfig(root=".", dispatch={"max_concurrent_updates": 2}))
     assert (d.max_concurrent, d.item_attempts) == (2, 4)
     with pytest.raises(ValueError):
         DispatchSettings(max_concurrent_updates=0)
@@ -502,14 +501,14 @@ def test_pool_catches_up_engines_that_missed_a_version():
     run(main())
 
 
-def test_pool_applies_a_policys_batching_to_serving_engines_once_it_changes():
+def test_pool_applies_a_schedulers_batching_to_serving_engines_once_it_changes():
     async def main():
         ops = Engines()
         pool = EnginePool(ops, lambda: [], engines=2, batching=(0.005, 8))
         await pool.ensure()
-        await pool.apply(SchedulerPolicy(infer_max_wait_s=0.005, infer_max_batch=8))
+        await pool.apply(ServiceConfig(root=".", infer_max_wait_s=0.005, infer_max_batch=8))
         assert not [e for e in ops.log if e[0] == "batching"], "unchanged T and B are not pushed"
-        await pool.apply(SchedulerPolicy(infer_max_wait_s=0.02, infer_max_batch=4))
+        await pool.apply(ServiceConfig(root=".", infer_max_wait_s=0.02, infer_max_batch=4))
         assert [e for e in ops.log if e[0] == "batching"] == [("batching", "engine-0.1", 0.02, 4),
                                                               ("batching", "engine-1.1", 0.02, 4)]
         assert pool.batching == (0.02, 4)

@@ -518,7 +518,6 @@ def test_a_tenants_simulator_work_left_is_its_rl_jobs_updates_left_at_their_mete
 
 
 def test_an_rl_batch_is_split_over_free_simulator_places_up_to_the_policy_and_one_wave_each():
-    from nexus import scheduling
     from nexus.config import DataPathSettings
     from nexus.control.flows import FlowContext
     from nexus.control.sim_slots import SimSlots
@@ -538,9 +537,10 @@ def test_an_rl_batch_is_split_over_free_simulator_places_up_to_the_policy_and_on
     assert ctx.batch_split(1, 64, push) == 1  # one free place: no split
     cap[0] = 3
     assert ctx.batch_split(1, 64, push) == 2
-    ctx.follow(scheduling.load("elastic"))  # rule "always": the split no longer follows the moment's free places
+    elastic = ServiceConfig(root=".", scheduler="elastic").dispatch
+    ctx.follow(elastic)  # rule "always": the split no longer follows the moment's free places
     assert (ctx.rollout_split, ctx.rollout_split_rule, slots.order) == (4, "always", "fair")
-    ctx.follow(scheduling.load("elastic").model_copy(update={"sim_order": "critical"}))
+    ctx.follow(elastic.model_copy(update={"sim_order": "critical"}))
     assert slots.order == "critical"
     cap[0] = 2
     assert ctx.batch_split(1, 64, push) == 4
@@ -563,9 +563,9 @@ def nx(tmp_path_factory):
 
 
 def _run(nx, policy: str) -> tuple[float, float, dict]:
-    from nexus import scheduling
+    from nexus.config import Scheduler
 
-    nx.internal("nexus_set_policy", policy=scheduling.load(policy).model_dump())
+    nx.internal("nexus_set_scheduler", scheduler=Scheduler.load(policy).model_dump())
     t0 = time.time()
     handles = {"emu-lift": nx.tenant("emu-lift").rl(updates=2, episodes_per_batch=4, collectors=2),
                "emu-push": nx.tenant("emu-push").rl(updates=2, episodes_per_batch=4, collectors=2),
@@ -674,11 +674,11 @@ def test_the_isolated_policy_really_isolates_on_emulated_devices(nx):
 def test_the_elastic_policy_splits_an_rl_batch_over_simulators_and_keeps_its_episodes(nx):
     """One RL batch of 8 episodes (K = 4 envs a producer): one rollout task under ``priority``, two at once under
     ``elastic`` (on two of the 2-2-4 service's 4 simulator devices); the same episodes either way."""
-    from nexus import scheduling
+    from nexus.config import Scheduler
 
     got = {}
     for pol in ("priority", "elastic"):
-        nx.internal("nexus_set_policy", policy=scheduling.load(pol).model_dump())
+        nx.internal("nexus_set_scheduler", scheduler=Scheduler.load(pol).model_dump())
         t0 = time.time()
         out = nx.tenant("emu-push").rl(updates=1, episodes_per_batch=8, collectors=1).result(timeout=300)
         nx.flush()

@@ -335,7 +335,7 @@ def test_mlflow_pyfunc_model_and_mlflow_models_predict(svc, tmp_path):
 def test_backbone_checkpoint_dirs_in_config_and_exports(tiny_backbone, tmp_path, monkeypatch):
     """``backbone.local_path`` (service config / CLI) takes a Hugging Face checkpoint directory; an export
     made on it names the checkpoint and loads from where it lives now."""
-    from nexus.model.backbone import BackboneConfig, SharedBackbone
+    from nexus.model.backbone import SharedBackbone
     from nexus.model.policy import TenantPolicy
 
     ckpt = save_hf_checkpoint(tiny_backbone, tmp_path / "ckpt")
@@ -354,7 +354,7 @@ def test_backbone_checkpoint_dirs_in_config_and_exports(tiny_backbone, tmp_path,
     with pytest.raises(SystemExit):
         main(["up", "--backbone-family", "nope"])
 
-    bb = SharedBackbone(BackboneConfig(**cfg.backbone.model_dump()))
+    bb = SharedBackbone(cfg.backbone)
     assert bb.fingerprint() == tiny_backbone.fingerprint()  # the same weights, whatever their source
     spec = LORA.model_copy(update={"name": "ck"})
     policy = TenantPolicy.from_spec(spec, SCHEMA, bb.hidden_size, lora_shapes=bb.lora_shapes(spec.lora))

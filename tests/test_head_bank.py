@@ -84,7 +84,7 @@ def test_slots_follow_the_policy_object_and_are_reused():
 
 def _engine(tmp_path, bank_tenants: int) -> InferenceEngine:
     eng = InferenceEngine(ServiceConfig(root=str(tmp_path / str(bank_tenants)),
-                                        qos={"head_bank_tenants": bank_tenants}))
+                                        caches={"head_bank_tenants": bank_tenants}))
     for i in range(4):
         spec, schema = validate_tenant(TenantSpec(name=f"t{i}", env="maniskill/pushcube-state", seed=i + 1,
                                                   hidden_dim=32 if i < 3 else 16))

@@ -1,5 +1,5 @@
 """The isolated baseline through the real service (local Dask cluster, ManiSkill, DeepSpeed): with the
-``isolated`` policy, tenants' jobs run one after another in submission order — no two tenants' work
+``isolated`` scheduler, tenants' jobs run one after another in submission order — no two tenants' work
 overlaps on any service (from the services' own spans) — and the accounting of that run is consistent."""
 
 from __future__ import annotations
@@ -64,20 +64,25 @@ def test_isolated_tenants_never_overlap_and_accounting_holds(nx):
     assert nx.status()["accounting"]["services"]["actor"]["busy_s"] >= acc["services"]["actor"]["busy_s"] - 1e-6
 
 
-def test_a_policy_switched_on_the_idle_service_moves_t_and_b_to_the_engines(nx):
+def test_a_scheduler_switched_on_the_idle_service_moves_t_and_b_to_the_engines(nx):
+    from nexus.config import Scheduler
+
     engine = nx.engine()
-    first = nx.internal("nexus_scheduling")["policy"]
+    first = nx.internal("nexus_scheduling")["scheduler"]
     before = engine.batching().result(timeout=30)
     assert before == {"max_wait_s": first["infer_max_wait_s"], "max_batch": first["infer_max_batch"]}
-    shared = {**first, "name": "shared-wide", "isolated": False, "infer_max_wait_s": 0.02, "infer_max_batch": 12}
+    shared = {"name": "shared-wide", "settings": {"dispatch": {"isolated": False}, "infer_max_wait_s": 0.02,
+                                                  "infer_max_batch": 12}}
     try:
-        view = nx.internal("nexus_set_policy", policy=shared)
-        assert not view["admission"]["isolated"] and view["policy"]["name"] == "shared-wide"
+        view = nx.internal("nexus_set_scheduler", scheduler=shared)
+        assert not view["admission"]["isolated"] and view["scheduler"]["name"] == "shared-wide"
         assert engine.batching().result(timeout=30) == {"max_wait_s": 0.02, "max_batch": 12}
         with pytest.raises(Exception, match="infer_max_batch"):  # refused whole: nothing of it applies
-            nx.internal("nexus_set_policy", policy={**shared, "isolated": True, "infer_max_batch": 0})
+            nx.internal("nexus_set_scheduler", scheduler={"name": "bad", "settings": {
+                "dispatch": {"isolated": True}, "infer_max_batch": 0}})
         assert not nx.internal("nexus_scheduling")["admission"]["isolated"]
         assert engine.batching().result(timeout=30)["max_batch"] == 12
     finally:
-        nx.internal("nexus_set_policy", policy=first)
+        nx.internal("nexus_set_scheduler", scheduler=Scheduler.load(first["name"]).model_dump())
     assert engine.batching().result(timeout=30) == before
+    assert nx.internal("nexus_scheduling")["admission"]["isolated"]

@@ -33,7 +33,7 @@ def service(tmp_path_factory):
     log = open(root.parent / f"{root.name}-up.log", "w")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "nexus.client.cli", "up", "--config",
                              str(REPO / "configs" / "service.toml"), "--root", str(root), "--dashboard",
-                             "127.0.0.1:0", "--set", "cluster.sim_workers=1", "--set", "retention.keep_last=3",
+                             "127.0.0.1:0", "--set", "cluster.sim_workers=1", "--set", "limits.max_versions_kept=3",
                              "--set", "infer_max_batch=4"],
                             stdout=log, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -53,7 +53,7 @@ def test_up_prints_where_everything_is(service):
     for needle in ("root:", str(root), "dashboard:", "Nexus page:", "/nexus", "MLflow:", f"sqlite:///{root}"):
         assert needle in text, text
     cfg = json.loads((root / "service.json").read_text())  # what every worker reads
-    # [retention] keep_last is the limit max_versions_kept (one retention mechanism)
+    # retention is the limit max_versions_kept (one retention mechanism)
     assert cfg["limits"]["max_versions_kept"] == 3 and cfg["infer_max_batch"] == 4
     assert cfg["cluster"]["sim_workers"] == 1
     for needle in ("gateway:", "operator token:", str(root / "gateway" / "operator.token")):
@@ -82,7 +82,7 @@ def test_submit_files_gives_the_same_tenant_as_the_api(service, tmp_path):
         # a job file for an existing tenant, through the API
         ev = t.submit(REPO / "configs" / "jobs" / "eval.toml", overrides=["job.episodes=1"])
         assert ev.result(timeout=300)["episodes"] == 1
-        # retention (keep_last=3): the newest 3, the initial and the evaluated (6)
+        # retention (max_versions_kept=3): the newest 3, the initial and the evaluated (6)
         weights = sorted(int(p.stem[1:]) for p in (root / "tenants" / "filed" / "weights").glob("v*.pt"))
         assert weights == [0, 4, 5, 6]
     # a bad file is refused with the service's words before anything is sent

@@ -134,7 +134,7 @@ def test_predict_group_goes_out_in_one_call_rerouted_together_all_or_none_admitt
     from tests.test_qos_units import Engines
 
     routes = Engines()  # e0 refuses as draining: every request of the group is sent again to e1
-    server = PredictServer(routes, QosSettings(max_inflight_predicts=16, engine_calls_in_flight=1), lambda t: 4)
+    server = PredictServer(routes, QosSettings(max_gateway_predicts=16, engine_calls_in_flight=1), lambda t: 4)
     sent: list[list] = []
     predict_many = routes.predict_many
 

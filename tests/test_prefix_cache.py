@@ -45,8 +45,8 @@ def weights(engine: InferenceEngine, s: TenantSpec, schema: TenantSchema, adapte
     return buf.getvalue()
 
 
-def make_engine(tiny_backbone, tmp_path, **qos) -> InferenceEngine:
-    engine = InferenceEngine(ServiceConfig(root=str(tmp_path), qos=qos))
+def make_engine(tiny_backbone, tmp_path, **caches) -> InferenceEngine:
+    engine = InferenceEngine(ServiceConfig(root=str(tmp_path), caches=caches))
     engine.heads.framework = VLAFramework(tiny_backbone)
     return engine
 

@@ -111,7 +111,7 @@ def test_hops_refusals_client_retries_and_latency_on_metrics(svc):
         qos = http.get("/v1/admin/qos", headers={"Authorization": f"Bearer {nx.service.operator_token}"}).json()
         assert set(qos["hops_mean_ms"]) == set(HOPS) and qos["inflight_total"] == 0
         assert qos["shed"] == 0  # nothing waited for the engine long enough to shed anyone
-        assert qos["gc"]["frozen"] > 0 and sum(qos["gc"]["count"]) > 0  # start-up frozen (qos.gc_freeze)
+        assert qos["gc"]["frozen"] > 0 and sum(qos["gc"]["count"]) > 0  # start-up frozen (gc.freeze)
         assert http.get("/v1/admin/qos", headers={"Authorization": f"Bearer {t['q'].token}"}).status_code == 403
 
     def reported() -> str | None:

@@ -107,7 +107,7 @@ def test_budgets_refuse_past_the_tenant_or_the_gateway_limit_and_free_on_release
         b.acquire("a")
     assert e.value.retry_after_s == 0.25 and e.value.http_status == 429
     b.acquire("b")
-    with pytest.raises(Overloaded, match="qos.max_inflight_predicts"):
+    with pytest.raises(Overloaded, match="qos.max_gateway_predicts"):
         b.acquire("c")
     b.release("a")
     b.acquire("c")
@@ -182,7 +182,7 @@ class Engines:
 
 def test_predict_server_reroutes_refused_requests_refuses_past_budget_and_reports():
     routes = Engines()
-    server = PredictServer(routes, QosSettings(max_inflight_predicts=8), lambda t: 3)
+    server = PredictServer(routes, QosSettings(max_gateway_predicts=8), lambda t: 3)
 
     async def main() -> None:
         spans: dict[str, float] = {}
@@ -268,7 +268,7 @@ def test_fair_share_does_not_hold_a_tenant_s_solo_rate_against_it_when_others_jo
 
 def test_predict_server_sheds_a_tenant_over_its_fair_share_only_while_another_is_served():
     routes = Engines(delay_s=0.02)
-    server = PredictServer(routes, QosSettings(max_inflight_predicts=64, engine_calls_in_flight=4,
+    server = PredictServer(routes, QosSettings(max_gateway_predicts=64, engine_calls_in_flight=4,
                                                fair_share_factor=2.0), lambda t: 64)
 
     routes.draining = set()

@@ -1,5 +1,6 @@
-"""Retention (``TenantOutputDir.prune``, the one mechanism behind ``[retention]`` and ``ServiceLimits``): version
-weights — the newest N, plus the initial and every evaluated one — and the newest M DeepSpeed checkpoints."""
+"""Retention (``TenantOutputDir.prune``, the one mechanism behind ``limits.max_versions_kept`` and
+``limits.max_checkpoints_kept``): version weights — the newest N, plus the initial and every evaluated one — and
+the newest M DeepSpeed checkpoints."""
 
 from __future__ import annotations
 
@@ -94,14 +95,15 @@ def test_checkpoints_beyond_the_limit_are_pruned(tmp_path):
 
 
 def test_retention_settings_are_the_limits():
-    cfg = ServiceConfig.model_validate({"root": "/r", "retention": {"keep_last": 4, "keep_checkpoints": 2}})
+    cfg = ServiceConfig.model_validate({"root": "/r", "limits": {"max_versions_kept": 4, "max_checkpoints_kept": 2}})
     assert (cfg.limits.max_versions_kept, cfg.limits.max_checkpoints_kept) == (4, 2)
-    assert cfg.retention.keep_last == 4 and cfg.limits_for("any").max_versions_kept == 4
-    over = ServiceConfig.model_validate({"root": "/r", "retention": {"keep_last": 4},
+    assert cfg.limits_for("any").max_versions_kept == 4
+    over = ServiceConfig.model_validate({"root": "/r", "limits": {"max_versions_kept": 4},
                                          "tenant_limits": {"big": {"max_versions_kept": 0}}})
     assert over.limits_for("big").max_versions_kept == 0 and over.limits_for("other").max_versions_kept == 4
-    with pytest.raises(ValueError, match="disagree"):
-        ServiceConfig.model_validate({"root": "/r", "retention": {"keep_last": 4}, "limits": {"max_versions_kept": 5}})
+    # the old [retention] table is refused naming the limits it was another spelling of (one home)
+    with pytest.raises(ValueError, match="retention.keep_last is now limits.max_versions_kept"):
+        ServiceConfig.model_validate({"root": "/r", "retention": {"keep_last": 4}})
 
 
 def test_keep_last_zero_keeps_everything_and_pruning_later_applies_the_rule(tmp_path):

@@ -1,4 +1,5 @@
-"""Scheduling policies (``schedulers/*.toml``), isolated admission and the accounting, without a cluster."""
+"""Schedulers (``schedulers/*.toml``: named overlays of the service's settings), isolated admission and the
+accounting, without a cluster."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from nexus import scheduling
-from nexus.config import POLICY_FIELDS, DispatchSettings, ServiceConfig, policy_settings
+from nexus.config import Scheduler, ServiceConfig, ServiceLimits
 from nexus.control.admission import Admission
-from nexus.control.lifecycle import with_policy_defaults
+from nexus.control.lifecycle import with_admission_defaults
 from nexus.control.monitoring import MonitoringState, Span, accounting
 from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
 from nexus.errors import SpecError
@@ -25,61 +26,88 @@ def test_every_catalog_file_validates_and_the_default_is_one_of_them():
     files = sorted((REPO / "schedulers").glob("*.toml"))
     assert {"fifo", "priority", "isolated"} <= {f.stem for f in files}
     for f in files:
-        pol = scheduling.load(f.stem)
-        assert pol.name == f.stem and pol.description
-        assert pol == scheduling.load(str(f))  # by name or by path: the same policy
+        sched = Scheduler.load(f.stem)
+        assert sched.name == f.stem and sched.description
+        assert sched == Scheduler.load(str(f))  # by name or by path: the same scheduler
     assert scheduling.DEFAULT in scheduling.names()
-    assert scheduling.load("isolated").isolated and not scheduling.load(scheduling.DEFAULT).isolated
-    assert scheduling.load("fifo").queue_order == "fifo" and scheduling.load("priority").queue_order == "priority"
+    assert Scheduler.load("isolated").value("dispatch.isolated")
+    assert not Scheduler.load(scheduling.DEFAULT).value("dispatch.isolated")
+    assert Scheduler.load("fifo").value("dispatch.queue_order") == "fifo"
+    assert Scheduler.load("priority").value("dispatch.queue_order") == "priority"
 
 
-def test_service_config_fills_unset_fields_from_the_policy_and_explicit_fields_win(tmp_path):
-    pol = scheduling.load("priority")
-    c = ServiceConfig(root=str(tmp_path), scheduler="priority")
-    assert c.dispatch.queue_order == "priority" and c.infer_max_batch == pol.infer_max_batch
-    assert c.scheduler_policy == pol
-    c = ServiceConfig(root=str(tmp_path), scheduler="priority", infer_max_batch=16,
-                      dispatch={"item_attempts": 3, "eval_fanout": 4}, datapath={"sync_policy": "eager"})
-    assert c.infer_max_batch == 16 and c.dispatch.eval_fanout == 4 and c.datapath.sync_policy == "eager"
+def test_service_config_fills_unset_fields_from_the_scheduler_and_explicit_fields_win(tmp_path):
+    c = ServiceConfig(root=str(tmp_path), scheduler="gather")
+    assert c.dispatch.queue_order == "priority" and c.infer_max_batch == Scheduler.load("gather").value(
+        "infer_max_batch") == 32
+    c = ServiceConfig(root=str(tmp_path), scheduler="gather", infer_max_batch=16,
+                      dispatch={"item_attempts": 3, "eval_fanout": 4}, datapath={"sync_mode": "eager"})
+    assert c.infer_max_batch == 16 and c.dispatch.eval_fanout == 4 and c.datapath.sync_mode == "eager"
     assert c.dispatch.item_attempts == 3 and c.dispatch.queue_order == "priority"  # unset: from the file
-    eff = c.scheduler_policy
-    assert (eff.infer_max_batch, eff.eval_fanout, eff.sync_policy) == (16, 4, "eager")  # the effective policy
-    again = ServiceConfig.model_validate_json(c.model_dump_json())  # workers: no file read, same values
+    assert c.infer_max_wait_s == 0.25  # unset: from the file
+    again = ServiceConfig.restore(c.model_dump())  # workers: no file read, same values
     assert again == c
     assert ServiceConfig(root=str(tmp_path)).scheduler == scheduling.DEFAULT
+    # a section given as a model counts its explicitly set fields only; the scheduler fills the rest
+    c = ServiceConfig(root=str(tmp_path), scheduler="fifo", datapath=ServiceConfig(root=".").datapath.model_copy(
+        update={"sync_every": 3}))
+    assert c.datapath.sync_every == 3 and c.dispatch.queue_order == "fifo"
+
+
+def test_a_restored_config_does_not_read_its_scheduler_file_again(tmp_path):
+    own = tmp_path / "own.toml"
+    own.write_text('description = "mine"\ninfer_max_batch = 3\n[dispatch]\nqueue_order = "fifo"\n')
+    c = ServiceConfig(root=str(tmp_path), scheduler=str(own))
+    assert (c.infer_max_batch, c.dispatch.queue_order, c.scheduler) == (3, "fifo", str(own))
+    own.unlink()  # a worker on another host has no such file
+    assert ServiceConfig.restore(c.model_dump()) == c
+    with pytest.raises(ValidationError, match="cannot be read"):
+        ServiceConfig.model_validate(c.model_dump())
 
 
 @pytest.mark.parametrize("text, field", [
-    ('queue_order = "lifo"\n', "queue_order"),
+    ('[dispatch]\nqueue_order = "lifo"\n', "dispatch.queue_order"),
     ("infer_max_batch = 0\n", "infer_max_batch"),
     ("infer_max_wait_s = -1.0\n", "infer_max_wait_s"),
-    ("eval_fanout = 0\n", "eval_fanout"),
-    ('sync_policy = "sometimes"\n', "sync_policy"),
-    ("max_concurent_updates = 2\n", "max_concurent_updates"),  # a typo is refused, not ignored
-    ('isolated = "maybe"\n', "isolated"),
+    ("[dispatch]\neval_fanout = 0\n", "dispatch.eval_fanout"),
+    ('[datapath]\nsync_mode = "sometimes"\n', "datapath.sync_mode"),
+    ("[dispatch]\nmax_concurent_updates = 2\n", "dispatch.max_concurent_updates"),  # a typo is refused
+    ('queue_order = "fifo"\n', "queue_order"),  # a setting outside its section is refused, not ignored
+    ('[dispatch]\nisolated = "maybe"\n', "dispatch.isolated"),
     ('name = "other"\n', "name"),
+    ('root = "/elsewhere"\n', "root"),
+    ('scheduler = "fifo"\n', "scheduler"),
 ])
-def test_a_bad_policy_file_is_refused_naming_file_and_field(tmp_path, text, field):
+def test_a_bad_scheduler_file_is_refused_naming_file_and_field(tmp_path, text, field):
     bad = tmp_path / "bad.toml"
     bad.write_text(text)
     with pytest.raises(SpecError) as e:
-        scheduling.load(str(bad))
+        Scheduler.load(str(bad))
     assert str(bad) in str(e.value) and repr(field) in str(e.value)
     with pytest.raises(ValidationError, match=f"{bad}.*'{field}'"):  # the service refuses to start with it
         ServiceConfig(root=str(tmp_path), scheduler=str(bad))
 
 
-def test_unreadable_unknown_or_malformed_policies_are_refused(tmp_path):
+def test_a_moved_key_is_refused_naming_its_new_home(tmp_path):
+    bad = tmp_path / "old.toml"
+    bad.write_text('[datapath]\nsync_policy = "eager"\n')
+    with pytest.raises(SpecError, match="datapath.sync_policy is now datapath.sync_mode"):
+        Scheduler.load(str(bad))
+    with pytest.raises(ValidationError, match="dispatch.default_max_inflight is now limits.default_max_inflight"):
+        ServiceConfig(root=str(tmp_path), dispatch={"default_max_inflight": 2})
+
+
+def test_unreadable_unknown_or_malformed_schedulers_are_refused(tmp_path):
     with pytest.raises(SpecError, match="unknown scheduler 'nope'.*fifo"):
-        scheduling.load("nope")
+        Scheduler.load("nope")
     with pytest.raises(SpecError, match="cannot be read"):
-        scheduling.load(str(tmp_path / "missing.toml"))
-    (tmp_path / "broken.toml").write_text("queue_order = \n")
+        Scheduler.load(str(tmp_path / "missing.toml"))
+    (tmp_path / "broken.toml").write_text("infer_max_batch = \n")
     with pytest.raises(SpecError, match="broken.toml: not valid TOML"):
-        scheduling.load(str(tmp_path / "broken.toml"))
+        Scheduler.load(str(tmp_path / "broken.toml"))
 
 
-def test_a_catalog_root_with_a_policy_over_the_inflight_cap_is_refused(tmp_path, monkeypatch):
+def test_a_catalog_root_with_a_scheduler_over_the_inflight_cap_is_refused(tmp_path, monkeypatch):
     (tmp_path / "schedulers").mkdir()
     shutil.copy(REPO / "schedulers" / "fifo.toml", tmp_path / "schedulers" / "wide.toml")
     text = (tmp_path / "schedulers" / "wide.toml").read_text().replace("default_max_inflight = 2",
@@ -87,50 +115,66 @@ def test_a_catalog_root_with_a_policy_over_the_inflight_cap_is_refused(tmp_path,
     (tmp_path / "schedulers" / "wide.toml").write_text(text)
     monkeypatch.setenv("NEXUS_CATALOG_ROOT", str(tmp_path))
     assert scheduling.names() == ["wide"]
-    assert ServiceConfig(root=str(tmp_path), scheduler="wide").dispatch.default_max_inflight == 6
+    assert ServiceConfig(root=str(tmp_path), scheduler="wide").limits.default_max_inflight == 6
     with pytest.raises(ValidationError, match="default_max_inflight 6 exceeds limits.max_inflight 4"):
         ServiceConfig(root=str(tmp_path), scheduler="wide", limits={"max_inflight": 4})
 
 
-def test_with_policy_sets_every_policy_knob_in_its_section_and_keeps_the_rest(tmp_path):
+def test_every_catalog_scheduler_sets_the_same_keys_so_a_switch_between_them_is_complete():
+    def keys(d: dict, prefix: str = "") -> set[str]:
+        return {k for key, v in d.items()
+                for k in (keys(v, f"{prefix}{key}.") if isinstance(v, dict) else {prefix + key})}
+
+    sets = {n: keys(Scheduler.load(n).settings) for n in scheduling.names()}
+    first = sets[scheduling.DEFAULT]
+    assert {"dispatch.queue_order", "infer_max_batch", "datapath.sync_mode", "routing"} <= first
+    assert all(s == first for s in sets.values()), {n: s ^ first for n, s in sets.items() if s != first}
+
+
+def test_with_scheduler_applies_its_settings_over_the_running_ones_and_keeps_the_rest(tmp_path):
     c = ServiceConfig(root=str(tmp_path), scheduler="priority", dispatch={"item_attempts": 3})
-    pol = scheduling.load("isolated").model_copy(update={"infer_max_batch": 5, "sync_policy": "eager",
-                                                         "sync_every": 2, "max_concurrent_updates": 2})
-    new = c.with_policy(pol)
-    assert new.scheduler == "isolated" and new.scheduler_policy == pol
-    for pf, (section, name) in POLICY_FIELDS.items():
-        assert getattr(new if section is None else getattr(new, section), name) == getattr(pol, pf), pf
-    assert new.dispatch.item_attempts == 3 and new.root == c.root  # not policy knobs: unchanged
+    sched = Scheduler.load("isolated").with_settings({"infer_max_batch": 5, "datapath": {"sync_mode": "eager",
+                                                       "sync_every": 2}, "dispatch": {"max_concurrent_updates": 2}})
+    new = c.with_scheduler(sched)
+    assert new.scheduler == "isolated" and new.dispatch.isolated and new.dispatch.queue_order == "fifo"
+    assert (new.infer_max_batch, new.datapath.sync_mode, new.datapath.sync_every) == (5, "eager", 2)
+    assert new.dispatch.max_concurrent_updates == 2
+    assert new.dispatch.item_attempts == 3 and new.root == c.root  # not the scheduler's: unchanged
     assert c.scheduler == "priority" and c.dispatch.max_concurrent_updates == 1  # the original is unchanged
-    assert policy_settings(pol, "datapath") == {"sync_policy": "eager", "sync_every": 2}
+    assert c.with_scheduler(Scheduler.load("priority")) == c  # back: every scheduler key again
     with pytest.raises(SpecError, match="default_max_inflight 6 exceeds limits.max_inflight 4"):
-        ServiceConfig(root=str(tmp_path), limits={"max_inflight": 4}).with_policy(
-            pol.model_copy(update={"default_max_inflight": 6}))
+        ServiceConfig(root=str(tmp_path), limits={"max_inflight": 4}).with_scheduler(
+            sched.with_settings({"limits": {"default_max_inflight": 6}}))
+    with pytest.raises(SpecError, match="'dispatch.queue_order'"):
+        sched.with_settings({"dispatch": {"queue_order": "lifo"}})
 
 
-def test_policy_parts_apply_their_knobs():
+def test_scheduler_parts_apply_their_settings(tmp_path):
     q = TrainingQueue("priority")
     q.set_limits("low", TenantLimits(max_inflight=5, priority=0))
     q.set_limits("high", TenantLimits(max_inflight=5, priority=5))
     for name in ("low", "high"):
         q.reserve(name)
         q.put(TrainingItem(tenant=name, kind="sft", policy_version=0))
-    q.apply(scheduling.load("fifo"))
+    base = ServiceConfig(root=str(tmp_path))
+    q.apply(base.with_scheduler(Scheduler.load("fifo")))
     assert q.order == "fifo" and [q.pop({})[0].tenant for _ in range(2)] == ["low", "high"]  # re-ranked
     adm = Admission(False)
-    adm.apply(scheduling.load("isolated"))
+    adm.apply(base.with_scheduler(Scheduler.load("isolated")))
     assert adm.view()["isolated"]
 
 
-def test_tenants_that_leave_admission_unset_get_the_policy_defaults_and_old_specs_keep_theirs():
-    d = DispatchSettings(default_max_inflight=3, default_max_staleness=7)
-    spec = with_policy_defaults(TenantSpec(name="a", env="maniskill/pushcube-state"), d)
+def test_tenants_that_leave_admission_unset_get_the_service_defaults_and_old_specs_keep_theirs():
+    limits = ServiceLimits(default_max_inflight=3, default_max_staleness=7)
+    spec = with_admission_defaults(TenantSpec(name="a", env="maniskill/pushcube-state"), limits)
     assert (spec.max_inflight, spec.max_staleness) == (3, 7)
-    assert with_policy_defaults(TenantSpec(name="a", env="maniskill/pushcube-state"), d, cap=2).max_inflight == 2
+    capped = ServiceLimits(default_max_inflight=3, max_inflight=2)  # a tenant_limits override of the cap
+    assert with_admission_defaults(TenantSpec(name="a", env="maniskill/pushcube-state"), capped).max_inflight == 2
     old = TenantSpec(name="a", env="maniskill/pushcube-state", max_inflight=1, max_staleness=0)
-    assert with_policy_defaults(old, d) == old
-    shipped = scheduling.load(scheduling.DEFAULT)  # the values these TenantSpec fields defaulted to before
-    assert (shipped.default_max_inflight, shipped.default_max_staleness) == (2, 128)
+    assert with_admission_defaults(old, limits) == old
+    shipped = Scheduler.load(scheduling.DEFAULT)  # the values these TenantSpec fields defaulted to before
+    assert (shipped.value("limits.default_max_inflight"), shipped.value("limits.default_max_staleness")) == (2, 128)
+    assert (ServiceLimits().default_max_inflight, ServiceLimits().default_max_staleness) == (2, 128)
 
 
 def test_queue_order_fifo_ignores_priorities_priority_honours_them():

@@ -15,7 +15,7 @@ the same work in each mode:
   ``schedulers/``): the four jobs at once, sharing the actor, the engine (cross-tenant groups) and the
   simulators.
 
-The policy is switched between runs on the idle service (``nexus_set_policy``), the order of the modes
+The scheduler is switched between runs on the idle service (``nexus_set_scheduler``), the order of the modes
 rotates from round to round, and one warm-up run is not counted. Accounting comes from the services' own
 records (``nexus_accounting``: spans per slot): device time = allocated slots x wall time, utilization =
 busy / allocated, the simulator's busy time split into stepping vs waiting for actions. Efficiency =
@@ -112,7 +112,7 @@ def cpu_seconds(nx) -> dict[str, float]:
 
 def run_mode(nx, mode: str, policy: dict, args, warm: bool = False) -> dict:
     """Submit the four jobs at once under ``policy``; the run's timing, accounting and groups."""
-    nx.internal("nexus_set_policy", policy=policy)
+    nx.internal("nexus_set_scheduler", scheduler=policy)
     engine = nx.engine()
     engine.reset_stats().result()
     before = nx.call("nexus_monitoring", since=time.time())
@@ -238,11 +238,11 @@ def main() -> None:
     TENANTS.clear()
     TENANTS.update(scale_workload(args.tenants))
 
-    from nexus import scheduling
     from nexus.client.api import Nexus
+    from nexus.config import Scheduler
     from nexus.spec import TenantSpec
 
-    policies = {n: scheduling.load(n).model_dump() for n in ["isolated", *args.policies.split(",")]}
+    policies = {n: Scheduler.load(n).model_dump() for n in ["isolated", *args.policies.split(",")]}
     backbone = {"device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32"}
     work = Path(tempfile.mkdtemp(prefix="nexus-multitenant-"))
     sizes = ", ".join(f"{n} {j.get('updates', j.get('steps'))}" for n, j in _jobs(args).items())

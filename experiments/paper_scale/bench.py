@@ -38,7 +38,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from emulated import EmulatedService, Job, Workload, jain, pct, policy  # noqa: E402
+from emulated import EmulatedService, Job, Workload, jain, knob, pct, policy  # noqa: E402
 
 from nexus.emulation import EmulationSettings  # noqa: E402
 
@@ -170,7 +170,7 @@ def paper(args) -> dict[str, Any]:
     print(f"paper scale, k={args.k:g}: isolated 1-1-2, then {args.policies} on 2-2-4 ({m} producers per "
           "simulator device)", flush=True)
     elastic = policy("elastic")  # the isolated run with elastic's batch split
-    like = {k: elastic[k] for k in ("rollout_split", "rollout_split_rule")}
+    like = {k: knob(elastic, k) for k in ("rollout_split", "rollout_split_rule")}
     iso_m, iso_pol = (m, policy("isolated", **like)) if args.isolated_like_shared else (1, policy("isolated"))
     # the shared server's; the isolated one's too when like the shared
     lend = {"lend_actor": args.lend_actor, "lend_inference": args.lend_inference}

@@ -1,5 +1,5 @@
 """Running workloads on an emulated service (``ServiceConfig.emulation``): one ``Nexus.local`` per device layout,
-its tenants created once, each policy's run submitted on the same service (``nexus_set_policy`` on the idle
+its tenants created once, each policy's run submitted on the same service (``nexus_set_scheduler`` on the idle
 service), measured by the service's own accounting (``nexus_accounting``), the training queue's delays
 (``status()["training_queue"]["delay_s"]``) and every engine's per-tenant action-request waits.
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nexus import scheduling
 from nexus.client.api import Nexus
+from nexus.config import Scheduler, nest
 from nexus.spec import TenantSpec
 
 
@@ -41,8 +41,14 @@ class Workload:
 
 
 def policy(name: str, **over: Any) -> dict[str, Any]:
-    """A catalog policy as a dict, with overrides (e.g. the actor's concurrency at 64 devices)."""
-    return {**scheduling.load(name).model_dump(), **over}
+    """A catalog scheduler as a dict (``nexus_set_scheduler``'s argument), with settings named by their names
+    over its own (e.g. the actor's concurrency at 64 devices: ``max_concurrent_updates=4``)."""
+    return Scheduler.load(name).with_settings(nest(over)).model_dump()
+
+
+def knob(pol: dict[str, Any], name: str) -> Any:
+    """The value of one setting (by its name) in a scheduler made by :func:`policy`."""
+    return Scheduler.model_validate(pol).setting(name)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -85,7 +91,7 @@ class EmulatedService:
     def run(self, pol: dict[str, Any]) -> dict[str, Any]:
         """The workload under ``pol``: jobs submitted at their arrival times; accounting over the run."""
         nx = self.nx
-        nx.internal("nexus_set_policy", policy=pol)
+        nx.internal("nexus_set_scheduler", scheduler=pol)
         engines = self.engines()
         for e in engines:
             e.reset_stats().result()

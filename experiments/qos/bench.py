@@ -525,7 +525,7 @@ def main() -> None:
     p.add_argument("--new-first", action="store_true", help="each phase on this checkout first, then the baseline "
                    "(what one service leaves running after a phase, e.g. tracking writes, lands on the other)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="settings of this checkout's service "
-                   "(as `nexus up --set`, e.g. qos.gc_freeze=false)")
+                   "(as `nexus up --set`, e.g. gc.freeze=false)")
     p.add_argument("--baseline-set", nargs="*", default=[], metavar="KEY=VALUE", help="settings of the baseline's "
                    "service (with --baseline . : the same code under other settings)")
     p.add_argument("--out", default=str(HERE / "results.json"), help="JSON results")

@@ -69,10 +69,10 @@ def backbone_mib(cfg) -> float:
     """Memory of one backbone's weights (what a model per tenant would cost each tenant)."""
     import torch
 
-    from nexus.model.backbone import BackboneConfig, SharedBackbone
+    from nexus.model.backbone import SharedBackbone
 
     torch.set_num_threads(1)
-    bb = SharedBackbone(BackboneConfig(**cfg.backbone.model_dump()))
+    bb = SharedBackbone(cfg.backbone)
     return sum(p.numel() * p.element_size() for p in bb.model.parameters()) / MIB
 
 

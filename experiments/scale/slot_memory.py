@@ -112,12 +112,11 @@ def bare_path(args, tmp: str):
     import torch
 
     from nexus.algorithms.sft import sft_loss
-    from nexus.config import BackboneSettings
     from nexus.model.backbone import BackboneConfig, SharedBackbone
     from nexus.services.tenant_slot import TenantSlot
     from nexus.validation import validate_tenant
 
-    feat_dim = SharedBackbone(BackboneConfig(**BackboneSettings().model_dump())).hidden_size  # the service's default
+    feat_dim = SharedBackbone(BackboneConfig()).hidden_size  # the service's default
     _, schema = validate_tenant({"name": "probe", "env": ENV})
     rng = np.random.default_rng(0)
     feats = torch.from_numpy(rng.standard_normal((args.batch, feat_dim)).astype(np.float32))

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 from nexus.control.job_state import JobStatus
 
 if TYPE_CHECKING:
+    from nexus.config import ServiceConfig
     from nexus.control.dispatcher import Dispatcher
     from nexus.control.engines import EnginePool
     from nexus.control.jobs import JobManager
     from nexus.control.monitoring import MonitoringState
-    from nexus.scheduling import SchedulerPolicy
 
 
 def remaining_items(jobs: JobManager, tenant: str) -> int:
@@ -57,9 +57,9 @@ def remaining_sim_s(jobs: JobManager, metered: dict[str, dict[str, float]], tena
 
 class LoadRouting:
     def __init__(self, pool: EnginePool, monitoring: MonitoringState, jobs: JobManager, dispatcher: Dispatcher,
-                 period_s: float = 3.0) -> None:
+                 routing: str = "static", period_s: float = 3.0) -> None:
         self.pool, self.monitoring, self.period_s = pool, monitoring, period_s
-        self.enabled = False
+        self.enabled = routing == "load"  # the service's ``routing`` (its scheduler's); a switch changes it
         self.moves = 0
         self._last: dict[str, float] = {}
         self._t = 0.0
@@ -67,8 +67,9 @@ class LoadRouting:
         if jobs.ctx.sim_slots is not None:  # the simulators' "critical" order
             jobs.ctx.sim_slots.remaining = lambda t: remaining_sim_s(jobs, monitoring.metered_jobs, t)
 
-    def apply(self, policy: SchedulerPolicy) -> None:
-        self.enabled = policy.routing == "load"
+    def apply(self, config: ServiceConfig) -> None:
+        """A new scheduler: load routing on or off (its ``routing``)."""
+        self.enabled = config.routing == "load"
 
     def tick(self) -> None:
         now = time.monotonic()

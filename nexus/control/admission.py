@@ -1,7 +1,7 @@
 """Job admission: when a submitted job may start.
 
 Shared (the default): at once — tenants' jobs run side by side on the shared services. Isolated (the
-paper's baseline, ``SchedulerPolicy.isolated``): a job waits ``queued`` until no other tenant's job
+paper's baseline, ``dispatch.isolated``): a job waits ``queued`` until no other tenant's job
 runs *and* no other tenant's job submitted before it still waits, so tenants take the whole service one
 after another in submission order (FIFO); a tenant's own jobs (an evaluation beside its training job)
 may overlap. Either way the job then runs through the same flows, queues and services.
@@ -16,7 +16,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nexus.scheduling import SchedulerPolicy
+    from nexus.config import ServiceConfig
 
 
 class Admission:
@@ -59,9 +59,9 @@ class Admission:
             del self._running[tenant]
         self._notify()
 
-    def apply(self, policy: SchedulerPolicy) -> None:
-        """A new scheduling policy: shared or isolated (its ``isolated``) from now on."""
-        self.isolated = policy.isolated
+    def apply(self, config: ServiceConfig) -> None:
+        """A new scheduler: shared or isolated (its ``dispatch.isolated``) from now on."""
+        self.isolated = config.dispatch.isolated
         self._notify()
 
     def view(self) -> dict[str, object]:

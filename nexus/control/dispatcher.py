@@ -1,7 +1,7 @@
 """Training-queue dispatcher: moves admitted items from the :class:`TrainingQueue` to the actor group.
 
 Its two knobs come from :class:`nexus.config.DispatchSettings`: how many items run at once
-(``max_concurrent_updates``; a scheduling policy switch changes it, :meth:`Dispatcher.apply`) and how
+(``max_concurrent_updates``; a scheduler switch changes it, :meth:`Dispatcher.apply`) and how
 often an item that raises is retried (``item_attempts``). An item whose actor rank was lost
 (``RoleLost``) goes back to the head of the queue, keeps its admission slot, and runs again once the
 actor group has been rebuilt; that retry does not count as an attempt (the actor's restart budget
@@ -25,7 +25,7 @@ from nexus.control.queues import TrainingItem, TrainingQueue
 from nexus.errors import RoleLost
 
 if TYPE_CHECKING:
-    from nexus.scheduling import SchedulerPolicy
+    from nexus.config import ServiceConfig
 
 logger = logging.getLogger("nexus.dispatcher")
 
@@ -77,9 +77,9 @@ class Dispatcher:
         ev = self._freed.setdefault(tenant, asyncio.Event())
         await ev.wait()
 
-    def apply(self, policy: SchedulerPolicy) -> None:
-        """A new scheduling policy: its ``max_concurrent_updates`` from the next dispatch on."""
-        self.max_concurrent = policy.max_concurrent_updates
+    def apply(self, config: ServiceConfig) -> None:
+        """A new scheduler: its ``dispatch.max_concurrent_updates`` from the next dispatch on."""
+        self.max_concurrent = config.dispatch.max_concurrent_updates
 
     # -- the actor group's availability -------------------------------------------------------------
     @property

@@ -22,7 +22,6 @@ from nexus.messages import EngineEndpoint, TenantSetup
 if TYPE_CHECKING:
     from nexus.config import ServiceConfig
     from nexus.control.runtime import DaskRuntime
-    from nexus.scheduling import SchedulerPolicy
 
 START_TIMEOUT_S = 180.0  # a role's start on its worker (engines here; the actor group and tracker: supervisor)
 PLACEMENT_GRACE_S = 30.0  # how long a role waits for its own (restarting) or a free worker
@@ -91,9 +90,9 @@ class DaskEngineOps:
         self.runtime = runtime
         self.config = config  # an engine starts with the settings of the moment (a new T, B: apply)
 
-    def apply(self, policy: SchedulerPolicy) -> None:
-        """A new scheduling policy: engines started from now on get its settings (T, B, …)."""
-        self.config = self.config.with_policy(policy)
+    def apply(self, config: ServiceConfig) -> None:
+        """A new scheduler: engines started from now on get its settings (T, B, …)."""
+        self.config = config
 
     def place(self, prefer_worker: str | None, load: dict[str, int], waited_s: float) -> str | None:
         """In place first: a lost engine waits (up to ``PLACEMENT_GRACE_S``) for its restarted worker of

@@ -34,7 +34,7 @@ from nexus.errors import SpecError
 from nexus.messages import EngineEndpoint, TenantSetup
 
 if TYPE_CHECKING:
-    from nexus.scheduling import SchedulerPolicy
+    from nexus.config import ServiceConfig
 
 logger = logging.getLogger("nexus.engines")
 
@@ -173,10 +173,10 @@ class EnginePool:
             except Exception as e:
                 logger.warning("catch-up of %s on %s: %s", setup.name, ep.engine, e)
 
-    async def apply(self, policy: SchedulerPolicy) -> None:
-        """A new scheduling policy: its T and B go to every serving engine (the ops start later ones with
-        them); an engine that keeps its old values is logged (it gets the new ones when it restarts)."""
-        batching = (policy.infer_max_wait_s, policy.infer_max_batch)
+    async def apply(self, config: ServiceConfig) -> None:
+        """A new scheduler: its T and B go to every serving engine (the ops start later ones with them); an
+        engine that keeps its old values is logged (it gets the new ones when it restarts)."""
+        batching = (config.infer_max_wait_s, config.infer_max_batch)
         if batching == self.batching:
             return
         self.batching = batching
@@ -184,7 +184,7 @@ class EnginePool:
                                       return_exceptions=True)
         for e in pushed:
             if isinstance(e, BaseException):
-                logger.warning("scheduler %r: an engine kept its old T/B: %s", policy.name, e)
+                logger.warning("scheduler %r: an engine kept its old T/B: %s", config.scheduler, e)
 
     def _pin_list(self) -> list[Pin]:
         return [(t, v, self._pin_dirs[(t, v)], c) for (t, v), c in sorted(self.pins.items()) if c > 0]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nexus import catalog
-from nexus.config import DataPathSettings, DispatchSettings, QosSettings
+from nexus.config import DataPathSettings, DispatchSettings, SimulatorSettings, SplitRule
 from nexus.control import tasks
 from nexus.control.queues import TrainingItem
 from nexus.control.shares import even_shares
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from nexus.control.queues import TrainingQueue
     from nexus.control.runtime import DaskRuntime
     from nexus.control.tenants import TenantState
-    from nexus.scheduling import SchedulerPolicy, SplitRule
     from nexus.spec import RLJob
 
 logger = logging.getLogger("nexus.flows")
@@ -50,32 +49,32 @@ class FlowContext:
     rollout_attempts: int
     log: Callable[[JobState, dict[str, Any], int, str], None]  # (job, metrics, step, history kind)
     datapath: DataPathSettings = field(default_factory=DataPathSettings)
-    eval_fanout: int = 2  # rollout tasks per evaluation job at once (the scheduling policy's eval_fanout)
-    rollout_split: int = 1  # an RL batch over up to this many rollout tasks (the policy's rollout_split)
+    eval_fanout: int = 2  # rollout tasks per evaluation job at once (dispatch.eval_fanout)
+    rollout_split: int = 1  # an RL batch over up to this many rollout tasks (dispatch.rollout_split)
     rollout_split_rule: SplitRule = "free"  # only while simulator places are free now, or "always"
     emulation: EmulationSettings | None = None  # an emulated service's calibration, sent with every rollout
-    qos: QosSettings | None = None  # the simulators' fair share and evaluation task size (None: Dask's order)
-    sim_slots: SimSlots | None = None  # built from ``qos`` unless given
+    simulators: SimulatorSettings | None = None  # fair share and evaluation task size (None: Dask's order)
+    sim_slots: SimSlots | None = None  # built from ``simulators`` unless given
 
     def __post_init__(self) -> None:
-        if self.sim_slots is None and self.qos is not None:
-            self.sim_slots = SimSlots.of_cluster(self.runtime, self.qos.sim_fair_share)
+        if self.sim_slots is None and self.simulators is not None:
+            self.sim_slots = SimSlots.of_cluster(self.runtime, self.simulators.fair_share)
 
     @property
     def sim_task_episodes(self) -> int:
         """An evaluation's rollout tasks run at most this many episodes each."""
-        return self.qos.sim_task_episodes if self.qos is not None else 1_000_000
+        return self.simulators.task_episodes if self.simulators is not None else 1_000_000
 
-    def follow(self, policy: DispatchSettings | SchedulerPolicy) -> None:
-        """The scheduling policy's knobs for the flows that start from now on (the service's dispatch settings
-        at boot, a switched policy later: both name them alike)."""
-        self.eval_fanout, self.rollout_split = policy.eval_fanout, policy.rollout_split
-        self.rollout_split_rule = policy.rollout_split_rule
+    def follow(self, dispatch: DispatchSettings) -> None:
+        """The dispatch settings for the flows that start from now on (the service's at boot, a switched
+        scheduler's later)."""
+        self.eval_fanout, self.rollout_split = dispatch.eval_fanout, dispatch.rollout_split
+        self.rollout_split_rule = dispatch.rollout_split_rule
         if self.sim_slots is not None:
-            self.sim_slots.order = policy.sim_order
+            self.sim_slots.order = dispatch.sim_order
 
     def batch_split(self, split: int, episodes: int, env: str) -> int:
-        """Rollout tasks for one RL batch: the job's ``split``, or more — up to the policy's ``rollout_split``, no
+        """Rollout tasks for one RL batch: the job's ``split``, or more — up to ``dispatch.rollout_split``, no
         more than one wave of a producer's envs each (a part with fewer episodes than a producer's envs would not
         end sooner), and under the rule ``"free"`` no more than the simulator places free now that no tenant waits
         for (``"always"``: the parts queue for places like any rollout task, so the split does not race timing)."""
@@ -89,7 +88,7 @@ class FlowContext:
     def sync_rule(self, live_consumers: bool) -> SyncRule:
         """Lazy weight sync (decided on the actor, ``SyncRule.should_push``): a tenant's RL job reads its live
         head (rollouts); SFT and pinned evaluations do not."""
-        return SyncRule(self.datapath.sync_policy, self.datapath.sync_every, live_consumers)
+        return SyncRule(self.datapath.sync_mode, self.datapath.sync_every, live_consumers)
 
     def log_update(self, js: JobState, res: dict[str, Any], **counters: int) -> None:
         self.log(js, {**res["metrics"], **counters, "version": res["version"]}, res["version"], "train")

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from nexus.config import ServiceLimits, policy_settings
+from nexus.config import ServiceLimits
 from nexus.control import flows, tasks
 from nexus.control.admission import Admission
 from nexus.control.external_rollouts import ExternalRollouts
@@ -27,11 +27,11 @@ from nexus.errors import Conflict, NotFound, quote
 from nexus.validation import check_eval_version, validate_job
 
 if TYPE_CHECKING:
+    from nexus.config import ServiceConfig
     from nexus.control.actors import ActorGroup
     from nexus.control.monitoring import MonitoringState
     from nexus.control.runtime import DaskRuntime
     from nexus.control.tracking_link import TrackerLink
-    from nexus.scheduling import SchedulerPolicy
 
 logger = logging.getLogger("nexus.jobs")
 
@@ -141,12 +141,12 @@ class JobManager:
         """Jobs not finished yet (queued or running)."""
         return [j.job_id for j in self.jobs.values() if not j.finished.is_set()]
 
-    def apply(self, policy: SchedulerPolicy) -> None:
-        """A new scheduling policy for jobs that start from now on: shared or isolated admission, the
-        evaluation fan-out, the RL batches' split and the weight-sync rule (``sync_policy``, ``sync_every``)."""
-        self.admission.apply(policy)
-        self.ctx.follow(policy)
-        self.ctx.datapath = self.ctx.datapath.model_copy(update=policy_settings(policy, "datapath"))
+    def apply(self, config: ServiceConfig) -> None:
+        """A new scheduler for jobs that start from now on: shared or isolated admission, the evaluation
+        fan-out, the RL batches' split and the data path's settings (the weight-sync rule among them)."""
+        self.admission.apply(config)
+        self.ctx.follow(config.dispatch)
+        self.ctx.datapath = config.datapath
 
     def log(self, js: JobState, metrics: dict[str, Any], step: int, kind: str) -> None:
         """One history row (``nexus.history``: kind train / rollout / eval / queue, a monotonic step per kind)."""

@@ -17,13 +17,12 @@ from nexus.paths import resolve_output_dir
 from nexus.validation import check_new_tenant, check_tenant_limits, validate_tenant
 
 if TYPE_CHECKING:
-    from nexus.config import DispatchSettings, ServiceConfig
+    from nexus.config import ServiceConfig, ServiceLimits
     from nexus.control.actors import ActorGroup
     from nexus.control.dispatcher import Dispatcher
     from nexus.control.engines import EnginePool
     from nexus.control.jobs import JobManager
     from nexus.control.tenants import TenantRegistry
-    from nexus.scheduling import SchedulerPolicy
     from nexus.spec import TenantSpec
 
 logger = logging.getLogger("nexus.lifecycle")
@@ -31,12 +30,13 @@ logger = logging.getLogger("nexus.lifecycle")
 CREATE_TIMEOUT_S = 900.0  # includes waiting for a restarting actor
 
 
-def with_policy_defaults(spec: TenantSpec, dispatch: DispatchSettings, cap: int | None = None) -> TenantSpec:
-    """The spec with the scheduling policy's admission defaults where the tenant left them unset (the
-    stored spec then holds the values it runs with, so a restored tenant keeps them)."""
-    inflight = dispatch.default_max_inflight if cap is None else min(dispatch.default_max_inflight, cap)
+def with_admission_defaults(spec: TenantSpec, limits: ServiceLimits) -> TenantSpec:
+    """The spec with the tenant's admission defaults (``limits.default_max_inflight``, at most
+    ``limits.max_inflight``, and ``limits.default_max_staleness``) where the tenant left them unset (the stored
+    spec then holds the values it runs with, so a restored tenant keeps them)."""
+    inflight = min(limits.default_max_inflight, limits.max_inflight)
     update = {k: v for k, v in (("max_inflight", inflight),
-                                ("max_staleness", dispatch.default_max_staleness)) if getattr(spec, k) is None}
+                                ("max_staleness", limits.default_max_staleness)) if getattr(spec, k) is None}
     return spec.model_copy(update=update) if update else spec
 
 
@@ -51,15 +51,15 @@ class TenantLifecycle:
         self.jobs = jobs
         self._event = event
 
-    def apply(self, policy: SchedulerPolicy) -> None:
-        """A new scheduling policy: tenants created from now on get its admission defaults."""
-        self.config = self.config.with_policy(policy)
+    def apply(self, config: ServiceConfig) -> None:
+        """A new scheduler: tenants created from now on get its admission defaults."""
+        self.config = config
 
     async def create(self, raw: dict[str, Any]) -> dict[str, Any]:
         """Validate a tenant spec and build its slot; a tenant whose output dir holds state resumes it."""
         spec, schema = validate_tenant(raw)
         limits = self.config.limits_for(spec.name)
-        spec = with_policy_defaults(spec, self.config.dispatch, limits.max_inflight)
+        spec = with_admission_defaults(spec, limits)
         check_tenant_limits(spec, limits)
         existing = self.registry.find(spec.name)
         if existing is not None:
@@ -74,7 +74,7 @@ class TenantLifecycle:
                                         [(o.name, o.output_dir) for o in self.registry])
         t = self.registry.add(TenantState(spec=spec, schema=schema, output_dir=output_dir))
         queue = self.dispatcher.queue
-        assert spec.max_inflight is not None and spec.max_staleness is not None  # with_policy_defaults
+        assert spec.max_inflight is not None and spec.max_staleness is not None  # with_admission_defaults
         queue.set_limits(spec.name, TenantLimits(spec.max_inflight, spec.max_staleness, spec.priority))
         try:
             info: SlotInfo = await self.actors.run(tasks.INIT_TENANT, lambda r: (t.setup(),),

@@ -14,7 +14,7 @@ health + restarts    :mod:`nexus.control.health`, :mod:`nexus.control.supervisor
                      :mod:`nexus.control.discovery`)
 tracking             :mod:`nexus.control.tracking_link` (the tracker itself runs on a worker)
 low-level ops        :mod:`nexus.control.low_level` (their MLflow runs: :mod:`nexus.control.op_runs`)
-scheduling policy    :mod:`nexus.control.policy_control` (view, switch), accounting
+scheduler            :mod:`nexus.control.policy_control` (view, switch), accounting
                      :mod:`nexus.control.accounting`, status view :mod:`nexus.control.status`
 Dask                 :mod:`nexus.control.runtime`, tasks by import path :mod:`nexus.control.tasks`
 ===================  ==============================================================================
@@ -44,7 +44,7 @@ from nexus.control.low_level import LowLevelOps
 from nexus.control.monitoring import MonitoringState
 from nexus.control.offload import SlotOffload
 from nexus.control.op_runs import OpRuns
-from nexus.control.policy_control import PolicyControl
+from nexus.control.policy_control import SchedulerControl
 from nexus.control.queues import TrainingItem, TrainingQueue
 from nexus.control.runtime import DaskRuntime
 from nexus.control.supervisor import Supervisor
@@ -76,7 +76,7 @@ class Master:
         self.op_runs = OpRuns(self.tracker, config.ops_idle_s)
         ctx = flows.FlowContext(self.dispatcher, self.queue, self.pool, self.health, self.runtime,
                                 config.dispatch.rollout_attempts, log=lambda *a: None, datapath=config.datapath,
-                                qos=config.qos, emulation=config.emulation)
+                                simulators=config.simulators, emulation=config.emulation)
         ctx.follow(config.dispatch)
         self.jobs = JobManager(self.registry, ctx, self.actors, self.runtime, self.tracker, self.monitoring,
                                self._event, self._flush_engine_signals, config.limits_for,
@@ -89,17 +89,17 @@ class Master:
                                      self.tracker, self.dispatcher, self.lifecycle, self.jobs, self.offload)
         self.ops = LowLevelOps(self.registry, self.runtime, ctx, self.op_runs)
         self.accounts = ServiceAccounting(scheduler, self.actors, self.pool, self.monitoring, config.emulation)
-        self.routing = LoadRouting(self.pool, self.monitoring, self.jobs, self.dispatcher)  # control-signal policies
+        self.routing = LoadRouting(self.pool, self.monitoring, self.jobs, self.dispatcher, config.routing)
         parts = [self.queue, self.dispatcher, self.jobs, self.lifecycle, self.engine_ops, self.supervisor, self.routing]
-        self.policy = PolicyControl(config, parts, self.pool, self.jobs, self.queue, self.dispatcher)
+        self.schedulers = SchedulerControl(config, parts, self.pool, self.jobs, self.queue, self.dispatcher)
         self.parts = status.StatusParts(scheduler, self.registry, self.jobs, self.queue, self.dispatcher, self.actors,
                                         self.pool, self.health, self.supervisor, self.monitoring, self.accounts,
-                                        self.policy, self.offload)
+                                        self.schedulers, self.offload)
         self._sampler: asyncio.Task | None = None
 
     @property
-    def config(self) -> ServiceConfig:  # the effective one (a scheduling policy switch replaces it)
-        return self.policy.config
+    def config(self) -> ServiceConfig:  # the effective one (a scheduler switch replaces it)
+        return self.schedulers.config
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -200,18 +200,18 @@ class Master:
         await asyncio.sleep(0.5)  # the signal travels on the worker's event stream
         return await self.tracker.flush()
 
-    # -- scheduling policy and accounting ----------------------------------------------------------------------
+    # -- scheduler and accounting ----------------------------------------------------------------------
     def accounting(self, t0: float | None = None, t1: float | None = None) -> dict[str, Any]:
         """Busy time, device time and utilization per service over ``[t0, t1]`` (default: the service's life)."""
         return self.accounts.window(t0, t1)
 
     def scheduling(self) -> dict[str, Any]:
-        return self.policy.view()
+        return self.schedulers.view()
 
-    async def set_policy(self, policy: dict[str, Any]) -> dict[str, Any]:
-        """Switch the scheduling policy of a running, idle service (benchmarks compare policies on one
-        cluster). Its T and B go to every serving engine (and to engines started later)."""
-        return await self.policy.switch(policy)
+    async def set_scheduler(self, scheduler: dict[str, Any]) -> dict[str, Any]:
+        """Apply a scheduler (a ``nexus.config.Scheduler`` as a dict) to a running, idle service; its T and B
+        go to every serving engine too (benchmarks compare schedulers on one cluster)."""
+        return await self.schedulers.switch(scheduler)
 
     # -- new handlers ------------------------------------------------------------------------------------------
     async def cancel(self, job_id: str) -> dict[str, Any]:

@@ -66,7 +66,7 @@ class NexusPlugin(SchedulerPlugin):
             "nexus_end_sessions": m.end_sessions,
             "nexus_accounting": m.accounting,
             "nexus_scheduling": m.scheduling,
-            "nexus_set_policy": m.set_policy,
+            "nexus_set_scheduler": m.set_scheduler,
             "nexus_offload": m.offload.now,  # idle tenants' actor slots to disk now (operators, benchmarks)
             # environment sessions (tenants' own algorithms on the service's simulators)
             "nexus_env_open": envs.open,

@@ -2,7 +2,7 @@
 
 * :class:`TrainingQueue` — large, latency-tolerant work items (RL trajectory batches, SFT batches,
   low-level ops). Highest priority first, FIFO within a priority (``order="priority"``), or plain
-  submission order (``order="fifo"``, priorities ignored: the scheduling policy's ``queue_order``); a
+  submission order (``order="fifo"``, priorities ignored: ``dispatch.queue_order``); a
   per-tenant admission cap (reserved + queued + running <= ``max_inflight``) gives producers back-pressure so one tenant
   cannot flood the queue; RL items whose policy version lags the tenant's current version by more
   than ``max_staleness`` are dropped (and counted) when they reach the head of the queue.
@@ -20,10 +20,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from nexus.config import ServiceLimits
 from nexus.control.decisions import DecisionTimes
 
 if TYPE_CHECKING:
-    from nexus.scheduling import SchedulerPolicy
+    from nexus.config import ServiceConfig
 
 ItemKind = Literal["rl", "sft", "op"]
 
@@ -32,10 +33,16 @@ class AdmissionError(RuntimeError):
     """An item was offered for a tenant that holds no free admission slot."""
 
 
+_SERVICE_DEFAULTS = ServiceLimits()
+
+
 @dataclass
 class TenantLimits:
-    max_inflight: int = 2
-    max_staleness: int = 128
+    """A tenant's admission values as the queue applies them (its spec's, filled by ``with_admission_defaults``);
+    the defaults here are the service's own (``limits.default_max_*``), not a copy of them."""
+
+    max_inflight: int = _SERVICE_DEFAULTS.default_max_inflight
+    max_staleness: int = _SERVICE_DEFAULTS.default_max_staleness
     priority: int = 0
 
     def __post_init__(self) -> None:
@@ -159,10 +166,10 @@ class TrainingQueue:
             return -(1e9 if item.kind == "rl" else 0.0) - self.remaining(item.tenant)
         return 0
 
-    def apply(self, policy: SchedulerPolicy) -> None:
-        """A new scheduling policy: its ``queue_order`` ranks the items queued from now on (and re-ranks
+    def apply(self, config: ServiceConfig) -> None:
+        """A new scheduler: its ``dispatch.queue_order`` ranks the items queued from now on (and re-ranks
         those still queued)."""
-        self.order = policy.queue_order
+        self.order = config.dispatch.queue_order
         self._heap = [(self._rank(it), seq, it) for _, seq, it in self._heap]
         heapq.heapify(self._heap)
 

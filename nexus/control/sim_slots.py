@@ -7,9 +7,9 @@ ends (or is cancelled): Dask never holds more rollout tasks than there are SIM s
 
 When a slot frees and several tenants wait, it goes to the tenant holding the fewest slots now (ties: the
 longest waiting request first), so with N slots and k tenants each gets about N/k — max-min fair share. With the
-scheduling policy's ``sim_order = "critical"`` it goes to the tenant with the most simulator work left instead
+scheduler's ``dispatch.sim_order = "critical"`` it goes to the tenant with the most simulator work left instead
 (``remaining``, set by the control plane from its signals), then by that fair rule.
-Evaluations run in tasks of at most ``qos.sim_task_episodes`` episodes (:mod:`nexus.control.flows`), so the
+Evaluations run in tasks of at most ``simulators.task_episodes`` episodes (:mod:`nexus.control.flows`), so the
 slots change hands between episodes: that is the preemption, at episode boundaries, without killing anything.
 
 Capacity is read from the cluster at each decision (the sum of the SIM workers' ``SIM`` resource), and
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from nexus.config import SimOrder
     from nexus.control.runtime import DaskRuntime
-    from nexus.scheduling import SimOrder
 
 
 @dataclass(order=True)
@@ -53,7 +53,7 @@ class Place:
 class SimSlots:
     def __init__(self, capacity: Callable[[], int], fair: bool = True, recheck_s: float = 1.0) -> None:
         self.capacity, self.fair, self.recheck_s = capacity, fair, recheck_s
-        self.order: SimOrder = "fair"  # the scheduling policy's sim_order
+        self.order: SimOrder = "fair"  # dispatch.sim_order
         self.remaining: Callable[[str], float] = lambda tenant: 0.0  # a tenant's simulator work left (s)
         self.held: Counter[str] = Counter()
         self._waiting: list[_Waiter] = []

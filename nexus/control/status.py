@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from nexus.control.jobs import JobManager
     from nexus.control.monitoring import MonitoringState
     from nexus.control.offload import SlotOffload
-    from nexus.control.policy_control import PolicyControl
+    from nexus.control.policy_control import SchedulerControl
     from nexus.control.queues import TrainingQueue
     from nexus.control.supervisor import Supervisor
     from nexus.control.tenants import TenantRegistry
@@ -49,7 +49,7 @@ class StatusParts:
     supervisor: Supervisor
     monitoring: MonitoringState
     accounting: ServiceAccounting
-    policy: PolicyControl  # the scheduling view and the effective config
+    schedulers: SchedulerControl  # the scheduling view and the effective config
     offload: SlotOffload | None = None  # which tenants' actor slots are on disk
 
 
@@ -134,7 +134,7 @@ def build(p: StatusParts, page: Page | None = None) -> dict[str, Any]:
                       "epoch": p.actors.epoch, "running": [i.item_id for i in p.dispatcher.running],
                       "last_rebuild_reason": p.actors.broken_reason},
             "workers": workers, "busy_s": dict(p.monitoring.busy), "actor_busy": len(p.dispatcher.running),
-            "scheduling": p.policy.view(),
+            "scheduling": p.schedulers.view(),
             "decisions": {**p.queue.times.view(), **p.pool.routing.times.view()},  # plugin decision latency, us
             "accounting": p.accounting.totals(),  # windows: the nexus_accounting handler
-            "config": p.policy.config.model_dump()}
+            "config": p.schedulers.config.model_dump()}

@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from nexus.control.runtime import DaskRuntime
     from nexus.control.tenants import TenantRegistry
     from nexus.control.tracking_link import TrackerLink
-    from nexus.scheduling import SchedulerPolicy
 
 logger = logging.getLogger("nexus.supervisor")
 
@@ -98,9 +97,9 @@ class Supervisor:
         """Rediscovery at boot: ``{"state": "pending" | "running" | "done" | "failed", ...}``."""
         return self.rediscovery.state
 
-    def apply(self, policy: SchedulerPolicy) -> None:
-        """A new scheduling policy: an actor group or tracker started from now on gets its settings."""
-        self.config = self.config.with_policy(policy)
+    def apply(self, config: ServiceConfig) -> None:
+        """A new scheduler: an actor group or tracker started from now on gets its settings."""
+        self.config = config
         self.placement.config = self.config
 
     def wake(self) -> None:

@@ -211,11 +211,11 @@ class TenantOutputDir:
 
     # -- retention -------------------------------------------------------------------------
     def prune(self, versions_kept: int, checkpoints_kept: int) -> dict[str, list[int]]:
-        """Retention (the tenant's ``ServiceLimits.max_versions_kept`` / ``max_checkpoints_kept``; the
-        ``[retention]`` config section sets them): delete the weights of every version except the newest
-        ``versions_kept`` (0: keep all), the initial one and every version an evaluation pinned, and all but
-        the newest ``checkpoints_kept`` DeepSpeed checkpoints; the manifest keeps their records, marked
-        pruned. Returns what was pruned now."""
+        """Retention (the tenant's ``ServiceLimits.max_versions_kept`` / ``max_checkpoints_kept``, set in the
+        config's ``[limits]`` or per tenant in ``[tenant_limits.NAME]``): delete the weights of every version
+        except the newest ``versions_kept`` (0: keep all), the initial one and every version an evaluation
+        pinned, and all but the newest ``checkpoints_kept`` DeepSpeed checkpoints; the manifest keeps their
+        records, marked pruned. Returns what was pruned now."""
         m = self.read()
         listed = len(m["versions"]), len(m["checkpoints"])
         gone = self._prune(m, versions_kept, checkpoints_kept)
@@ -308,7 +308,7 @@ def mark_evaluation(output_dir: str, job: str, version: int) -> str:
         path.unlink(missing_ok=True)
         raise NotFound(f"version {version} of {out.path.name!r} has no weights any more (pruned by retention: "
                        "the service keeps the newest versions, the initial and every evaluated one; see "
-                       "limits.max_versions_kept / retention.keep_last)")
+                       "limits.max_versions_kept)")
     return str(path)
 
 

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 ready()
                 gc_pauses()  # counted from now on (GET /v1/admin/qos)
                 logging.getLogger("nexus.gateway").info(
-                    "gc after start-up: %s", apply_gc(config.qos.gc_freeze, config.qos.gc_gen0_threshold))
+                    "gc after start-up: %s", apply_gc(config.gc.freeze, config.gc.gen0_threshold))
 
     openpi_ssl = None
     if a.certfile:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         openpi_ssl.load_cert_chain(a.certfile, a.keyfile)
     app = create_app(config, Backend(address, security(config)), tokens, host=bind, openpi_host=bind,
                      openpi_ssl=openpi_ssl)
-    server = Server(uvicorn.Config(app, loop=config.qos.gateway_loop, http=config.qos.gateway_http,
+    server = Server(uvicorn.Config(app, loop=config.gateway.event_loop, http=config.gateway.http_parser,
                                    log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                                    ssl_certfile=a.certfile, ssl_keyfile=a.keyfile))
     server.run(sockets=[sock])

@@ -315,7 +315,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
                host: str | None = None, openpi_host: str | None = None, openpi_ssl: Any = None) -> FastAPI:
     """The gateway's app. ``host``: the address the gateway listens on (default: the config's); off loopback,
     creating a tenant needs the operator token unless ``open_registration`` is set to true. Its lifespan also serves
-    the openpi WebSocket endpoint (``config.openpi``) on ``openpi.host`` (else ``openpi_host``, else ``config.host``),
+    the openpi WebSocket endpoint (``config.openpi``) on ``openpi.bind_address`` (else ``openpi_host``, else ``config.host``),
     with TLS when ``openpi_ssl`` (an SSLContext)."""
     gw = Gateway(config, backend, tokens)
     bind = host or config.host
@@ -328,7 +328,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         if config.openpi.enabled:
             from nexus.gateway.openpi import OpenpiServer
 
-            gw.openpi = OpenpiServer(gw, config.openpi, config.openpi.host or openpi_host or config.host, openpi_ssl)
+            gw.openpi = OpenpiServer(gw, config.openpi, config.openpi.bind_address or openpi_host or config.host, openpi_ssl)
             await gw.openpi.start()
         if on_ready is not None:
             on_ready()
@@ -341,7 +341,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
     app = FastAPI(title="JoyNexus tenant gateway", version="1", lifespan=lifespan, default_response_class=NexusJSON,
                   description=__doc__)
     app.state.gateway = gw
-    app.add_middleware(PredictFastPath, serve=gw.predict_raw, enabled=config.qos.predict_fast_path)
+    app.add_middleware(PredictFastPath, serve=gw.predict_raw, enabled=config.gateway.predict_fast_path)
     app.add_middleware(PredictTiming, observe=lambda: gw.serving.observe)  # outside the fast path: times it too
     document(app)  # every route's error responses and their body (nexus.gateway.contract)
 
@@ -614,7 +614,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
     async def predict(tenant: str, body: PredictBody, who: Who, request: Request) -> dict[str, Any]:
         """An action from the inference engine, grouped with other tenants' requests. A tenant has at most
         ``limits.max_inflight_predicts`` predicts queued or running at once, the gateway
-        ``qos.max_inflight_predicts``: past them the answer is 429 with ``Retry-After`` (nothing was done;
+        ``qos.max_gateway_predicts``: past them the answer is 429 with ``Retry-After`` (nothing was done;
         send again later). Tenants' queued predicts are served round-robin. ``deterministic: false`` samples:
         reproducibly with a ``seed``; ``n`` samples come with their log-probabilities in ``actions`` and
         ``logprobs``. The answer's ``Server-Timing`` header times each hop (http, auth, check, gateway_queue,

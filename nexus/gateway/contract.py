@@ -57,7 +57,7 @@ ERRORS: dict[int, ErrorResponse] = {
 # a route with a concurrency budget adds it: responses={429: OVERLOADED_RESPONSE}
 OVERLOADED_RESPONSE: dict[str, Any] = {
     "description": "Overloaded: a concurrency budget is spent (the tenant's predicts, max_inflight_predicts, or "
-                   "low-level calls, max_queued_ops; the gateway's predicts, qos.max_inflight_predicts); nothing "
+                   "low-level calls, max_queued_ops; the gateway's predicts, qos.max_gateway_predicts); nothing "
                    "was done. Send again after Retry-After seconds (the body's retry_after_s is finer).",
     "headers": {"Retry-After": {"description": "seconds to wait before sending again",
                                 "schema": {"type": "integer", "minimum": 1}}},

@@ -1,7 +1,7 @@
 """The gateway's predict path at QoS: concurrency budgets, per-tenant fair queues, calls gathered per engine.
 
 * :class:`Budgets`: predicts of one tenant (``limits.max_inflight_predicts``) and of all tenants
-  (``qos.max_inflight_predicts``) queued or running at once; past either a predict is refused at once with
+  (``qos.max_gateway_predicts``) queued or running at once; past either a predict is refused at once with
   :class:`~nexus.errors.Overloaded` (429 + ``Retry-After``), so queues stay bounded and latency with them.
 * :class:`EngineLane`: one engine's admitted predicts wait in one FIFO per tenant, served round-robin (one
   request per tenant per turn), so a tenant sending ten times the others' rate gets its turn like the others
@@ -52,7 +52,7 @@ class Budgets:
                              f"max_inflight_predicts={limit}; retry after {self.retry_after_s:g} s",
                              self.retry_after_s)
         if self.held_total >= self.total:
-            raise Overloaded(f"the gateway serves {self.total} predicts at once (qos.max_inflight_predicts); "
+            raise Overloaded(f"the gateway serves {self.total} predicts at once (qos.max_gateway_predicts); "
                              f"retry after {self.retry_after_s:g} s", self.retry_after_s)
         self.held[tenant] += 1
         self.held_total += 1
@@ -198,7 +198,7 @@ class PredictServer:
     def __init__(self, routes: EngineRoutes, settings: QosSettings, tenant_budget: Callable[[str], int],
                  route_timeout_s: float = 60.0) -> None:
         self.routes, self.settings = routes, settings
-        self.budgets = Budgets(settings.max_inflight_predicts, tenant_budget, settings.retry_after_s)
+        self.budgets = Budgets(settings.max_gateway_predicts, tenant_budget, settings.retry_after_s)
         self.route_timeout_s = route_timeout_s
         self.lanes: dict[tuple[str, str], EngineLane] = {}
         self.stats = QosStats()

@@ -22,18 +22,18 @@ import importlib
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from nexus.config import BackboneConfig
 from nexus.features import VLAFeature
 from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.lora import AdapterRouter, TenantAdapter, lora_shapes
 from nexus.model.prefix_cache import PrefixCache
 
-__all__ = ["BackboneConfig", "SharedBackbone", "compatible", "family", "model_key_of"]
+__all__ = ["BackboneConfig", "SharedBackbone", "check", "compatible", "family", "model_key_of"]
 
 _FAMILIES = {"qwen3vl": "nexus.model.qwen3vl:Qwen3VLFamily", "paligemma": "nexus.model.paligemma:PaliGemmaFamily"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,43 +47,17 @@ def family(name: str) -> Any:
     return getattr(importlib.import_module(module), cls)
 
 
-@dataclass(frozen=True)
-class BackboneConfig:
-    """Which backbone to build and the processor settings that shape its inputs."""
-
-    family: str = "qwen3vl"  # "qwen3vl" | "paligemma"
-    size: str = "tiny"  # offline preset, ignored when local_path is set
-    local_path: str | None = None  # a real checkpoint directory (model + processor)
-    image_size: int = 64  # square side every camera image is resized to
-    dtype: str = "float32"  # float32 on CPU (bf16 is 3-4x slower there), bfloat16 on GPU
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        fam = family(self.family)
-        if self.local_path is None and self.size not in fam.sizes:
-            raise ValueError(f"unknown {self.family} backbone size {self.size!r} "
-                             f"(offline presets: {sorted(fam.sizes)})")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r} (one of {sorted(_DTYPES)})")
-        factor = fam.image_factor(None if self.local_path else self.size)
-        if self.image_size < factor or (self.local_path is None and self.image_size % factor):
-            raise ValueError(f"image_size must be a positive multiple of {factor} for {self.family}, "
-                             f"got {self.image_size}")
-
-    def model_key(self) -> str:
-        """Names the weights and numerics (not the input settings): one resident model per model key."""
-        return f"{self.family}:{self.local_path or self.size}:{self.dtype}"
-
-    def compat_key(self) -> str:
-        """Requests with equal keys may share one backbone forward (see :func:`compatible`)."""
-        return f"{self.model_key()}@{self.image_size}px"
-
-    def format_prompt(self, instruction: str, n_images: int) -> str:
-        return family(self.family).format_prompt(instruction, n_images)
-
-    @property
-    def image_placeholder(self) -> str:
-        return family(self.family).image_placeholder
+def check(cfg: BackboneConfig) -> BackboneConfig:
+    """``cfg`` if its family can build it: an offline preset the family has, an image size its patches
+    divide (the checks that need the family's code; ``BackboneConfig`` itself checks the rest)."""
+    fam = family(cfg.family)
+    if cfg.local_path is None and cfg.size not in fam.sizes:
+        raise ValueError(f"unknown {cfg.family} backbone size {cfg.size!r} (offline presets: {sorted(fam.sizes)})")
+    factor = fam.image_factor(None if cfg.local_path else cfg.size)
+    if cfg.image_size < factor or (cfg.local_path is None and cfg.image_size % factor):
+        raise ValueError(f"image_size must be a positive multiple of {factor} for {cfg.family}, "
+                         f"got {cfg.image_size}")
+    return cfg
 
 
 def model_key_of(compat_key: str) -> str:
@@ -112,7 +86,7 @@ class SharedBackbone:
     """
 
     def __init__(self, cfg: BackboneConfig) -> None:
-        self.cfg = cfg
+        self.cfg = check(cfg)
         self.device = torch.device(cfg.device)
         if cfg.local_path is not None and not os.path.isdir(cfg.local_path):
             # never fall through to a model-hub download

@@ -8,7 +8,7 @@ import numpy as np
 from PIL import Image
 
 from nexus.features import Observation, TenantSchema, VLAFeature
-from nexus.model.backbone import BackboneConfig
+from nexus.model.backbone import BackboneConfig, check, family
 
 
 class TenantPreprocessor:
@@ -21,9 +21,9 @@ class TenantPreprocessor:
 
     def __init__(self, schema: TenantSchema, backbone_cfg: BackboneConfig) -> None:
         self.schema = schema
-        self.image_size = backbone_cfg.image_size
+        self.image_size = check(backbone_cfg).image_size
         self.compat_key = backbone_cfg.compat_key()
-        self._format_prompt = backbone_cfg.format_prompt
+        self._format_prompt = family(backbone_cfg.family).format_prompt
         self._camera_names = [c.name for c in schema.cameras]
 
     def __call__(self, obs: Observation) -> VLAFeature:

@@ -31,7 +31,7 @@ from nexus.engine_client import EngineSet
 from nexus.errors import NotFound, Unavailable
 from nexus.features import Observation
 from nexus.messages import Rendezvous, SyncRule
-from nexus.model.backbone import BackboneConfig, SharedBackbone
+from nexus.model.backbone import SharedBackbone
 from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.framework import VLAFramework
 from nexus.model.policy import TenantPolicy
@@ -60,7 +60,7 @@ class ActorHost:
         self.config, self.rank, self.world_size, self.rendezvous = config, rank, world_size, rendezvous
         # before any slot: the process group's sockets stay on this rank's own address
         ensure_distributed(host or config.host, rank, world_size, rendezvous, local_rank, listen_fd)
-        self.backbone_cfg = BackboneConfig(**config.backbone.model_dump())
+        self.backbone_cfg = config.backbone
         self.framework = VLAFramework(SharedBackbone(self.backbone_cfg))
         self.slots: dict[str, TenantSlot] = {}
         self.synced: dict[str, int] = {}  # tenant -> the version this actor last pushed to inference (lazy sync)

@@ -85,7 +85,7 @@ class GroupBatcher:
             raise ValueError(f"producer_lease_s > 0 required, got {self.producer_lease_s}")
 
     def set_limits(self, max_wait_s: float, max_batch: int) -> None:
-        """T and B for the groups that fire from now on (a scheduling policy's)."""
+        """T and B for the groups that fire from now on (a scheduler's)."""
         if not (math.isfinite(max_wait_s) and max_wait_s >= 0) or max_batch < 1:
             raise ValueError(f"T >= 0 (finite) and B >= 1 required, got T={max_wait_s}, B={max_batch}")
         self.max_wait_s, self.max_batch = float(max_wait_s), int(max_batch)

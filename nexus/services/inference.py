@@ -53,7 +53,7 @@ class _Request:
 
 class InferenceEngine:
     def __init__(self, config: ServiceConfig | dict[str, Any]) -> None:
-        self.config = config if isinstance(config, ServiceConfig) else ServiceConfig.model_validate(config)
+        self.config = config if isinstance(config, ServiceConfig) else ServiceConfig.restore(config)
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="nexus-infer")
         self.heads = TenantHeads(self.config)
         dp = self.config.datapath
@@ -114,7 +114,7 @@ class InferenceEngine:
         return True
 
     def set_batching(self, max_wait_s: float, max_batch: int) -> dict[str, Any]:
-        """New T and B (a scheduling policy's) for the groups formed from now on."""
+        """New T and B (a scheduler's) for the groups formed from now on."""
         self.queue.set_limits(max_wait_s, max_batch)
         return self.batching()
 

@@ -13,7 +13,7 @@ from nexus.config import ServiceConfig
 from nexus.data.output_dir import TenantOutputDir
 from nexus.features import TenantSchema
 from nexus.gc_tuning import refreeze
-from nexus.model.backbone import BackboneConfig, SharedBackbone
+from nexus.model.backbone import SharedBackbone
 from nexus.model.framework import VLAFramework
 from nexus.model.head_bank import HeadBank, HeadShape, head_shape
 from nexus.model.policy import TenantPolicy
@@ -28,22 +28,22 @@ class TenantHeads(HeadVersions[TenantPolicy]):
         super().__init__()
         self.config = config
         self._framework: VLAFramework | None = None
-        self.banks: dict[HeadShape, HeadBank] = {}  # live heads stacked by shape (qos.head_bank_tenants)
+        self.banks: dict[HeadShape, HeadBank] = {}  # live heads stacked by shape (caches.head_bank_tenants)
         self._banked: dict[str, HeadBank] = {}  # tenant -> the bank with its slot (no shape to work out per group)
 
     @property
     def framework(self) -> VLAFramework:
         if self._framework is None:
             torch.set_num_threads(1)
-            self.framework = VLAFramework(SharedBackbone(BackboneConfig(**self.config.backbone.model_dump())))
-            refreeze()  # the backbone lives as long as the engine: out of the collector's sight (qos.gc_freeze)
+            self.framework = VLAFramework(SharedBackbone(self.config.backbone))
+            refreeze()  # the backbone lives as long as the engine: out of the collector's sight (gc.freeze)
         return self._framework  # type: ignore[return-value]  # set just above
 
     @framework.setter
     def framework(self, framework: VLAFramework) -> None:  # tests and benchmarks bring their own backbones
         """The engine's framework, with its prefix cache: the policies it serves are replaced at each weight
         sync, never changed in place (what makes the cache's keys by adapter object sound)."""
-        mb = self.config.qos.prefix_cache_mb
+        mb = self.config.caches.prefix_cache_mb
         framework.prefix_cache = PrefixCache(int(mb * 2**20)) if mb > 0 else None
         self._framework = framework
 
@@ -92,7 +92,7 @@ class TenantHeads(HeadVersions[TenantPolicy]):
             if other != shape:
                 bank.drop(tenant)
         self._banked.pop(tenant, None)
-        limit = self.config.qos.head_bank_tenants
+        limit = self.config.caches.head_bank_tenants
         if shape is None or limit == 0:
             return
         bank = self.banks.setdefault(shape, HeadBank(shape))

@@ -48,7 +48,7 @@ def metric_name(kind: str, key: str) -> str:
 
 class Tracker:
     def __init__(self, config: ServiceConfig | dict[str, Any]) -> None:
-        self.config = config if isinstance(config, ServiceConfig) else ServiceConfig.model_validate(config)
+        self.config = config if isinstance(config, ServiceConfig) else ServiceConfig.restore(config)
         self._client = None
         self._experiment_id: str | None = None
         self.runs: dict[str, str] = {}  # job id -> MLflow run id

@@ -342,7 +342,7 @@ def start_engine(plugin: NexusWorkerPlugin, engine_id: str, config: ServiceConfi
 
     sync(worker.loop, create)
     gc_tuning.pauses()  # counted from now on (the engine's stats)
-    gc_tuning.apply(config.qos.gc_freeze, config.qos.gc_gen0_threshold)  # fewer, shorter GC pauses by the model
+    gc_tuning.apply(config.gc.freeze, config.gc.gen0_threshold)  # fewer, shorter GC pauses by the model
     return {"engine": engine_id, "address": worker.address, "worker": str(worker.name)}
 
 
