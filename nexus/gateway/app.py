@@ -315,8 +315,8 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
                host: str | None = None, openpi_host: str | None = None, openpi_ssl: Any = None) -> FastAPI:
     """The gateway's app. ``host``: the address the gateway listens on (default: the config's); off loopback,
     creating a tenant needs the operator token unless ``open_registration`` is set to true. Its lifespan also serves
-    the openpi WebSocket endpoint (``config.openpi``) on ``openpi.bind_address`` (else ``openpi_host``, else ``config.host``),
-    with TLS when ``openpi_ssl`` (an SSLContext)."""
+    the openpi WebSocket endpoint (``config.openpi``) on ``openpi.bind_address`` (else ``openpi_host``, else
+    ``config.host``), with TLS when ``openpi_ssl`` (an SSLContext)."""
     gw = Gateway(config, backend, tokens)
     bind = host or config.host
     registration_open = config.registration_open(bind)
@@ -328,7 +328,8 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         if config.openpi.enabled:
             from nexus.gateway.openpi import OpenpiServer
 
-            gw.openpi = OpenpiServer(gw, config.openpi, config.openpi.bind_address or openpi_host or config.host, openpi_ssl)
+            bind_openpi = config.openpi.bind_address or openpi_host or config.host
+            gw.openpi = OpenpiServer(gw, config.openpi, bind_openpi, openpi_ssl)
             await gw.openpi.start()
         if on_ready is not None:
             on_ready()
