@@ -17,13 +17,13 @@ import pytest
 
 from nexus.config import ServiceConfig
 from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
-from nexus.emulation import Calibration, DeviceCounts, EmulationSettings, ServiceTimes, load_calibration
+from nexus.emulator.settings import Calibration, DeviceCounts, EmulationSettings, ServiceTimes, load_calibration
 from nexus.errors import SpecError
 from nexus.processes import TRACKER_NICE
-from nexus.services.device_clock import DeviceClock
-from nexus.services.device_piece import DevicePiece
-from nexus.services.lanes import Lanes, lane_label
-from nexus.services.lent_devices import LentDevices
+from nexus.emulator.clock import DeviceClock
+from nexus.emulator.piece import DevicePiece
+from nexus.emulator.lanes import Lanes, lane_label
+from nexus.emulator.lent import LentDevices
 
 EMU = {"calibration": "paper_gpu", "time_scale": 20, "devices": {"actor": 2, "inference": 2, "simulator": 4}}
 
@@ -285,7 +285,7 @@ def test_an_engines_notice_of_a_forward_goes_one_way_to_the_simulator_workers_an
     real TCP comm without waiting for it to be handled (a reply per forward cost both event loops a message): the
     notices return while the simulator worker's handler is still held, then arrive in order with what was sent; a
     worker without ``SIM`` hears nothing."""
-    from nexus.services.device_lender import DeviceLender
+    from nexus.emulator.lender import DeviceLender
     from tests.dask_servers import loopback_servers
 
     got: list[tuple] = []
@@ -333,7 +333,7 @@ def test_a_producer_pushed_back_on_a_lent_device_sleeps_the_push_as_a_wait_for_t
 
 
 def test_a_producers_stepping_share_and_what_it_tells_its_device_lanes():
-    from nexus.services.emulated_sim import producer_load
+    from nexus.emulator.sim import producer_load
     from nexus.spec import TenantSpec
 
     cal = load_calibration("paper_gpu")
@@ -356,7 +356,7 @@ def test_a_producers_stepping_share_and_what_it_tells_its_device_lanes():
 
 
 def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tmp_path):
-    from nexus.services.emulated_engine import EmulatedEngine
+    from nexus.emulator.engine import EmulatedEngine
 
     eng = EmulatedEngine(ServiceConfig(root=str(tmp_path), emulation={**EMU, "time_scale": 10}))
     # the group wait T is a device time: divided by k inside, reported in emulated seconds
@@ -399,7 +399,7 @@ def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tm
 
 def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_clock(tmp_path):
     from nexus.messages import BatchRef
-    from nexus.services.emulated_actor import UpdateTimeline
+    from nexus.emulator.actor import UpdateTimeline
 
     # a producer's host time (messaging, a late timer) is paid out of its next sleeps, less the 1/k of it a run at
     # the devices' speed would see too (k = 4 here); at k = 1 all of it is the run's own
@@ -437,7 +437,7 @@ def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_c
     assert BatchRef.from_dict({**parts[0].to_dict(), "ended_at": None}).ended_at == 0.0
     assert BatchRef.from_dict(BatchRef.joined(parts).to_dict()) == BatchRef.joined(parts)
     # a rollout task starts from the end of the batch or update that let it start, unless it waited for its place
-    from nexus.emulation import WAITED_S, ready_from
+    from nexus.emulator.settings import WAITED_S, ready_from
 
     assert ready_from(100.0, 105.0, 105.0 + WAITED_S / 2) == 100.0  # granted at once: the host's dispatch is owed
     assert ready_from(100.0, 105.0, 107.0) == 107.0  # it waited 2 s for a simulator place: from the grant
@@ -459,7 +459,7 @@ def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_c
 
 
 def test_an_emulated_engine_charges_each_forward_its_calibrated_time_one_after_the_other(tmp_path):
-    from nexus.services.emulated_engine import EmulatedEngine
+    from nexus.emulator.engine import EmulatedEngine
     from nexus.services.inference_queue import Group
 
     async def charge() -> tuple[list, float]:

@@ -61,7 +61,7 @@ class EmulatedService:
     def __init__(self, workload: Workload, devices: str, calibration: str, k: float, first_policy: str,
                  actor_group: int = 0, seed: int = 0, producers_per_sim: int = 1,
                  emulation: dict[str, Any] | None = None) -> None:
-        from nexus.emulation import DeviceCounts
+        from nexus.emulator.settings import DeviceCounts
 
         self.workload, self.k = workload, k
         self.devices = DeviceCounts.parse(devices)

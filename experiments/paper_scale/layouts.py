@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))
 import bench  # noqa: E402
 from emulated import policy  # noqa: E402
 
-from nexus.emulation import load_calibration  # noqa: E402
+from nexus.emulator.settings import load_calibration  # noqa: E402
 
 PAPER_LAYOUT = "2-2-4"
 

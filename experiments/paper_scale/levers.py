@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE))
 import bench  # noqa: E402
 from emulated import Workload, policy  # noqa: E402
 
-from nexus.emulation import EmulationSettings  # noqa: E402
+from nexus.emulator.settings import EmulationSettings  # noqa: E402
 
 
 def workload(inflight: int) -> Workload:

@@ -27,7 +27,7 @@ their time (``"load"``: each producer's share is its calibrated chunk of steps o
 
 ``lend_actor`` lets the actor's devices step simulators while no update runs on them (a device that changes role
 when the actor starves): the actor rank lends them to the simulator workers when an update ends and takes them back
-when the next arrives (:mod:`nexus.services.lent_devices`). ``lend_inference`` lets the engines' devices step
+when the next arrives (:mod:`nexus.emulator.lent`). ``lend_inference`` lets the engines' devices step
 simulators between forwards: each forward runs there first (a high-priority stream), pushing the lent steps back.
 
 ``time_scale`` k divides every service time, so long workloads run in minutes; the benchmark checks that

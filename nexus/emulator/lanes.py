@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from nexus.services.device_piece import DevicePiece
-from nexus.services.lent_devices import LentDevices
+from nexus.emulator.piece import DevicePiece
+from nexus.emulator.lent import LentDevices
 
 
 def lane_label(worker_name: str, count: int, lane: int) -> str:

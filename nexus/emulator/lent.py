@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 
-from nexus.services.device_piece import DevicePiece
+from nexus.emulator.piece import DevicePiece
 
 RECLAIM_LATE_S = 2.0  # how far back a reclaim may cut the pieces on a device (they are kept that long after their end)
 

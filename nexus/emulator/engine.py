@@ -4,8 +4,8 @@ its rows and tenants' families (in the engine's model thread, as a real forward 
 zero actions. Heads are version counters: weight-sync messages move them like real heads.
 
 With ``EmulationSettings.lend_inference`` the engine's device steps simulators between forwards: each forward is
-told to the simulator workers as it starts (:class:`~nexus.services.device_lender.DeviceLender`), and runs there
-first; the steps lent there are pushed back by it (:meth:`~nexus.services.lent_devices.LentDevices.preempt`)."""
+told to the simulator workers as it starts (:class:`~nexus.emulator.lender.DeviceLender`), and runs there
+first; the steps lent there are pushed back by it (:meth:`~nexus.emulator.lent.LentDevices.preempt`)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from distributed import get_worker
 
 from nexus.config import ServiceConfig
 from nexus.features import TenantSchema
-from nexus.services.device_clock import DeviceTimeline
-from nexus.services.device_lender import DeviceLender
+from nexus.emulator.clock import DeviceTimeline
+from nexus.emulator.lender import DeviceLender
 from nexus.services.engine_stats import EngineMeter
 from nexus.services.head_versions import HeadVersions
 from nexus.services.inference import InferenceEngine

@@ -22,9 +22,9 @@ from nexus.data.tenant_dirs import job_seq
 from nexus.engine_client import EngineSet
 from nexus.errors import SpecError, Unavailable
 from nexus.messages import EngineEndpoint, OpWork, RLWork, SlotInfo, TenantSetup, UpdateRequest, UpdateResult
-from nexus.services.device_clock import DeviceTimeline
-from nexus.services.device_lender import DeviceLender
-from nexus.services.lanes import Lanes, lane_label
+from nexus.emulator.clock import DeviceTimeline
+from nexus.emulator.lender import DeviceLender
+from nexus.emulator.lanes import Lanes, lane_label
 from nexus.services.slot_rebuild import rebuild_each
 from nexus.signals import emit
 

@@ -22,12 +22,12 @@ import numpy as np
 from distributed import get_worker
 
 from nexus import catalog
-from nexus.emulation import EmulationSettings, ServiceTimes, ready_from
+from nexus.emulator.settings import EmulationSettings, ServiceTimes, ready_from
 from nexus.engine_client import EngineClient
 from nexus.features import Observation, TenantSchema
 from nexus.messages import BatchRef, RolloutRequest, RolloutResult
-from nexus.services.device_clock import DeviceClock
-from nexus.services.lanes import Lanes, lane_label
+from nexus.emulator.clock import DeviceClock
+from nexus.emulator.lanes import Lanes, lane_label
 from nexus.services.rollout import ProducerLink, producer_envs
 from nexus.services.sim_host import SimHost
 from nexus.signals import emit
