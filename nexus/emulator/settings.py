@@ -247,7 +247,7 @@ class ServiceTimes:
 
 def catalog_dir() -> Path:
     """``calibrations/`` next to ``schedulers/`` (``NEXUS_CATALOG_ROOT`` moves both)."""
-    return Path(os.environ.get("NEXUS_CATALOG_ROOT", Path(__file__).resolve().parents[1])) / "calibrations"
+    return Path(os.environ.get("NEXUS_CATALOG_ROOT", Path(__file__).resolve().parents[2])) / "calibrations"
 
 
 def load_calibration(ref: str) -> Calibration:

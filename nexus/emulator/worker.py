@@ -13,18 +13,18 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nexus.config import ServiceConfig
-from nexus.emulator.actor import EmulatedActorHost
-from nexus.emulator.engine import EmulatedEngine
-from nexus.emulator.lanes import Lanes
 from nexus.emulator.lent import LentDevices
 from nexus.emulator.settings import ENV, EmulationSettings
-from nexus.emulator.sim import run_rollout, sim_lanes
-from nexus.messages import RolloutRequest, RolloutResult
 from nexus.services import devices
-from nexus.services.sim_host import SimHost
+
+if TYPE_CHECKING:
+    from nexus.config import ServiceConfig
+    from nexus.emulator.engine import EmulatedEngine
+    from nexus.emulator.lanes import Lanes
+    from nexus.messages import RolloutRequest, RolloutResult
+    from nexus.services.sim_host import SimHost
 
 
 class EmulatedDevices:
@@ -37,15 +37,23 @@ class EmulatedDevices:
         self._lock = threading.Lock()
 
     # -- the seam (nexus.services.devices.DeviceModel) ---------------------------------------------
+    # each role's module is imported when the worker first hosts the role (as the service's own roles are): the
+    # preload stays light on every worker, the tracker's too
     def actor_host(self, config: ServiceConfig, rank: int, world_size: int, current: Any | None) -> Any | None:
+        from nexus.emulator.actor import EmulatedActorHost
+
         if isinstance(current, EmulatedActorHost) and (current.rank, current.world_size) == (rank, world_size):
             return current  # its slots stay
         return EmulatedActorHost(config, self.settings, rank, world_size)
 
     def engine(self, config: ServiceConfig, device: str | None) -> EmulatedEngine:
+        from nexus.emulator.engine import EmulatedEngine
+
         return EmulatedEngine(config, self.settings, device)
 
     def run_rollout(self, sim: SimHost, req: RolloutRequest) -> RolloutResult:
+        from nexus.emulator.sim import run_rollout, sim_lanes
+
         emu = self.settings
         with self._lock:
             if self._lanes is None:
