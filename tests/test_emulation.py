@@ -1,8 +1,9 @@
 """Emulated devices (``nexus.emulator``, issue 20; a tool apart from production, issue 51): calibrations and
 service times, the device lanes, the control-signal policies (``critical`` order, load routing) as plain objects;
-then one emulated 2-2-4 service (the real scheduler plugin, queues and task graph; updates, forwards and simulator steps of
-calibrated time): the same plugin code drives it, a short run is deterministic for a fixed seed, the
-isolated policy really isolates, and the accounting holds per device (busy <= wall)."""
+then one emulated 2-2-4 service (the real scheduler plugin, queues and task graph; updates, forwards and simulator
+steps of calibrated time): the same plugin code drives it, a short run is deterministic for a fixed seed, the
+isolated policy really isolates, and the accounting holds per device (busy <= wall). Times are read on the devices'
+own clock (a test clock, the emulator's recorded spans), never as windows of the host's wall time."""
 
 from __future__ import annotations
 
