@@ -1,4 +1,4 @@
-"""The paper's Exp. 1 at its scale, and beyond it, on emulated devices (``ServiceConfig.emulation``).
+"""The paper's Exp. 1 at its scale, and beyond it, on emulated devices (``nexus.emulator``).
 
 Every run is the real service — scheduler plugin, training queue, inference queue and group batching, Dask
 task graph, engine pool and routing, weight-sync messages, health — with actor updates, inference

@@ -9,15 +9,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from nexus.client.api import Nexus
 from nexus.cluster import LocalService
 from nexus.config import ServiceConfig
 from nexus.emulator.settings import ENV, FILE, EmulationSettings
-from nexus.errors import SpecError
+from nexus.errors import SpecError, describe_errors
 
 
 def settings_of(emulation: EmulationSettings | dict[str, Any]) -> EmulationSettings:
-    return emulation if isinstance(emulation, EmulationSettings) else EmulationSettings.model_validate(emulation)
+    """The emulator's settings; bad ones are a :class:`SpecError` naming the setting."""
+    if isinstance(emulation, EmulationSettings):
+        return emulation
+    try:
+        return EmulationSettings.model_validate(emulation)
+    except ValidationError as e:
+        raise SpecError(f"emulator settings: {describe_errors(e.errors(), root='?', field_words=True)}") from None
 
 
 def configure(config: ServiceConfig, emu: EmulationSettings) -> ServiceConfig:
