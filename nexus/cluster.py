@@ -6,7 +6,7 @@
   ``ACTOR=1`` each; the control plane forms one torch.distributed group over them
 * ``infer-i``: inference engines (and the MLflow tracker), resource ``INFER=1`` each
   (``n_infer``, default ``inference_engines``; spare ones let ``scale_inference`` grow the pool)
-* ``tracker-0``: with ``cluster.tracker_worker`` (default: an emulated service), the MLflow tracker's own
+* ``tracker-0``: with ``cluster.tracker_worker``, the MLflow tracker's own
   worker, resource ``TRACK=1``, at a lower CPU priority than the devices' workers
 * ``gateway``: the tenant gateway (``python -m nexus.gateway``), the only door tenants use
 
@@ -138,16 +138,19 @@ def _child_setup() -> None:
 
 class LocalService:
     def __init__(self, config: ServiceConfig, n_sim: int | None = None, dashboard_address: str | None = None,
-                 memory_limit: str | None = None, n_infer: int | None = None) -> None:
+                 memory_limit: str | None = None, n_infer: int | None = None, *,
+                 slots: dict[str, int] | None = None, devices: dict[str, int] | None = None,
+                 env: dict[str, str] | None = None, preload: tuple[str, ...] = ()) -> None:
+        """``slots``: per role, its resource count and threads in each worker (default 1); ``devices``: per role,
+        the devices each worker holds (default 1: a worker is one device); ``env``: more environment for every
+        process; ``preload``: more modules every worker preloads (``processes.worker_command``)."""
         self.config = config
         self.n_sim = n_sim or config.cluster.sim_workers
         self.n_infer = max(config.inference_engines, 1) if n_infer is None else n_infer
-        self.devices = {"sim": 1, "actor": 1, "infer": 1, "tracker": 1}  # devices each worker of a role holds
-        if config.emulation is not None:  # one worker per service holds all its emulated devices
-            d = config.emulation.devices
-            self.n_sim, self.n_infer = 1, 1
-            self.devices = {"sim": config.emulation.sim_places, "actor": d.actor, "infer": d.inference,
-                            "tracker": 1}
+        self.slots = {"sim": 1, "actor": 1, "infer": 1, "tracker": 1, **(slots or {})}
+        self.devices = {"sim": 1, "actor": 1, "infer": 1, "tracker": 1, **(devices or {})}
+        self.extra_env = dict(env or {})
+        self.preload = tuple(preload)
         self.dashboard_address = dashboard_address or config.cluster.dashboard_address or f"{config.host}:0"
         self.memory_limit = memory_limit or config.cluster.memory_limit
         self.root = Path(config.root).resolve()
@@ -173,7 +176,7 @@ class LocalService:
         return self.root / "logs"
 
     def _env(self) -> dict[str, str]:
-        return service_env(self.config)
+        return {**service_env(self.config), **self.extra_env}
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         fd = os.open(self.logs / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -187,7 +190,9 @@ class LocalService:
     def _worker(self, name: str, resources: str) -> None:
         role = role_of(resources)
         self._spawn(name, worker_command(self.scheduler_file, name, role, self.config.host, self.memory_limit,
-                                         self.tls, devices=self.devices[role]), role_env(role) or None)
+                                         self.tls, slots=self.slots[role], devices=self.devices[role],
+                                         preload=self.preload),
+                    role_env(role) or None)
 
     def _gateway(self) -> None:
         (self.config.gateway_dir / "gateway.json").unlink(missing_ok=True)

@@ -25,7 +25,6 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from nexus import scheduling
-from nexus.emulation import EmulationSettings
 from nexus.errors import SpecError, describe_errors
 from nexus.paths import private_write_bytes
 
@@ -351,8 +350,7 @@ class ClusterSettings(BaseModel):
     tracker_worker: bool | None = Field(
         None, description="the MLflow tracker in a worker process of its own (resource TRACK=1, `tracker-0`), run "
         "at a lower CPU priority, so that its writes and plots never hold the interpreter lock of a device's worker; "
-        "default: for an emulated service (there that host time would land on the emulated devices), not for a real "
-        "one (the tracker goes on an INFER worker, as in the paper's layout)")
+        "default: no (the tracker goes on an INFER worker, as in the paper's layout)")
     dask_config: dict[str, DaskValue] = Field(
         default_factory=dict, description="Dask settings for the service's processes, dotted keys "
         "(\"distributed.admin.tick.interval\" = \"20ms\"), over DASK_DEFAULTS; a table value (e.g. "
@@ -463,25 +461,6 @@ class ServiceConfig(BaseModel):
     openpi: OpenpiSettings = Field(OpenpiSettings(), description="the openpi-compatible robot endpoint")
     caches: CacheSettings = Field(CacheSettings(), description="the inference engines' caches")
     cluster: ClusterSettings = Field(ClusterSettings(), description="the embedded local deployment")
-    emulation: EmulationSettings | None = Field(None, description="emulated devices: updates, forwards and "
-                                                "simulator steps take calibrated time (nexus.emulation); "
-                                                "everything else is the real service")
-
-    @model_validator(mode="after")
-    def _emulated_devices(self) -> ServiceConfig:
-        """An emulated service has one worker per service holding its devices: one actor rank, one engine per
-        inference device."""
-        emu = self.emulation
-        if emu is None:
-            return self
-        if self.actor_ranks != 1:
-            raise ValueError(f"emulation: actor_ranks must be 1 (its worker holds devices.actor = "
-                             f"{emu.devices.actor} devices), got {self.actor_ranks}")
-        if "inference_engines" in self.model_fields_set and self.inference_engines != emu.devices.inference:
-            raise ValueError(f"emulation: inference_engines {self.inference_engines} differs from "
-                             f"devices.inference {emu.devices.inference}")
-        self.inference_engines = emu.devices.inference
-        return self
 
     scheduler: str = Field(DEFAULT_SCHEDULER, description="the scheduler: a schedulers/ catalog name or a path "
                            "to a scheduler .toml, whose settings apply over the defaults; the settings this config "
@@ -557,9 +536,8 @@ class ServiceConfig(BaseModel):
         return Path(self.root) / "gateway"
 
     def resolved_tracker_worker(self) -> bool:
-        """Whether the tracker has a worker of its own (``cluster.tracker_worker``; default: when emulated)."""
-        own = self.cluster.tracker_worker
-        return self.emulation is not None if own is None else own
+        """Whether the tracker has a worker of its own (``cluster.tracker_worker``; default: no)."""
+        return bool(self.cluster.tracker_worker)
 
     def resolved_tracking_uri(self) -> str:
         return self.tracking_uri or f"sqlite:///{Path(self.root).resolve() / 'mlflow.db'}"

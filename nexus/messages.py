@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from nexus.algorithms.grpo import GRPOConfig
     from nexus.algorithms.ppo import PPOConfig
     from nexus.config import DataPathSettings
-    from nexus.emulation import EmulationSettings
 
 HEARTBEAT_S = 1.0  # every worker's plugin reports its roles this often (topic HEALTH_TOPIC)
 HEALTH_TOPIC = "nexus-health"
@@ -75,8 +74,8 @@ class BatchRef(_Plain):
     policy_version: int
     tenant: str
     parts: tuple[str, ...] = ()  # more files of the same batch (its episodes were split over rollout tasks)
-    # when its last episode ended (wall clock; 0: not said). An emulated producer says it on its devices' clock,
-    # from which the emulated actor's update of the batch may start, whatever the messages took on the host
+    # when its last episode ended on the devices' clock (wall clock; 0: not said): the batch's update may start
+    # from then, whatever the messages took on the host (nexus.services.devices)
     ended_at: float = 0.0
 
     @property
@@ -214,7 +213,7 @@ class UpdateResult:
     pushed_to: tuple[str, ...] = ()  # engines that acknowledged the new weights
     push_errors: tuple[str, ...] = ()
     outputs: dict[str, Any] | None = None  # a ``forward``'s per-row results (log-probs, values, entropies)
-    ended_at: float = 0.0  # when it ended on an emulated actor's devices' clock (wall clock; 0: not said)
+    ended_at: float = 0.0  # when it ended on the actor devices' clock (wall clock; 0: not said)
 
 
 # -- simulators -----------------------------------------------------------------------------------------
@@ -233,10 +232,9 @@ class RolloutRequest:
     version: int | None = None
     job: str | None = None
     route: EngineEndpoint | None = None
-    emulation: EmulationSettings | None = None  # an emulated service: calibrated simulator time
     group_size: int = 1  # GRPO: episode e is reset with seed + e // group_size (a group shares its start)
-    # when the control plane could have started it on an emulated service's devices' clock: the end of the batch or
-    # update that let it start (wall clock; 0: at its arrival)
+    # when the control plane could have started it on the devices' clock: the end of the batch or update that let
+    # it start (wall clock; 0: at its arrival)
     ready_at: float = 0.0
 
 

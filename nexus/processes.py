@@ -24,6 +24,7 @@ from nexus.tls import TLSFiles
 
 # role -> its Dask resource: the control plane places every role by resource (nexus.control.supervisor)
 ROLE_RESOURCES = {"sim": "SIM", "actor": "ACTOR", "infer": "INFER", "tracker": "TRACK"}
+DEVICES_RESOURCE = "DEVICES"  # the devices a worker holds, each a slot of its service (a count no task asks for)
 
 # the tracker's own worker (resource TRACK) runs this much nicer than the devices' workers: the OS gives them the
 # cores first, and its MLflow writes and plots the time they leave
@@ -69,17 +70,20 @@ def scheduler_command(config_path: Path, scheduler_file: Path, host: str, port: 
 
 def worker_command(scheduler_file: Path, name: str, role: str, host: str, memory_limit: str,
                    tls: TLSFiles | None, scratch: Path | None = None, death_timeout_s: int = 60,
-                   devices: int = 1) -> list[str]:
+                   slots: int = 1, devices: int = 1, preload: tuple[str, ...] = ()) -> list[str]:
     """A nannied ``dask worker`` of ``role``. ``--host``: the nanny and the worker's comm port;
     ``--dashboard-address``: the worker's HTTP server (/health, /metrics), which would otherwise listen on
     every interface. ``scratch``: Dask's local directory (spill, locks) on this host's own disk.
-    ``devices``: an emulated worker holds that many devices of its role (resource count and threads)."""
+    ``slots``: its role's resource count and threads (tasks of the role it runs at once); ``devices``: the devices
+    it holds (resource ``DEVICES``, said when more than one); ``preload``: more modules each worker preloads, after
+    its plugin's (Dask's ``--preload``: e.g. one that installs a model of the devices, ``nexus.services.devices``)."""
     local = ["--local-directory", str(scratch)] if scratch is not None else []
+    held = f",{DEVICES_RESOURCE}={devices}" if devices > 1 else ""
     return ["distributed.cli.dask_worker", "--scheduler-file", str(scheduler_file), "--name", name,
-            "--nthreads", str(devices), "--resources", f"{ROLE_RESOURCES[role]}={devices}", "--no-dashboard",
+            "--nthreads", str(slots), "--resources", f"{ROLE_RESOURCES[role]}={slots}{held}", "--no-dashboard",
             "--host", host, "--dashboard-address", f"{host}:0", *(tls.cli_args() if tls else []),
             "--memory-limit", memory_limit, "--death-timeout", str(death_timeout_s), *local,
-            "--preload", "nexus.services.worker_plugin"]
+            "--preload", "nexus.services.worker_plugin", *(a for m in preload for a in ("--preload", m))]
 
 
 def gateway_command(config_path: Path, host: str | None = None, port: int | None = None,

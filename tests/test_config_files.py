@@ -80,13 +80,11 @@ def test_dask_settings_of_the_service_processes(tmp_path):
         load_service_config(path, [f"root={tmp_path}"])
 
 
-def test_the_tracker_has_its_own_worker_by_default_only_in_an_emulated_service(tmp_path):
-    emu = {"calibration": "paper_gpu"}
+def test_the_tracker_has_its_own_worker_only_when_said(tmp_path):
+    """(An emulated service says it: ``nexus.emulator.service.configure``, tests/test_emulation.py.)"""
     assert not ServiceConfig(root=str(tmp_path)).resolved_tracker_worker()  # an INFER worker's, as in the paper
-    assert ServiceConfig(root=str(tmp_path), emulation=emu).resolved_tracker_worker()
     assert ServiceConfig(root=str(tmp_path), cluster={"tracker_worker": True}).resolved_tracker_worker()
-    assert not ServiceConfig(root=str(tmp_path), emulation=emu, cluster={"tracker_worker": False}
-                             ).resolved_tracker_worker()
+    assert not ServiceConfig(root=str(tmp_path), cluster={"tracker_worker": False}).resolved_tracker_worker()
     cfg = load_service_config(None, [f"root={tmp_path}", "cluster.tracker_worker=true"])
     assert cfg.resolved_tracker_worker()
 

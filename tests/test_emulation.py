@@ -1,8 +1,9 @@
-"""Emulated devices (``ServiceConfig.emulation``, issue 20): calibrations and service times, the device
-lanes, the control-signal policies (``critical`` order, load routing) as plain objects; then one emulated
-2-2-4 service (the real scheduler plugin, queues and task graph; updates, forwards and simulator steps of
-calibrated time): the same plugin code drives it, a short run is deterministic for a fixed seed, the
-isolated policy really isolates, and the accounting holds per device (busy <= wall)."""
+"""Emulated devices (``nexus.emulator``, issue 20; a tool apart from production, issue 51): calibrations and
+service times, the device lanes, the control-signal policies (``critical`` order, load routing) as plain objects;
+then one emulated 2-2-4 service (the real scheduler plugin, queues and task graph; updates, forwards and simulator
+steps of calibrated time): the same plugin code drives it, a short run is deterministic for a fixed seed, the
+isolated policy really isolates, and the accounting holds per device (busy <= wall). Times are read on the devices'
+own clock (a test clock, the emulator's recorded spans), never as windows of the host's wall time."""
 
 from __future__ import annotations
 
@@ -17,15 +18,29 @@ import pytest
 
 from nexus.config import ServiceConfig
 from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
-from nexus.emulation import Calibration, DeviceCounts, EmulationSettings, ServiceTimes, load_calibration
+from nexus.emulator.clock import DeviceClock
+from nexus.emulator.lanes import Lanes, lane_label
+from nexus.emulator.lent import LentDevices
+from nexus.emulator.piece import DevicePiece
+from nexus.emulator.settings import Calibration, DeviceCounts, EmulationSettings, ServiceTimes, load_calibration
 from nexus.errors import SpecError
 from nexus.processes import TRACKER_NICE
-from nexus.services.device_clock import DeviceClock
-from nexus.services.device_piece import DevicePiece
-from nexus.services.lanes import Lanes, lane_label
-from nexus.services.lent_devices import LentDevices
 
 EMU = {"calibration": "paper_gpu", "time_scale": 20, "devices": {"actor": 2, "inference": 2, "simulator": 4}}
+EMU10 = {**EMU, "time_scale": 10}
+
+
+class Clock:
+    """A wall clock of the test's own: the devices' clock then reads exact times, whatever the host's load."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
 
 
 # -- plain objects ------------------------------------------------------------------------------------------
@@ -58,15 +73,27 @@ def test_service_times_group_batching_time_scale_and_data_parallel_groups():
     assert one.env("no/such-env") == cal.env["default"]
 
 
-def test_emulation_settings_in_the_service_config():
-    cfg = ServiceConfig(root="/tmp/x", emulation=EMU)
-    assert cfg.inference_engines == 2 and cfg.emulation.table is not None
-    again = ServiceConfig.model_validate_json(cfg.model_dump_json())  # workers get the loaded table
-    assert again.emulation.table == cfg.emulation.table
-    with pytest.raises(ValueError, match="actor_ranks must be 1"):
-        ServiceConfig(root="/tmp/x", emulation=EMU, actor_ranks=2)
-    with pytest.raises(ValueError, match="inference_engines 3 differs"):
-        ServiceConfig(root="/tmp/x", emulation=EMU, inference_engines=3)
+def test_emulator_settings_live_outside_the_service_config_and_shape_it(tmp_path):
+    from pydantic import ValidationError
+
+    from nexus.emulator.service import configure
+    from nexus.emulator.settings import FILE
+
+    with pytest.raises(ValidationError, match="emulation"):
+        ServiceConfig(root="/tmp/x", emulation=EMU)  # not a service setting
+    emu = EmulationSettings.model_validate(EMU)
+    cfg = configure(ServiceConfig(root="/tmp/x"), emu)
+    assert cfg.inference_engines == 2 and cfg.resolved_tracker_worker() and emu.table is not None
+    assert not configure(ServiceConfig(root="/tmp/x", cluster={"tracker_worker": False}), emu).resolved_tracker_worker()
+    emu.save(tmp_path / FILE)  # the workers' copy carries the loaded table
+    assert EmulationSettings.read(tmp_path / FILE) == emu
+    (tmp_path / "bad.json").write_text('{"calibration": "paper_gpu", "time_scale": -1}')
+    with pytest.raises(SpecError, match=r"bad.json.*time_scale"):
+        EmulationSettings.read(tmp_path / "bad.json")
+    with pytest.raises(SpecError, match="one actor rank"):
+        configure(ServiceConfig(root="/tmp/x", actor_ranks=2), emu)
+    with pytest.raises(SpecError, match="inference_engines 3 differs"):
+        configure(ServiceConfig(root="/tmp/x", inference_engines=3), emu)
     with pytest.raises(ValueError, match="actor_group 3 must divide"):
         EmulationSettings(calibration="paper_gpu", devices={"actor": 4}, actor_group=3)
     with pytest.raises(ValueError, match="producers_per_sim"):
@@ -77,7 +104,7 @@ def test_emulation_settings_in_the_service_config():
     assert DeviceCounts.parse("16-16-32").total == 64
     with pytest.raises(SpecError, match="actor-inference-simulator"):
         DeviceCounts.parse("2-2")
-    assert isinstance(cfg.emulation.table, Calibration)
+    assert isinstance(emu.table, Calibration)
 
 
 def test_lanes_hold_distinct_devices_and_wait_when_all_are_busy():
@@ -112,13 +139,16 @@ def test_shared_lanes_spread_first_and_their_device_work_takes_turns():
         assert t.is_alive() and not got  # both lanes hold two producers: a fifth waits
     t.join(5)
     assert got
-    # a device runs one piece of work at a time, in the order asked
+    # a device runs one piece of work at a time, in the order asked (on a clock of the test's own: exact waits)
+    clock = Clock()
+    lanes.now = clock
     assert lanes.occupy(0, 0.5) == 0.0
-    assert 0.45 < lanes.occupy(0, 0.2) <= 0.5
-    assert 0.65 < lanes.occupy(0, 0.1) <= 0.7  # behind both
+    clock.advance(0.02)
+    assert lanes.occupy(0, 0.2) == pytest.approx(0.48)
+    assert lanes.occupy(0, 0.1) == pytest.approx(0.68)  # behind both
     assert lanes.occupy(1, 0.3) == 0.0  # another device: idle
     # a producer owing 0.1 s of host time arrived 0.1 s earlier on the devices' clock: it waits that much longer
-    assert 0.35 < lanes.occupy(1, 0.1, ahead=0.1) <= 0.4
+    assert lanes.occupy(1, 0.1, ahead=0.1) == pytest.approx(0.4)
     with pytest.raises(ValueError, match="at least one holder"):
         Lanes(2, share=0)
 
@@ -127,13 +157,14 @@ def test_a_device_runs_the_pieces_in_their_order_on_the_devices_clock_not_in_the
     """A producer owing host time reaches its device late, but came earlier on the devices' clock: its piece goes
     ahead of those queued since whose producers still sleep on them — they are pushed back, the device never running
     two at once — and never ahead of one whose producer went on."""
-    lanes = Lanes(1)
+    clock = Clock()
+    lanes = Lanes(1, now=clock)
     _, first, _ = lanes.place(0, 0.5)
-    time.sleep(0.1)
+    clock.advance(0.1)
     wait, later, _ = lanes.place(0, 0.2)
-    assert 0 < wait <= 0.4 and later.start == first.end
+    assert wait == pytest.approx(0.4) and later.start == first.end
     wait, early, lent = lanes.place(0, 0.1, ahead=0.05)  # owes 0.05 s: arrived before ``later`` did, after ``first``
-    assert not lent and early.start == first.end and 0.05 < wait <= 0.45 and first.pushed == 0
+    assert not lent and early.start == first.end and wait == pytest.approx(0.45) and first.pushed == 0
     assert later.pushed == pytest.approx(0.1) and later.end == pytest.approx(early.end + 0.2)
     assert later.wait_cut(0) == (0, pytest.approx(0.1))  # its producer sleeps the push and goes on
     _, last, _ = lanes.place(0, 0.1, ahead=5.0)  # earlier than all, but ``later``'s producer went on
@@ -141,12 +172,13 @@ def test_a_device_runs_the_pieces_in_their_order_on_the_devices_clock_not_in_the
     pieces = sorted((first, early, later, last), key=lambda p: p.start)
     assert all(b.start + b.pushed >= a.end - 1e-9 for a, b in itertools.pairwise(pieces))  # one at a time
     # a piece over leaves the queue, not its end: one that came before it on the devices' clock starts after it
-    lanes, t0 = Lanes(1), time.time()
+    lanes, t0 = Lanes(1, now=clock), clock()
     assert lanes.occupy(0, 0.05) == 0.0
-    time.sleep(0.1)
+    clock.advance(0.1)
     _, now, _ = lanes.place(0, 0.01)  # the first is over
-    _, before, _ = lanes.place(0, 0.2, ahead=0.12)  # came at about the first's start
-    assert before.start >= t0 + 0.05 and now.start + now.pushed == pytest.approx(max(now.start, before.end))
+    _, before, _ = lanes.place(0, 0.2, ahead=0.12)  # came before the first's end
+    assert before.start == pytest.approx(t0 + 0.05) and now.start == t0 + 0.1
+    assert now.start + now.pushed == pytest.approx(before.end)  # pushed behind it
 
 
 def test_shared_lanes_take_the_least_loaded_device_when_holders_say_their_load():
@@ -169,28 +201,30 @@ def test_a_busy_simulator_device_borrows_a_lent_one_until_its_owner_takes_it_bac
     """``EmulationSettings.lend_actor``: a piece of device work whose own device is busy runs on a device another
     service lends, when it starts sooner there; taken back, the device starts no new step: a piece on it is cut at
     its next step boundary and its owner learns when the steps that run end."""
-    lanes, lent = Lanes(1), LentDevices()
+    clock = Clock()
+    lanes, lent = Lanes(1, now=clock), LentDevices(now=clock)
     assert placed(lanes, 0.5, lent=lent) == (0.0, None)  # nothing lent: its own device, idle
+    clock.advance(0.02)
     wait, piece = placed(lanes, 0.2, lent=lent)
-    assert piece is None and 0.45 < wait <= 0.5  # nothing lent yet: it queues behind its device's piece
-    lent.lend(["actor-0#0"], free_at=time.time() + 0.1)  # idle from 0.1 s on
+    assert piece is None and wait == pytest.approx(0.48)  # nothing lent yet: it queues behind its device's piece
+    lent.lend(["actor-0#0"], free_at=clock() + 0.1)  # idle from 0.1 s on
     wait, reset = placed(lanes, 0.3, lent=lent)
-    assert reset.device == "actor-0#0" and reset.ran == pytest.approx(0.3) and 0.05 < wait <= 0.1  # sooner there
+    assert reset.device == "actor-0#0" and reset.ran == pytest.approx(0.3) and wait == pytest.approx(0.1)  # sooner
     wait, chunk = placed(lanes, 0.4, lent=lent, unit=0.1)  # 4 steps, behind the lent device's 0.3 s
-    assert chunk.device == "actor-0#0" and chunk.start == reset.end and 0.35 < wait <= 0.4
+    assert chunk.device == "actor-0#0" and chunk.start == reset.end and wait == pytest.approx(0.4)
     back = lent.reclaim(["actor-0#0"], at=reset.start + 0.15)  # in the reset, a piece of one step
     assert back == reset.end and lent.lent == []  # the reset runs to its end, the chunk not at all
     assert reset.wait_cut(0) == (0, 0) and chunk.wait_cut(0) == (pytest.approx(0.4), 0)
     wait, piece = placed(lanes, 0.3, lent=lent, unit=0.1)
-    assert piece is None and 0.6 < wait <= 0.7  # taken back: the rest on its own device, however late
+    assert piece is None and wait == pytest.approx(0.68)  # taken back: the rest on its own device, however late
 
-    lent.lend(["actor-0#0", "actor-0#1"], free_at=time.time())  # lent again: the reset queued there is not forgotten
+    lent.lend(["actor-0#0", "actor-0#1"], free_at=clock())  # lent again: the reset queued there is not forgotten
     _, chunk = placed(lanes, 0.4, lent=lent, unit=0.1)
     assert chunk.device == "actor-0#1"
     assert lent.reclaim(["actor-0#1"], at=chunk.start + 0.15) == pytest.approx(chunk.start + 0.2)  # after 2 steps
     assert chunk.ran == pytest.approx(0.2) and chunk.wait_cut(0) == (pytest.approx(0.2), 0)
-    assert placed(Lanes(1), 0.1, lent=lent) == (0.0, None)  # an idle own device is never left
-    lent.lend(["actor-0#1"], free_at=time.time())
+    assert placed(Lanes(1, now=clock), 0.1, lent=lent) == (0.0, None)  # an idle own device is never left
+    lent.lend(["actor-0#1"], free_at=clock())
     _, done = placed(lanes, 0.4, lent=lent, unit=0.1)
     assert done.wait_cut(0) == (0, 0)  # its producer went on with all 4 steps
     assert lent.reclaim([done.device], at=done.end) == done.end and done.revoked == 0  # taken back after: all ran
@@ -201,30 +235,31 @@ def test_a_device_taken_back_at_its_owners_start_revokes_the_steps_lent_since_fo
     devices' clock; it takes them back at that start. A piece whose producer went on already ran the steps begun
     since: they are revoked (the producer runs them again on its own device, and owes the time it slept for them),
     and the update starts after the last step begun before its start."""
-    lent = LentDevices()
-    lent.lend(["actor-0#0"], free_at=time.time())
-    first = lent.take(time.time(), 0.4, before=time.time() + 1, unit=0.1)
-    second = lent.take(time.time(), 0.2, before=time.time() + 1, unit=0.1)
+    wall = Clock()
+    lent = LentDevices(now=wall)
+    lent.lend(["actor-0#0"], free_at=wall())
+    first = lent.take(wall(), 0.4, before=wall() + 1, unit=0.1)
+    second = lent.take(wall(), 0.2, before=wall() + 1, unit=0.1)
     assert first.wait_cut(0) == (0, 0) and second.wait_cut(0) == (0, 0)  # both producers went on
     back = lent.reclaim(["actor-0#0"], at=first.start + 0.25)  # in first's third step; second not begun then
     assert back == pytest.approx(first.start + 0.3)
     assert (first.ran, first.revoked) == (pytest.approx(0.3), pytest.approx(0.1))
     assert (second.ran, second.revoked) == (0, pytest.approx(0.2))
     assert second.take_revoked() == pytest.approx(0.2) and second.take_revoked() == 0  # said once
-    lent.lend(["actor-0#0"], free_at=time.time())
-    lent.reclaim(["actor-0#0"], at=time.time())  # nothing queued since: nothing revoked
+    lent.lend(["actor-0#0"], free_at=wall())
+    lent.reclaim(["actor-0#0"], at=wall())  # nothing queued since: nothing revoked
     assert first.revoked == pytest.approx(0.1)
-    lent = LentDevices()
-    lent.lend(["actor-0#0"], free_at=time.time() - 1.0)
-    early = lent.take(time.time() - 1.0, 0.1, before=time.time(), unit=0.1)  # over before the next could start
-    later = lent.take(time.time(), 0.1, before=time.time() + 1, unit=0.1)
+    lent = LentDevices(now=wall)
+    lent.lend(["actor-0#0"], free_at=wall() - 1.0)
+    early = lent.take(wall() - 1.0, 0.1, before=wall(), unit=0.1)  # over before the next could start
+    later = lent.take(wall(), 0.1, before=wall() + 1, unit=0.1)
     assert early.wait_cut(0) == later.wait_cut(0) == (0, 0)
     assert lent.reclaim(["actor-0#0"], at=early.start) == early.start  # a dispatch of a second: both still revoked
     assert (early.revoked, later.revoked) == (pytest.approx(0.1), pytest.approx(0.1))
-    lent.lend(["actor-0#0"], free_at=time.time() - 0.05)
-    now = time.time()
+    lent.lend(["actor-0#0"], free_at=wall() - 0.05)
+    now = wall()
     assert lent.take(now - 0.5, 0.1, before=now + 1, unit=0.1) is None  # made before it was lent (its host late)
-    ahead = lent.take(time.time() + 0.5, 0.2, before=time.time() + 1, unit=0.1)  # its producer owes nothing: later
+    ahead = lent.take(wall() + 0.5, 0.2, before=wall() + 1, unit=0.1)  # its producer owes nothing: later
     assert ahead.wait_cut(0) == (0, 0)
     at = ahead.start - 0.4  # taken back before it began: it never runs there, and its owner does not wait for it
     assert lent.reclaim(["actor-0#0"], at=at) == at and ahead.revoked == pytest.approx(0.2)
@@ -238,11 +273,20 @@ def test_a_device_taken_back_at_its_owners_start_revokes_the_steps_lent_since_fo
 def test_a_producer_cut_short_on_a_lent_device_sleeps_and_spends_only_the_steps_that_ran():
     lent, clock = LentDevices(), DeviceClock()
     lent.lend(["actor-0#0"], free_at=time.time())
-    piece = lent.take(time.time(), 0.6, before=time.time() + 1, unit=0.2)
-    threading.Timer(0.1, lambda: lent.reclaim(["actor-0#0"], at=time.time())).start()  # in the first step
-    t0 = time.perf_counter()
-    assert clock.spend(0.6, cut=piece.wait_cut) == pytest.approx(0.2)
-    assert 0.19 < time.perf_counter() - t0 < 0.45 and clock.slept == pytest.approx(0.2)
+    # a minute of steps of 0.2 s: only the take-back, in its first step on the devices' clock, ends it sooner
+    piece = lent.take(time.time(), 60.0, before=time.time() + 100, unit=0.2)
+    taken = threading.Event()
+
+    def sleep_on(timeout: float) -> tuple[float, float]:  # the owner takes its device back while the producer sleeps
+        def reclaim() -> None:
+            lent.reclaim(["actor-0#0"], at=piece.start + 0.1)
+            taken.set()
+
+        threading.Thread(target=reclaim).start()
+        return piece.wait_cut(timeout)
+
+    assert clock.spend(60.0, cut=sleep_on) == pytest.approx(0.2)  # woken by it: the one step begun ran
+    assert taken.is_set() and piece.ran == pytest.approx(0.2) and clock.slept == pytest.approx(0.2)
     clock.debt = 0.5  # owed host time paid out of the piece is owed again for the steps cut off it
     lent.lend(["actor-0#0"], free_at=time.time())
     piece = lent.take(time.time(), 0.6, before=time.time() + 1, unit=0.2)
@@ -255,9 +299,10 @@ def test_an_engine_runs_its_forwards_first_on_the_device_it_lends_and_the_lent_p
     there and those queued after it end later by as much as the forward needs, a piece whose producer went on is not
     pushed — and a producer takes that device only when its piece is expected to end sooner there, at the share of
     the device the engine leaves."""
-    lanes, lent, d = Lanes(1), LentDevices(), "infer-0#0"
+    wall = Clock()
+    lanes, lent, d = Lanes(1, now=wall), LentDevices(now=wall), "infer-0#0"
     assert placed(lanes, 0.5, lent=lent) == (0.0, None)  # its own device busy for 0.5 s
-    now = time.time()
+    now = wall()
     lent.preempt(d, at=now, seconds=0.1)  # a forward: the device is lent from its end on
     assert lent.lent == [d]
     _, p1 = placed(lanes, 0.2, lent=lent, unit=0.1)
@@ -272,11 +317,11 @@ def test_an_engine_runs_its_forwards_first_on_the_device_it_lends_and_the_lent_p
     lent.preempt(d, at=p1.start + 0.2, seconds=0.05, share=0.5)  # in p1's last step
     assert p1.pushed == pytest.approx(0.1) and p1.missed == pytest.approx(0.05)  # heard of too late: counted
     assert p2.pushed == pytest.approx(0.1) and p2.missed == 0  # p1 keeps its end: p2 starts then, as before
-    # at half the device, 0.4 s there (from ~0.65 s on) would end ~0.65 s after it does on its own device (0.4 s
+    # at half the device, 0.4 s there (from 0.75 s on) would end 0.65 s after it does on its own device (free 0.5 s
     # from now): it queues there instead
     wait, piece = placed(lanes, 0.4, lent=lent, unit=0.1)
-    assert piece is None and 0.3 < wait <= 0.4
-    far = lent.take(time.time(), 0.1, before=time.time() + 5.0)  # 0.1 s at half the device, 5 s sooner there
+    assert piece is None and wait == pytest.approx(0.5)
+    far = lent.take(wall(), 0.1, before=wall() + 5.0)  # 0.1 s at half the device, 5 s sooner there
     assert far is not None and far.device == d
 
 
@@ -285,7 +330,7 @@ def test_an_engines_notice_of_a_forward_goes_one_way_to_the_simulator_workers_an
     real TCP comm without waiting for it to be handled (a reply per forward cost both event loops a message): the
     notices return while the simulator worker's handler is still held, then arrive in order with what was sent; a
     worker without ``SIM`` hears nothing."""
-    from nexus.services.device_lender import DeviceLender
+    from nexus.emulator.lender import DeviceLender
     from tests.dask_servers import loopback_servers
 
     got: list[tuple] = []
@@ -324,16 +369,20 @@ def test_an_engines_notice_of_a_forward_goes_one_way_to_the_simulator_workers_an
 def test_a_producer_pushed_back_on_a_lent_device_sleeps_the_push_as_a_wait_for_the_device():
     lent, clock = LentDevices(), DeviceClock()
     lent.preempt("infer-0#0", at=time.time() - 1, seconds=0.0)
-    piece = lent.take(time.time(), 0.3, before=time.time() + 1, unit=0.1)
-    threading.Timer(0.1, lambda: lent.preempt("infer-0#0", at=time.time(), seconds=0.2)).start()
-    t0 = time.perf_counter()
-    assert clock.spend(0.3, cut=piece.wait_cut) == pytest.approx(0.3)  # every step ran
-    assert 0.49 < time.perf_counter() - t0 < 0.8
-    assert clock.slept == pytest.approx(0.3) and clock.queued == pytest.approx(0.2) and clock.debt < 0.1
+    piece = lent.take(time.time(), 1.0, before=time.time() + 3, unit=0.1)
+
+    def sleep_on(timeout: float) -> tuple[float, float]:  # the engine's forward arrives while the producer sleeps
+        threading.Thread(target=lambda: lent.preempt("infer-0#0", at=piece.start + 0.05, seconds=0.2)).start()
+        return piece.wait_cut(timeout)
+
+    assert clock.spend(1.0, cut=sleep_on) == pytest.approx(1.0)  # every step ran
+    # heard while its producer slept on it: pushed back, not missed; the push is the device's wait, not owed time
+    assert piece.pushed == pytest.approx(0.2) and piece.missed == 0 and piece.end == pytest.approx(piece.start + 1.2)
+    assert clock.slept == pytest.approx(1.0) and clock.queued == pytest.approx(0.2) and clock.debt < 0.1
 
 
 def test_a_producers_stepping_share_and_what_it_tells_its_device_lanes():
-    from nexus.services.emulated_sim import producer_load
+    from nexus.emulator.sim import producer_load
     from nexus.spec import TenantSpec
 
     cal = load_calibration("paper_gpu")
@@ -349,16 +398,16 @@ def test_a_producers_stepping_share_and_what_it_tells_its_device_lanes():
     spec = TenantSpec(name="t", env="robosuite/lift-state", action_dim=7, hidden_dim=32)
     for placement, expected in (("fewest", 0.0), ("load", lift)):
         emu = EmulationSettings(calibration="paper_gpu", time_scale=10, sim_placement=placement)
-        req = SimpleNamespace(emulation=emu, env=spec.env, tenant=SimpleNamespace(spec=spec))
-        assert producer_load(req, emu.times(), 8) == pytest.approx(expected)
+        req = SimpleNamespace(env=spec.env, tenant=SimpleNamespace(spec=spec))
+        assert producer_load(req, emu, emu.times(), 8) == pytest.approx(expected)
     with pytest.raises(ValueError, match="sim_placement"):
         EmulationSettings(calibration="paper_gpu", sim_placement="emptiest")
 
 
 def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tmp_path):
-    from nexus.services.emulated_engine import EmulatedEngine
+    from nexus.emulator.engine import EmulatedEngine
 
-    eng = EmulatedEngine(ServiceConfig(root=str(tmp_path), emulation={**EMU, "time_scale": 10}))
+    eng = EmulatedEngine(ServiceConfig(root=str(tmp_path)), EmulationSettings.model_validate(EMU10))
     # the group wait T is a device time: divided by k inside, reported in emulated seconds
     assert eng.queue.batcher.max_wait_s == pytest.approx(ServiceConfig(root="/x").infer_max_wait_s / 10)
     assert eng.set_batching(0.02, 4) == {"max_wait_s": pytest.approx(0.02), "max_batch": 4}
@@ -389,17 +438,18 @@ def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tm
     eng.heads.live["a"] = (3, None)
     eng.queue.waits_of([time.monotonic() - 5.0], time.monotonic(), "all_waiting")
     started = eng._start
-    t0 = time.perf_counter()
+    began = time.monotonic()
     outs = asyncio.run(eng._forward_group([SimpleNamespace(tenant="a", version=None)] * 2))
-    assert time.perf_counter() - t0 < 0.5 and [o["version"] for o in outs] == [3, 3]
+    assert [o["version"] for o in outs] == [3, 3]
     assert eng.timeline.free_at[0] == pytest.approx(started + eng._busy) and eng._busy > 0
+    assert eng.timeline.free_at[0] < began  # it ended on the device before the host ran it: nothing to sleep
     assert eng.queue.compute_of(123.0) == eng._busy  # the compute a producer is told: the device's
     eng.close()
 
 
 def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_clock(tmp_path):
+    from nexus.emulator.actor import UpdateTimeline
     from nexus.messages import BatchRef
-    from nexus.services.emulated_actor import UpdateTimeline
 
     # a producer's host time (messaging, a late timer) is paid out of its next sleeps, less the 1/k of it a run at
     # the devices' speed would see too (k = 4 here); at k = 1 all of it is the run's own
@@ -413,16 +463,16 @@ def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_c
     one.owe(5.0)
     assert one.debt == 0.0 and one.ask(0.004) == 0.004
     # so is its own loop between steps and requests (its locks, its share of the interpreter): what no message said
-    loop = DeviceClock(4.0)
-    time.sleep(0.02)
+    host = Clock()
+    loop = DeviceClock(4.0, now=host)
+    host.advance(0.02)
     loop.settle()
     owed = loop.debt
-    assert owed >= 0.75 * 0.02
-    t = time.perf_counter()
-    time.sleep(0.02)
-    loop.message(time.perf_counter() - t, served=0.02)  # a round trip that was the engine's device time
+    assert owed == pytest.approx(0.75 * 0.02)
+    host.advance(0.02)
+    loop.message(0.02, served=0.02)  # a round trip that was the engine's device time
     loop.settle()
-    assert loop.debt - owed < 0.01  # neither owed twice nor owed as the loop's
+    assert loop.debt == pytest.approx(owed)  # neither owed twice nor owed as the loop's
     # a request made earlier on the devices' clock by the debt (ahead) waited that long at the engine there: the
     # wait before its arrival pays the debt off, and only the host's messaging is owed
     paying = DeviceClock(4.0)
@@ -437,7 +487,7 @@ def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_c
     assert BatchRef.from_dict({**parts[0].to_dict(), "ended_at": None}).ended_at == 0.0
     assert BatchRef.from_dict(BatchRef.joined(parts).to_dict()) == BatchRef.joined(parts)
     # a rollout task starts from the end of the batch or update that let it start, unless it waited for its place
-    from nexus.emulation import WAITED_S, ready_from
+    from nexus.control.sim_slots import WAITED_S, ready_from
 
     assert ready_from(100.0, 105.0, 105.0 + WAITED_S / 2) == 100.0  # granted at once: the host's dispatch is owed
     assert ready_from(100.0, 105.0, 107.0) == 107.0  # it waited 2 s for a simulator place: from the grant
@@ -448,22 +498,23 @@ def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_c
     assert ready_from(100.0, 105.0, 105.0 + WAITED_S / 2, freed_at=104.0) == 100.0  # not waited for: unchanged
     # an update starts when its batch (or its job's update before) ended, unless its devices were still busy;
     # never after now, and at now when nothing is known
-    line = UpdateTimeline(2, k=10.0)
-    now = time.time()
-    assert line.start([0, 1], now - 0.5) == pytest.approx(now - 0.45, abs=0.01)  # + 1/10 of the host's 0.5 s
+    wall = Clock()
+    line = UpdateTimeline(2, k=10.0, now=wall)
+    now = wall()
+    assert line.start([0, 1], now - 0.5) == pytest.approx(now - 0.45)  # + 1/10 of the host's 0.5 s
     line.end([0, 1], now - 0.2, "j")
-    assert line.start([0], now - 0.5) == pytest.approx(now - 0.18, abs=0.01)  # its device ended later
+    assert line.start([0], now - 0.5) == pytest.approx(now - 0.18)  # its device ended later
     assert line.job_end == {"j": pytest.approx(now - 0.2)}
-    assert line.start([1], now + 9.0) <= time.time() and line.start([1], 0.0) >= now
-    assert UpdateTimeline(1).start([0], now - 0.5) >= now  # k = 1: the host's time is all the run's
+    assert line.start([1], now + 9.0) == now and line.start([1], 0.0) == now  # never after now; now when not known
+    assert UpdateTimeline(1, now=wall).start([0], now - 0.5) == pytest.approx(now)  # k = 1: the host's is the run's
 
 
 def test_an_emulated_engine_charges_each_forward_its_calibrated_time_one_after_the_other(tmp_path):
-    from nexus.services.emulated_engine import EmulatedEngine
+    from nexus.emulator.engine import EmulatedEngine
     from nexus.services.inference_queue import Group
 
     async def charge() -> tuple[list, float]:
-        eng = EmulatedEngine(ServiceConfig(root=str(tmp_path), emulation={**EMU, "time_scale": 10}))
+        eng = EmulatedEngine(ServiceConfig(root=str(tmp_path)), EmulationSettings.model_validate(EMU10))
         rows = [SimpleNamespace(tenant="a", job="j")] * 2
         # a forward that paid the host's lateness back slept nothing: its device still worked the calibrated 4 ms
         eng._busy = 0.004
@@ -550,11 +601,11 @@ def test_an_rl_batch_is_split_over_free_simulator_places_up_to_the_policy_and_on
 # -- one emulated 2-2-4 service ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def nx(tmp_path_factory):
-    from nexus.client.api import Nexus
+    from nexus.emulator.service import local
     from nexus.spec import TenantSpec
 
-    with Nexus.local(tmp_path_factory.mktemp("emulated"), emulation=EMU, scheduler="fifo",
-                     datapath={"envs_per_producer": 4}) as nexus:
+    with local(tmp_path_factory.mktemp("emulated"), emulation=EMU, scheduler="fifo",
+               datapath={"envs_per_producer": 4}) as nexus:
         for name, env, dim in (("emu-lift", "robosuite/lift-state", 7), ("emu-push", "maniskill/pushcube-state", 4)):
             nexus.create_tenant(TenantSpec(name=name, env=env, action_dim=dim, hidden_dim=32, seed=5))
         nexus.create_tenant(TenantSpec(name="emu-sft", dataset="pickcube-scripted", env="maniskill/pickcube-state",
@@ -585,8 +636,10 @@ def _outcome(res: dict) -> dict:
 def test_emulated_service_runs_the_real_plugin_and_accounts_per_device(nx):
     info = nx.client.scheduler_info()["workers"]
     resources = sorted(tuple(sorted(i["resources"].items())) for i in info.values())
-    # one worker per service, and the tracker's own (cluster.tracker_worker: an emulated service's default)
-    assert resources == [(("ACTOR", 2),), (("INFER", 2),), (("SIM", 4),), (("TRACK", 1),)], info
+    # one worker per service holding its devices, and the tracker's own (cluster.tracker_worker: an emulated
+    # service's default)
+    assert resources == [(("ACTOR", 2), ("DEVICES", 2)), (("DEVICES", 2), ("INFER", 2)), (("DEVICES", 4), ("SIM", 4)),
+                         (("TRACK", 1),)], info
 
     def plugin_kind(dask_scheduler):
         p = dask_scheduler.plugins["nexus"]
@@ -601,6 +654,14 @@ def test_emulated_service_runs_the_real_plugin_and_accounts_per_device(nx):
 
     kinds = sorted(str(v) for v in nx.client.run(host_kind).values())
     assert "EmulatedActorHost" in kinds and "['EmulatedEngine', 'EmulatedEngine']" in kinds
+
+    def seam(dask_worker):  # each worker's devices are the emulator's, installed in the one seam by its preload
+        from nexus.services import devices
+
+        return type(devices.installed()).__module__
+
+    assert set(nx.client.run(seam).values()) == {"nexus.emulator.worker"}
+    assert (nx.service.root / "emulator.json").exists() and "emulation" not in nx.service.config.model_dump()
 
     t0, t1, res = _run(nx, "fifo")
     out = _outcome(res)
@@ -722,28 +783,34 @@ def test_the_trackers_own_worker_lost_mid_job_is_waited_for_and_the_jobs_run_kee
     assert len(steps) == 3 and len(set(steps)) == 3, steps
 
 
-def test_nexus_up_emulation_flags_refuse_bad_input_in_one_line_and_create_nothing(tmp_path):
+def test_the_emulators_up_refuses_bad_input_in_one_line_and_creates_nothing(tmp_path):
+    """``python -m nexus.emulator up --emulate CALIBRATION`` is the switch; ``nexus up`` knows no emulator flag."""
     import subprocess
     import sys
 
     root = tmp_path / "svc"
-    for args, needle in ((["--time-scale", "5"], "need --emulate"),
-                         (["--emulate", "no-such-calibration"], "calibrations/ has: "),
-                         (["--emulate", "paper_gpu", "--devices", "2-2"], "actor-inference-simulator")):
-        r = subprocess.run([sys.executable, "-m", "nexus.client.cli", "up", "--root", str(root), *args],
+    for args, needle in ((["--emulate", "no-such-calibration"], "calibrations/ has: "),
+                         (["--emulate", "paper_gpu", "--devices", "2-2"], "actor-inference-simulator"),
+                         (["--emulate", "paper_gpu", "--time-scale", "0"], "time_scale")):
+        r = subprocess.run([sys.executable, "-m", "nexus.emulator", "up", "--root", str(root), *args],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not root.exists()
+    for cmd in (["nexus.emulator", "up", "--root", str(root)],  # no calibration
+                ["nexus.client.cli", "up", "--root", str(root), "--emulate", "paper_gpu"]):  # not the service's
+        r = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "--emulate" in r.stderr, r.stderr
         assert not root.exists()
 
 
 def test_a_simulator_device_shared_by_two_producers_steps_one_at_a_time(tmp_path):
     """``producers_per_sim = 2`` on one simulator device: an RL job's two producers hold it at once (the SIM
     resource counts producer places, the accounting one device), and their steps take turns on it."""
-    from nexus.client.api import Nexus
+    from nexus.emulator.service import local
     from nexus.spec import TenantSpec
 
     emu = {**EMU, "devices": {"actor": 1, "inference": 1, "simulator": 1}, "producers_per_sim": 2}
-    with Nexus.local(tmp_path / "svc", emulation=emu, scheduler="fifo", datapath={"envs_per_producer": 4}) as nx:
+    with local(tmp_path / "svc", emulation=emu, scheduler="fifo", datapath={"envs_per_producer": 4}) as nx:
         info = nx.client.scheduler_info()["workers"]
         assert sorted(tuple(sorted(i["resources"].items())) for i in info.values()) == [
             (("ACTOR", 1),), (("INFER", 1),), (("SIM", 2),), (("TRACK", 1),)]
@@ -772,11 +839,11 @@ def test_an_idle_actor_or_engine_lends_its_device_to_a_busy_simulator_and_keeps_
     """``lend_actor``: two producers on one simulator device step on the actor's device too while no update runs
     there (their pieces say how much ran there), and the actor's updates are charged to the actor alone;
     ``lend_inference``: the same on the engine's device between its forwards, charged to the engine alone."""
-    from nexus.client.api import Nexus
+    from nexus.emulator.service import local
     from nexus.spec import TenantSpec
 
     emu = {**EMU, "devices": {"actor": 1, "inference": 1, "simulator": 1}, "producers_per_sim": 2, lends: True}
-    with Nexus.local(tmp_path / "svc", emulation=emu, scheduler="fifo", datapath={"envs_per_producer": 4}) as nx:
+    with local(tmp_path / "svc", emulation=emu, scheduler="fifo", datapath={"envs_per_producer": 4}) as nx:
         nx.create_tenant(TenantSpec(name="lender", env="robosuite/lift-state", action_dim=7, hidden_dim=32, seed=3))
         t0 = time.time()
         out = nx.tenant("lender").rl(updates=4, episodes_per_batch=4, collectors=2).result(timeout=300)

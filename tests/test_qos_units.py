@@ -323,7 +323,7 @@ def test_gc_apply_freezes_sets_the_threshold_and_pauses_are_counted():
 
 # -- simulators' fair share -------------------------------------------------------------------------
 def test_a_waiter_granted_a_released_slot_gets_its_last_holder_s_end_on_the_devices_clock():
-    """An emulated rollout that waited for its place starts when the place's holder ended on the devices' clock
+    """A rollout that waited for its place starts when the place's holder ended on the devices' clock
     (``Place.ended_at`` -> the next one's ``freed_at``), not when the holder's task came back to the scheduler."""
     cap = [1]
     slots = SimSlots(lambda: cap[0], fair=True, recheck_s=0.05)

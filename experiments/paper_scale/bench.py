@@ -1,9 +1,9 @@
-"""The paper's Exp. 1 at its scale, and beyond it, on emulated devices (``ServiceConfig.emulation``).
+"""The paper's Exp. 1 at its scale, and beyond it, on emulated devices (``nexus.emulator``).
 
 Every run is the real service — scheduler plugin, training queue, inference queue and group batching, Dask
 task graph, engine pool and routing, weight-sync messages, health — with actor updates, inference
 forwards and simulator steps taking the calibrated times of ``calibrations/paper_gpu.toml`` divided by the
-time scale k. Devices are lanes of one worker per service (``nexus.services.lanes``).
+time scale k. Devices are lanes of one worker per service (``nexus.emulator.lanes``).
 
 ``paper``: 3 RL tenants (robosuite Lift standing in for LIBERO, ManiSkill PushCube state, ManiSkill
 PickCube rgb) + 1 SFT tenant. Isolated: the ``isolated`` policy on a 1-1-2 service (each tenant's jobs alone,
@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))
 
 from emulated import EmulatedService, Job, Workload, jain, knob, pct, policy  # noqa: E402
 
-from nexus.emulation import EmulationSettings  # noqa: E402
+from nexus.emulator.settings import EmulationSettings  # noqa: E402
 
 PAPER = {"efficiency": 1.39, "device_time_saved": 0.283, "actor_util": (0.208, 0.413),
          "inference_util": (0.281, 0.375)}

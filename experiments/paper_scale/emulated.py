@@ -1,4 +1,4 @@
-"""Running workloads on an emulated service (``ServiceConfig.emulation``): one ``Nexus.local`` per device layout,
+"""Running workloads on an emulated service (``nexus.emulator.service.local``): one service per device layout,
 its tenants created once, each policy's run submitted on the same service (``nexus_set_scheduler`` on the idle
 service), measured by the service's own accounting (``nexus_accounting``), the training queue's delays
 (``status()["training_queue"]["delay_s"]``) and every engine's per-tenant action-request waits.
@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nexus.client.api import Nexus
 from nexus.config import Scheduler, nest
 from nexus.spec import TenantSpec
 
@@ -67,7 +66,8 @@ class EmulatedService:
     def __init__(self, workload: Workload, devices: str, calibration: str, k: float, first_policy: str,
                  actor_group: int = 0, seed: int = 0, producers_per_sim: int = 1,
                  emulation: dict[str, Any] | None = None) -> None:
-        from nexus.emulation import DeviceCounts
+        from nexus.emulator.service import local
+        from nexus.emulator.settings import DeviceCounts
 
         self.workload, self.k = workload, k
         self.devices = DeviceCounts.parse(devices)
@@ -75,8 +75,8 @@ class EmulatedService:
                "actor_group": actor_group, "seed": seed, "producers_per_sim": producers_per_sim,
                **(emulation or {})}
         self.root = Path(tempfile.mkdtemp(prefix="nexus-emulated-")) / "service"
-        self.nx = Nexus.local(self.root, emulation=emu, scheduler=first_policy,
-                              datapath=workload.datapath or None)
+        self.nx = local(self.root, emulation=emu, scheduler=first_policy,
+                        datapath=workload.datapath or None)
         for name, spec in workload.tenants().items():
             self.nx.create_tenant(TenantSpec(name=name, **spec))
         self.nx.flush()  # the tracker's start-up (its warm-up, the boot's writes) done before a run is timed

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,14 +76,16 @@ class Nexus:
     @classmethod
     def local(cls, root: PathLike | None = None, n_sim: int | None = None, dashboard_address: str | None = None,
               n_infer: int | None = None, *, config: ServiceConfig | PathLike | None = None,
-              overrides: Iterable[str] = (), **fields: Any) -> Nexus:
+              overrides: Iterable[str] = (), service: Callable[[ServiceConfig], LocalService] | None = None,
+              **fields: Any) -> Nexus:
         """Start the embedded default: a local Dask cluster running the Nexus service, and return a gateway
         client holding the operator token (``nx.client``: the internal Dask connection).
 
         Settings: ``config`` (a :class:`ServiceConfig` or a TOML file, as ``nexus up --config``), then
         ``root`` and any ``ServiceConfig`` field as keyword arguments, then ``overrides`` (``"key.path=value"``,
         as ``--set``). Without any, the root is ``runs/local``. ``n_infer``: INFER workers (default:
-        ``inference_engines``); spare ones let the pool grow.
+        ``inference_engines``); spare ones let the pool grow. ``service``: builds the local service from the
+        settings instead (a tool that lays the workers out its own way).
         """
 
         if isinstance(config, ServiceConfig):
@@ -93,7 +95,9 @@ class Nexus:
         else:
             defaults = {} if config is not None and "root" in read_toml(config) else {"root": "runs/local"}
             cfg = load_service_config(config, overrides, **{**defaults, **_given(root=root), **fields})
-        service = LocalService(cfg, n_sim=n_sim, dashboard_address=dashboard_address, n_infer=n_infer).start()
+        local = (service(cfg) if service is not None
+                 else LocalService(cfg, n_sim=n_sim, dashboard_address=dashboard_address, n_infer=n_infer))
+        service = local.start()
         try:
             nx = cls(service.gateway_url, token=service.operator_token, service=service)
             nx._wait_for_workers(service.n_workers, timeout=180)

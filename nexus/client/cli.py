@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,6 @@ from nexus.client.demo import run_demo
 from nexus.client.report import format_log, manifest_log, merge_logs, write_report
 from nexus.cluster import lock_holder
 from nexus.config import ServiceConfig, load_service_config, load_submission
-from nexus.emulation import DeviceCounts
 from nexus.errors import NexusError, NotFound, Unavailable
 from nexus.gateway.auth import read_gateway_url, read_operator_token
 from nexus.validation import validate_job, validate_tenant
@@ -103,17 +103,11 @@ def _fmt(x: Any, nd: int = 4) -> str:
 
 
 # ------------------------------------------------------------------------------------------- service
-def _up(a: argparse.Namespace) -> int:
-
+def _up(a: argparse.Namespace, start: Callable[[ServiceConfig], Nexus] | None = None) -> int:
+    """``start``: how the local service starts from its settings (default: ``Nexus.local``; a tool that models the
+    devices passes its own)."""
     cluster = {k: v for k, v in (("sim_workers", a.sim_workers), ("dashboard_address", a.dashboard)) if v}
-    emulation = None
-    if a.emulate:  # emulated devices (nexus.emulation): calibrated service times, the real control plane
-        emulation = {"calibration": a.emulate, "time_scale": a.time_scale,
-                     "devices": DeviceCounts.parse(a.devices).model_dump()}
-    elif a.time_scale != 1.0 or a.devices != "1-1-2":
-        raise NexusError("--time-scale and --devices need --emulate CALIBRATION")
-    cfg = _with_backbone(load_service_config(a.config, a.set, root=a.root, cluster=cluster or None,
-                                             emulation=emulation), a)
+    cfg = _with_backbone(load_service_config(a.config, a.set, root=a.root, cluster=cluster or None), a)
     if cfg.cluster.dashboard_address is None:
         cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(
             update={"dashboard_address": f"{cfg.host}:8787"})})
@@ -125,7 +119,8 @@ def _up(a: argparse.Namespace) -> int:
         stop = True
 
     signal.signal(signal.SIGTERM, _stop)  # `nexus down`
-    nx = Nexus.local(config=cfg)
+    start = start or (lambda c: Nexus.local(config=c))
+    nx = start(cfg)
     try:
         link = nx.dashboard_link
         uri = cfg.resolved_tracking_uri()
@@ -142,7 +137,7 @@ def _up(a: argparse.Namespace) -> int:
               f"Stop with Ctrl-C or `nexus down --root {cfg.root}`.", flush=True)
 
         # a dead scheduler or a spent restart budget: global restart on the same root
-        nx = keep_up(nx, lambda: stop, lambda: Nexus.local(config=cfg))
+        nx = keep_up(nx, lambda: stop, lambda: start(cfg))
     except KeyboardInterrupt:
         pass
     finally:
@@ -386,6 +381,17 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ca", default=None, help="CA certificate of an https:// gateway (default: <root>/tls/ca.pem)")
 
 
+def add_up_options(u: argparse.ArgumentParser) -> None:
+    """``nexus up``'s options (a tool that starts the service its own way takes them too)."""
+    u.add_argument("--config", default=None, help="service TOML file (see configs/service.toml)")
+    u.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a setting, e.g. --set backbone.family=paligemma --set infer_max_batch=16")
+    u.add_argument("--root", default=None, help=f"service root (default: the config's, else {DEFAULT_ROOT})")
+    u.add_argument("--sim-workers", type=int, default=None)
+    u.add_argument("--dashboard", default=None, help="dashboard host:port (default 127.0.0.1:8787)")
+    _add_backbone_options(u)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --debug before or after the command (the subcommands' copy must not reset the top-level one)
     p = argparse.ArgumentParser(prog="nexus", description="JoyNexus: multi-tenant VLA post-training service")
@@ -405,20 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("up", parents=[common],
                        help="start a long-running local service (Ctrl-C or `nexus down` stops it)")
-    u.add_argument("--config", default=None, help="service TOML file (see configs/service.toml)")
-    u.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a setting, e.g. --set backbone.family=paligemma --set infer_max_batch=16")
-    u.add_argument("--root", default=None, help=f"service root (default: the config's, else {DEFAULT_ROOT})")
-    u.add_argument("--sim-workers", type=int, default=None)
-    u.add_argument("--dashboard", default=None, help="dashboard host:port (default 127.0.0.1:8787)")
-    u.add_argument("--emulate", default=None, metavar="CALIBRATION",
-                   help="emulated devices: updates, forwards and simulator steps take the calibrated times of "
-                        "CALIBRATION (a calibrations/ name or a .toml path); the control plane is the real one")
-    u.add_argument("--time-scale", type=float, default=1.0, metavar="K",
-                   help="with --emulate: every service time divided by K")
-    u.add_argument("--devices", default="1-1-2", metavar="A-I-S",
-                   help="with --emulate: actor, inference and simulator devices (the paper's server: 2-2-4)")
-    _add_backbone_options(u)
+    add_up_options(u)
     u.set_defaults(fn=_up)
 
     dn = sub.add_parser("down", parents=[common], help="stop the service running on a root")
@@ -482,8 +475,9 @@ def _one_line(e: BaseException) -> str:
     return text if isinstance(e, NexusError) else f"{type(e).__name__}: {text}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)  # usage errors: argparse's message, exit status 2
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    """``parser``: another command line run the same way (a tool's own, with ``fn`` per command)."""
+    a = (parser or build_parser()).parse_args(argv)  # usage errors: argparse's message, exit status 2
     try:
         return a.fn(a)
     except KeyboardInterrupt:

@@ -5,45 +5,44 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from nexus.processes import DEVICES_RESOURCE
+
 if TYPE_CHECKING:
     from nexus.control.actors import ActorGroup
     from nexus.control.engines import EnginePool
     from nexus.control.monitoring import MonitoringState
-    from nexus.emulation import EmulationSettings
 
 
 class ServiceAccounting:
-    def __init__(self, scheduler, actors: ActorGroup, pool: EnginePool, monitoring: MonitoringState,
-                 emulation: EmulationSettings | None = None) -> None:
+    def __init__(self, scheduler, actors: ActorGroup, pool: EnginePool, monitoring: MonitoringState) -> None:
         self.scheduler = scheduler
         self.actors = actors
         self.pool = pool
         self.monitoring = monitoring
-        self.emulation = emulation  # an emulated service: a worker holding n devices of its service is n slots
 
-    def _count(self, name: str, resource: str) -> int:
-        if self.emulation is None:
-            return 1
+    def _count(self, name: str) -> int:
+        """The devices a worker holds: its ``DEVICES`` resource (``nexus.services.devices``; 1 when not said), each
+        a slot of its service."""
         ws = next((w for w in self.scheduler.workers.values() if str(w.name) == name), None)
-        n = int(ws.resources.get(resource, 1)) if ws is not None else 1
-        return self.emulation.sim_devices(n) if resource == "SIM" else n
+        return int(ws.resources.get(DEVICES_RESOURCE, 1)) if ws is not None else 1
 
-    def _expand(self, name: str, resource: str) -> list[str]:
-        """A worker's slots: itself, or ``<name>#<lane>`` for each device it holds (``nexus.services.lanes``)."""
-        n = self._count(name, resource)
+    def _expand(self, name: str) -> list[str]:
+        """A worker's slots: itself, or ``<name>#<i>`` for each device it holds."""
+        n = self._count(name)
         return [name] if n <= 1 else [f"{name}#{i}" for i in range(n)]
 
     def slots(self) -> dict[str, list[str]]:
-        """Slots allocated to each service now (actor ranks, serving engines, SIM workers; devices when emulated)."""
+        """Slots allocated to each service now (actor ranks, serving engines, SIM workers; devices where a worker
+        holds several)."""
         names = {addr: str(ws.name) for addr, ws in self.scheduler.workers.items()}
         engines = set()
         for m in self.pool.serving():
             name = names.get(m.worker, str(m.worker))
-            engines.add(name if self._count(name, "INFER") <= 1 else f"{name}#{m.slot}")
-        return {"actor": [s for w in self.actors.workers for s in self._expand(str(w), "ACTOR")],
+            engines.add(name if self._count(name) <= 1 else f"{name}#{m.slot}")
+        return {"actor": [s for w in self.actors.workers for s in self._expand(str(w))],
                 "inference": sorted(engines),
                 "simulator": sorted(s for ws in self.scheduler.workers.values() if "SIM" in ws.resources
-                                    for s in self._expand(str(ws.name), "SIM"))}
+                                    for s in self._expand(str(ws.name)))}
 
     def worker_aliases(self) -> dict[str, str]:
         """Worker address -> name: signals name their worker by address, slots by name."""

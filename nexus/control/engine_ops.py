@@ -103,7 +103,7 @@ class DaskEngineOps:
         same = [w for w in workers if w.name == prefer_worker]
         if same:
             return same[0].address
-        # a worker holds as many engines as its INFER count (an emulated worker's devices), else one
+        # a worker holds as many engines as its INFER count (a worker holding several devices), else one
         best = min(workers, key=lambda w: (load.get(w.address, 0) / max(w.resources.get("INFER", 1), 1), w.name))
         full = load.get(best.address, 0) >= max(int(best.resources.get("INFER", 1)), 1)
         if waited_s < PLACEMENT_GRACE_S and (prefer_worker is not None or full):

@@ -21,8 +21,7 @@ from nexus.config import DataPathSettings, DispatchSettings, SimulatorSettings, 
 from nexus.control import tasks
 from nexus.control.queues import TrainingItem
 from nexus.control.shares import even_shares
-from nexus.control.sim_slots import SimSlots
-from nexus.emulation import EmulationSettings, ready_from
+from nexus.control.sim_slots import SimSlots, ready_from
 from nexus.errors import JobFailed
 from nexus.messages import BatchRef, GRPOWork, OpWork, RLWork, RolloutRequest, RolloutResult, SFTWork, SyncRule
 
@@ -52,7 +51,6 @@ class FlowContext:
     eval_fanout: int = 2  # rollout tasks per evaluation job at once (dispatch.eval_fanout)
     rollout_split: int = 1  # an RL batch over up to this many rollout tasks (dispatch.rollout_split)
     rollout_split_rule: SplitRule = "free"  # only while simulator places are free now, or "always"
-    emulation: EmulationSettings | None = None  # an emulated service's calibration, sent with every rollout
     simulators: SimulatorSettings | None = None  # fair share and evaluation task size (None: Dask's order)
     sim_slots: SimSlots | None = None  # built from ``simulators`` unless given
 
@@ -137,7 +135,7 @@ async def _rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **r
 
 async def _run_rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **req: Any) -> RolloutResult:
     r = RolloutRequest(tenant=t.setup(), env=t.spec.env or "", job=js.job_id, route=ctx.pool.route(t.name),
-                       datapath=ctx.datapath, emulation=ctx.emulation, **req)
+                       datapath=ctx.datapath, **req)
     return await ctx.runtime.run(tasks.RUN_ROLLOUT, r, key=key, resources={"SIM": 1})
 
 
@@ -222,7 +220,7 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
     producer_totals = dict.fromkeys(("sim_s", "action_wait_s", "requests", "rows", "timed", "rtt_s",
                                      "engine_wait_s", "compute_s", "messaging_s"), 0.0)
 
-    ready = 0.0  # the last end of this job's batches and updates on an emulated service's devices' clock
+    ready = 0.0  # the last end of this job's batches and updates on the devices' clock (0: not said)
 
     def collect(offset: int, attempt: int) -> None:
         key = f"nexus-rollout-{js.job_id}-{offset}" + (f"-r{attempt}" if attempt else "")

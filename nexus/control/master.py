@@ -76,7 +76,7 @@ class Master:
         self.op_runs = OpRuns(self.tracker, config.ops_idle_s)
         ctx = flows.FlowContext(self.dispatcher, self.queue, self.pool, self.health, self.runtime,
                                 config.dispatch.rollout_attempts, log=lambda *a: None, datapath=config.datapath,
-                                simulators=config.simulators, emulation=config.emulation)
+                                simulators=config.simulators)
         ctx.follow(config.dispatch)
         self.jobs = JobManager(self.registry, ctx, self.actors, self.runtime, self.tracker, self.monitoring,
                                self._event, self._flush_engine_signals, config.limits_for,
@@ -88,7 +88,7 @@ class Master:
         self.supervisor = Supervisor(config, self.runtime, self.health, self.actors, self.pool, self.registry,
                                      self.tracker, self.dispatcher, self.lifecycle, self.jobs, self.offload)
         self.ops = LowLevelOps(self.registry, self.runtime, ctx, self.op_runs)
-        self.accounts = ServiceAccounting(scheduler, self.actors, self.pool, self.monitoring, config.emulation)
+        self.accounts = ServiceAccounting(scheduler, self.actors, self.pool, self.monitoring)
         self.routing = LoadRouting(self.pool, self.monitoring, self.jobs, self.dispatcher, config.routing)
         parts = [self.queue, self.dispatcher, self.jobs, self.lifecycle, self.engine_ops, self.supervisor, self.routing]
         self.schedulers = SchedulerControl(config, parts, self.pool, self.jobs, self.queue, self.dispatcher)
@@ -260,7 +260,7 @@ class Master:
 
 
 def update_reply(res: UpdateResult) -> dict[str, Any]:
-    """What a training item's caller gets back; an emulated actor's end on its devices' clock when it says one (the
+    """What a training item's caller gets back; the update's end on the actor devices' clock when it says one (the
     job's next rollout may start from it)."""
     out = {"version": res.version, "metrics": dict(res.metrics), "outputs": res.outputs}
     if res.ended_at:

@@ -37,8 +37,8 @@ class Span:
     what: str = ""
     sim_s: float = 0.0  # simulator spans: stepping ...
     wait_s: float = 0.0  # ... and waiting for actions, inside [t0, t1]
-    lent_s: float = 0.0  # ... of the stepping, what ran on devices another service lent (emulation.lend_actor)
-    lent_missed_s: float = 0.0  # ... and its owner's work heard of too late to push those steps back (lend_inference)
+    lent_s: float = 0.0  # ... of the stepping, what ran on devices another service lent
+    lent_missed_s: float = 0.0  # ... and its owner's work heard of too late to push those steps back
 
 
 @dataclass
@@ -66,8 +66,8 @@ class MonitoringState:
         """One worker signal; unknown kinds are counted and otherwise ignored."""
         kind = msg.get("kind", "")
         self.counts[kind] += 1
-        # the slot charged: the sending worker (Dask stamps its address), or the device lane an emulated
-        # worker names (nexus.services.lanes)
+        # the slot charged: the sending worker (Dask stamps its address), or the device a worker holding several
+        # names (nexus.services.devices.slot_label)
         slot = str(msg.get("device") or msg.get("worker"))
         if kind in ("update", "rollout"):
             service = "actor" if kind == "update" else "simulator"

@@ -33,6 +33,19 @@ if TYPE_CHECKING:
     from nexus.config import SimOrder
     from nexus.control.runtime import DaskRuntime
 
+# a place (a simulator slot, a device) granted later than this after it was asked for had to be waited for
+WAITED_S = 0.001
+
+
+def ready_from(ready_at: float, asked: float, granted: float, freed_at: float = 0.0) -> float:
+    """When a task could start on the devices' clock (wall clock; 0: not said): ``ready_at``, the end of the work
+    that let it start, unless its place was waited for (asked at ``asked``, granted at ``granted``): then from when
+    the place's last holder ended on the devices' clock (``freed_at``; its task came back to the scheduler a few
+    host milliseconds later) or, when that is not known, from the grant."""
+    if not ready_at or granted - asked <= WAITED_S:
+        return ready_at
+    return max(ready_at, freed_at) if freed_at else granted
+
 
 @dataclass(order=True)
 class _Waiter:
@@ -43,8 +56,8 @@ class _Waiter:
 
 @dataclass
 class Place:
-    """A slot held by a rollout task: ``freed_at``, when its last holder's work ended on an emulated service's
-    devices' clock (0: not known, or not waited for); the holder sets ``ended_at`` likewise for the next one."""
+    """A slot held by a rollout task: ``freed_at``, when its last holder's work ended on the devices' clock (0: not
+    known, or not waited for); the holder sets ``ended_at`` likewise for the next one."""
 
     freed_at: float = 0.0
     ended_at: float = 0.0
@@ -107,8 +120,8 @@ class SimSlots:
         return w.future.result()
 
     def release(self, tenant: str, ended_at: float = 0.0) -> None:
-        """Hand a slot back; ``ended_at`` (the holder's end on an emulated service's devices' clock) goes to the
-        waiter it is granted to."""
+        """Hand a slot back; ``ended_at`` (the holder's end on the devices' clock) goes to the waiter it is granted
+        to."""
         self.held[tenant] -= 1
         if self.held[tenant] <= 0:
             del self.held[tenant]

@@ -74,8 +74,7 @@ class Supervisor:
         self._task: asyncio.Task | None = None
         self._tracker_starts = 0
         self._tracker_retry_at = 0.0
-        self._tracker_role = ("TRACK" if config.resolved_tracker_worker()  # the workers it goes on (below)
-                              else "ACTOR" if config.emulation is not None else "INFER")
+        self._tracker_role = "TRACK" if config.resolved_tracker_worker() else "INFER"  # the workers it goes on
         self._tracker_role_seen = self.boot_time  # when a worker of that role was last in the cluster
         self.placement = ActorPlacement(config, runtime, health, actors, pool, registry, dispatcher, offload)
         self._producer_requests: dict[str, int] = {}
@@ -190,14 +189,10 @@ class Supervisor:
             self._tracker_role_seen = time.time()
         if self.tracker.address is not None and h.state != RoleState.FAILED:
             return
-        # on its own worker (cluster.tracker_worker: TRACK, at a lower CPU priority; an emulated service's by
-        # default), else on an INFER worker (as in the paper's layout); on any worker once none has been there for a
-        # grace period (since the boot, or since the last one left: a restarting worker of its role is waited for).
-        # Without its own worker an emulated service's goes on the actor rank's worker, which only sleeps: on
-        # the one worker carrying every emulated engine, MLflow's logging and plots would hold the lock their event
-        # loop needs, host time that a GPU's forwards do not pay (at k = 20 it cost the shared run ~15 % of its
-        # device time; on the actor rank's worker, beside its updates and lent simulator steps, still ~5 %: the run
-        # without any tracker, side by side)
+        # on its own worker (cluster.tracker_worker: TRACK, at a lower CPU priority, so that MLflow's logging and
+        # plots never hold the interpreter lock of a device's worker), else on an INFER worker (as in the paper's
+        # layout); on any worker once none has been there for a grace period (since the boot, or since the last one
+        # left: a restarting worker of its role is waited for)
         workers = own or (self.runtime.workers() if time.time() - self._tracker_role_seen > TRACKER_GRACE_S else [])
         if not workers or time.monotonic() < self._tracker_retry_at:
             return

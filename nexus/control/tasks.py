@@ -42,7 +42,7 @@ class TaskRef:
         if self.role is None:
             return self.resolve()(*args, **kwargs)
         host = import_module(HOSTS).host_for(self.role)
-        # a host may run a task itself (an emulated actor rank: nexus.services.emulated_actor), same arguments
+        # a host may run a task itself (a modelled actor rank: nexus.services.devices), same arguments
         fn = getattr(host, "tasks", {}).get(self.path) or self.resolve()
         return fn(host, *args, **kwargs)
 

@@ -15,6 +15,7 @@ from nexus.data.output_dir import TenantOutputDir
 from nexus.errors import Draining, NotFound, SpecError
 from nexus.features import TenantSchema
 from nexus.messages import EngineReport, TenantSetup
+from nexus.services import devices
 from nexus.services.inference import InferenceEngine
 from nexus.services.request_check import check_request
 
@@ -22,13 +23,9 @@ logger = logging.getLogger("nexus.worker")
 
 
 def _engine(config: ServiceConfig, device: str | None) -> InferenceEngine:
-    """The real engine, or in an emulated service the one whose forwards take calibrated time (``device``:
-    the slot it is charged to)."""
-    if config.emulation is None:
-        return InferenceEngine(config)
-    from nexus.services.emulated_engine import EmulatedEngine
-
-    return EmulatedEngine(config, device)
+    """The real engine, or the one the worker's model of its devices builds (``device``: the slot it is charged
+    to; :mod:`nexus.services.devices`)."""
+    return devices.installed().engine(config, device) or InferenceEngine(config)
 
 
 class EngineHost:

@@ -60,7 +60,7 @@ class EngineMeter:
     """The ``inference`` monitoring signal: each group's busy time split over its tenants (and jobs) by their
     share of its rows, its span, size and waits; flushed at most once a second (``pending``: the requests
     still queued at the engine, sent along; ``device``: the slot its spans are charged to, when it is not the
-    worker itself — an emulated worker holding several engines)."""
+    worker itself — a worker holding several devices, an engine each)."""
 
     def __init__(self, pending=lambda: 0, device: str | None = None) -> None:
         self._pending = pending

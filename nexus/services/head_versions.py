@@ -1,7 +1,7 @@
 """The versions of each tenant's head an inference engine holds: the live one and the pinned ones.
 
 The bookkeeping and lookups the real heads (:class:`~nexus.services.tenant_heads.TenantHeads`, with policies)
-and the emulated ones (:class:`~nexus.services.emulated_engine.EmulatedHeads`, without) share; no torch here.
+and heads without weights (a model of the devices) share; no torch here.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Generic, TypeVar
 from nexus.features import TenantSchema
 from nexus.spec import TenantSpec
 
-P = TypeVar("P")  # what a version holds: a policy, or None when emulated
+P = TypeVar("P")  # what a version holds: a policy, or None (heads without weights)
 
 
 class HeadVersions(Generic[P]):

@@ -160,7 +160,7 @@ class InferenceEngine:
     async def predict_batch(self, tenant: str, observations: list, version: int | None = None,
                             deterministic: bool = False, job: str | None = None, producer: str | None = None,
                             features: bool = False, features_max_dim: int = 0,
-                            seeds: list[int | None] | None = None, ahead_s: float = 0.0) -> dict[str, Any]:
+                            seeds: list[int | None] | None = None, lead_s: float = 0.0) -> dict[str, Any]:
         """Actions for several observations of one tenant (a producer's envs), as one request.
 
         -> ``outputs`` (one dict per observation, in order: action, logprob, value, version),
@@ -168,8 +168,8 @@ class InferenceEngine:
         only when H <= ``features_max_dim``), ``feature_key`` (the forward's compat key), ``wait_s``
         (this request's wait for its group), ``compute_s`` (the group's compute), ``group_rows``.
         ``producer`` names the calling producer (see :meth:`open_producer`); ``seeds``: each row's sampling seed;
-        ``ahead_s``: an emulated producer's host time still owed (its request was made that much earlier on the devices'
-        clock: an emulated engine's wait counts from then; a real engine's from its arrival)."""
+        ``lead_s``: how long before it arrived the caller made the request on its devices' clock (0: as it arrived;
+        the queue's ``waits_of`` may count from then, the default counts from the arrival)."""
         if tenant not in self.heads.live:
             raise KeyError(f"tenant {tenant!r} is not registered on this inference engine")
         if not self.heads.serves(tenant, version):
@@ -181,8 +181,8 @@ class InferenceEngine:
         seeds = seeds or [None] * len(observations)
         rows = [_Request(tenant, o, version, deterministic, job, want, now, s) for o, s in zip(observations, seeds,
                                                                                                 strict=True)]
-        ahead = float(ahead_s) if math.isfinite(ahead_s) and ahead_s > 0 else 0.0
-        outs, wait, compute, group_rows = await self.queue.submit(rows, producer, ahead)
+        lead = float(lead_s) if math.isfinite(lead_s) and lead_s > 0 else 0.0
+        outs, wait, compute, group_rows = await self.queue.submit(rows, producer, lead)
         feats = np.stack([o.pop("feature") for o in outs]) if want else None
         return {"outputs": outs, "features": feats,
                 "feature_key": self.heads.feature_keys.get(tenant) if want else None,

@@ -27,7 +27,7 @@ class Call:
     producer: str | None
     future: asyncio.Future
     t_arrival: float = field(default_factory=time.monotonic)
-    ahead: float = 0.0  # made this much before it arrived, on the devices' clock (an emulated producer's owed time)
+    lead: float = 0.0  # made this much before it arrived, on its caller's devices' clock
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,9 @@ class InferenceQueue:
         self._firing = False
         # the group's requests' waits, from their arrivals, the firing time, its reason and how much earlier each
         # request was made on the devices' clock, and the group's compute from the measured one: the host's times
-        # here (``ahead`` unused); an emulated engine counts its device's
+        # here (``lead`` unused); an engine modelling its device's time counts that device's
         self.waits_of: Callable[[list[float], float, str, list[float]], list[float]] = (
-            lambda arrivals, now, reason, ahead: [now - a for a in arrivals])
+            lambda arrivals, now, reason, lead: [now - a for a in arrivals])
         self.compute_of: Callable[[float], float] = lambda measured: measured
 
     def __len__(self) -> int:
@@ -81,14 +81,14 @@ class InferenceQueue:
         self._schedule()
 
     # -- requests -------------------------------------------------------------------------------
-    async def submit(self, rows: list[Any], producer: str | None, ahead: float = 0.0,
+    async def submit(self, rows: list[Any], producer: str | None, lead: float = 0.0,
                      deadline: float | None = None) -> tuple[list[Any], float, float, int]:
         """Wait for ``rows``' group -> (their outputs, this request's wait, the group's compute, its rows).
-        ``ahead``: how much earlier than now the request was made on the devices' clock (an emulated producer's host
-        time still owed; the group still fires on the host's arrivals). ``deadline`` (``time.monotonic``): the answer
-        is due then; the request's group starts by then minus the expected forward."""
+        ``lead``: how much earlier than now the request was made on its caller's devices' clock (the group still
+        fires on the host's arrivals). ``deadline`` (``time.monotonic``): the answer is due then; the request's group
+        starts by then minus the expected forward."""
         now = time.monotonic()
-        call = Call(rows, producer, asyncio.get_running_loop().create_future(), now, ahead)
+        call = Call(rows, producer, asyncio.get_running_loop().create_future(), now, lead)
         self.batcher.add(call, rows=len(rows), producer=producer, now=now, deadline=deadline)
         self._schedule()
         return await call.future
@@ -122,7 +122,7 @@ class InferenceQueue:
         group = [r for c in calls for r in c.rows]
         try:
             # before the forward moves its clock
-            waits = self.waits_of([c.t_arrival for c in calls], now, reason, [c.ahead for c in calls])
+            waits = self.waits_of([c.t_arrival for c in calls], now, reason, [c.lead for c in calls])
             t0, wall0 = time.perf_counter(), time.time()
             outs = await self._forward(group)
             busy = self.compute_of(time.perf_counter() - t0)

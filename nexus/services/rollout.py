@@ -62,12 +62,12 @@ class ProducerLink:
     def close(self) -> None:
         self.engine.call_for(self.tenant, "close_producer", self.producer).result()
 
-    def submit(self, observations: list, ahead_s: float = 0.0):
-        """``ahead_s``: an emulated producer's host time still owed (``DeviceClock.debt``; see
-        ``InferenceEngine.predict_batch``)."""
+    def submit(self, observations: list, lead_s: float = 0.0):
+        """``lead_s``: how long before sending it the request was made on the producer's devices' clock (see
+        ``InferenceEngine.predict_batch``; 0 for a producer on real devices)."""
         if self.stopped():  # checked at every step: a cancelled job's producer ends within one step
             raise ProducerStopped(f"producer {self.producer}: job {self.job} was cancelled")
-        extra = {"ahead_s": ahead_s} if ahead_s > 0 else {}
+        extra = {"lead_s": lead_s} if lead_s > 0 else {}
         return _EngineReply(self.engine.predict_batch(self.tenant, observations, self.version, self.deterministic,
                                                       self.job, self.producer, self.features,
                                                       self.features_max_dim, **extra))

@@ -22,7 +22,6 @@ from nexus.catalog import EnvEntry
 from nexus.messages import ProducerReport
 from nexus.services.env_sessions import SessionTable
 from nexus.services.environment import LockstepEnvs, make_env
-from nexus.services.lent_devices import LentDevices
 
 
 class EnvPool:
@@ -89,7 +88,6 @@ class SimHost:
         self.sessions = SessionTable(self.pool)
         self.session_thread = ThreadPoolExecutor(1, thread_name_prefix="nexus-env-sessions")
         self.stopped_jobs: deque[str] = deque(maxlen=1024)  # cancelled jobs: their producers do not start
-        self.lent = LentDevices()  # other services' devices lent to this worker's producers (emulation.lend_actor)
 
     @contextmanager
     def producer(self, key: str, job: str, tenant: str, kind: str) -> Iterator[ProducerProgress]:

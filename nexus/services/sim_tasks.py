@@ -9,19 +9,18 @@ from distributed.worker import thread_state
 
 from nexus.engine_client import EngineClient
 from nexus.messages import RolloutRequest, RolloutResult
-from nexus.services import rollout
+from nexus.services import devices, rollout
 from nexus.services.sim_host import SimHost
 
 
 def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
     """A rollout producer: the tenant's episodes, each action from its (re-routable) inference engine.
 
-    The whole task is the tenant's simulator time, from the moment Dask started it (imports included). In an
-    emulated service (``req.emulation``) the producer steps calibrated time (``nexus.services.emulated_sim``)."""
-    if req.emulation is not None:
-        from nexus.services import emulated_sim
-
-        return emulated_sim.run_rollout(sim, req)
+    The whole task is the tenant's simulator time, from the moment Dask started it (imports included). A model
+    of the worker's devices may run it instead (:mod:`nexus.services.devices`)."""
+    modelled = devices.installed().run_rollout(sim, req)
+    if modelled is not None:
+        return modelled
     t_start = getattr(thread_state, "start_time", None) or time.time()
     import torch
 

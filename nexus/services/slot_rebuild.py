@@ -1,6 +1,6 @@
 """A restarted actor rank rebuilds every tenant's slot; a tenant that fails does not stop the others.
 
-Shared by the real actor (:mod:`nexus.services.actor_tasks`) and the emulated one; no torch here.
+Shared by the real actor (:mod:`nexus.services.actor_tasks`) and a modelled one; no torch here.
 """
 
 from __future__ import annotations

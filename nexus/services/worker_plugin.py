@@ -49,6 +49,7 @@ from nexus.errors import Draining, NexusError, Unavailable, to_reply
 from nexus.inputs import wire_json
 from nexus.messages import HEALTH_TOPIC, HEARTBEAT_S, Heartbeat, Rendezvous
 from nexus.processes import ROLE_RESOURCES, TRACKER_NICE
+from nexus.services import devices
 from nexus.services.env_sessions import store_episodes
 from nexus.services.sim_host import SimHost
 from nexus.signals import TOPIC as SIGNAL_TOPIC
@@ -109,9 +110,7 @@ class NexusWorkerPlugin(WorkerPlugin):
                                 **{name: _errors_as_replies(fn) for name, fn in (
                                     ("nexus_engine_ctl", self._in_worker(self._h_engine_ctl)),
                                     ("nexus_tracker", self._h_tracker), ("nexus_io", self._h_io),
-                                    ("nexus_env_ctl", self._h_env_ctl), ("nexus_sim_stop", self._h_sim_stop),
-                                    ("nexus_lend", self._h_lend), ("nexus_reclaim", self._h_reclaim),
-                                    ("nexus_preempt", self._h_preempt))}})
+                                    ("nexus_env_ctl", self._h_env_ctl), ("nexus_sim_stop", self._h_sim_stop))}})
         self._beat = PeriodicCallback(self.beat, HEARTBEAT_S * 1000)
         self._beat.start()
         self.beat()
@@ -211,19 +210,6 @@ class NexusWorkerPlugin(WorkerPlugin):
                 s.pending -= 1
         return {"result": out}
 
-    async def _h_lend(self, devices: list[str], free_at: float) -> None:
-        """An emulated actor rank lends ``devices`` to this worker's producers from ``free_at`` on."""
-        self.sim.lent.lend(devices, free_at)
-
-    async def _h_reclaim(self, devices: list[str], at: float) -> float:
-        """... and takes them back at ``at`` (its devices' start; now at the latest): their pieces are cut at their
-        next step from then. -> when the work on them ends (wall clock)."""
-        return self.sim.lent.reclaim(devices, at=min(at, time.time()))
-
-    async def _h_preempt(self, device: str, at: float, seconds: float, share: float) -> None:
-        """An emulated engine runs a forward on its lent ``device`` first (``LentDevices.preempt``)."""
-        self.sim.lent.preempt(device, at, seconds, share)
-
     async def _h_env_ctl(self, action: str, **msg: Any) -> Any:
         """The control plane's session operations: ``open`` (build the envs) and ``close`` (plain values)."""
         sessions = self.sim.sessions
@@ -306,11 +292,9 @@ def start_actor(plugin: NexusWorkerPlugin, config: ServiceConfig, rank: int = 0,
     serves ``rendezvous`` on the socket of :func:`open_rendezvous`. A process joins one group in its life."""
     with plugin._lock:
         actor = plugin.actor
-        if config.emulation is not None:  # an emulated rank: no torch, no process group (nexus.emulation)
-            if actor is None or (actor.rank, actor.world_size) != (rank, world_size):
-                from nexus.services.emulated_actor import EmulatedActorHost
-
-                plugin.actor = EmulatedActorHost(config, rank, world_size)  # type: ignore[assignment]
+        hosted = devices.installed().actor_host(config, rank, world_size, actor)
+        if hosted is not None:  # a model of the devices hosts the rank (nexus.services.devices): no torch here
+            plugin.actor = hosted
             return plugin.worker.address
         from nexus.services.actor_host import ActorHost
 
@@ -331,11 +315,9 @@ def start_engine(plugin: NexusWorkerPlugin, engine_id: str, config: ServiceConfi
     worker = plugin.worker
 
     device = None
-    if config.emulation is not None:  # a worker holding several emulated engines charges each to its own slot
-        from nexus.services.lanes import lane_label
-
+    if devices.held(worker) > 1:  # a worker holding several devices charges each engine to its own slot
         slot = int(engine_id.removeprefix("engine-").partition(".")[0])
-        device = lane_label(worker.name, int(worker.state.total_resources.get("INFER", 1)), slot)
+        device = devices.slot_label(worker.name, devices.held(worker), slot)
 
     async def create() -> None:  # on the loop: the engine's asyncio objects belong to it
         plugin.engines[engine_id] = EngineHost(engine_id, config, plugin.served_log, device)

@@ -1,5 +1,5 @@
-"""A piece of device work a producer queued on a simulator device — its own (:class:`nexus.services.lanes.Lanes`)
-or one another service lends (:class:`nexus.services.lent_devices.LentDevices`) — and slept for at once
+"""A piece of device work a producer queued on a simulator device — its own (:class:`nexus.emulator.lanes.Lanes`)
+or one another service lends (:class:`nexus.emulator.lent.LentDevices`) — and slept for at once
 (:meth:`DevicePiece.wait_cut`): while it sleeps, the piece may still be cut short at a step boundary (a lent device
 taken back) or pushed back (other work ran first on the devices' clock); once it has gone on, neither.
 

@@ -14,28 +14,27 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from nexus.services.device_piece import DevicePiece
-from nexus.services.lent_devices import LentDevices
+from nexus.emulator.lent import LentDevices
+from nexus.emulator.piece import DevicePiece
+from nexus.services.devices import slot_label
 
-
-def lane_label(worker_name: str, count: int, lane: int) -> str:
-    """A device's slot name: the worker's own name when it holds one device."""
-    return str(worker_name) if count <= 1 else f"{worker_name}#{lane}"
+lane_label = slot_label  # a device's slot name: the worker's own when it holds one device, else <worker>#<lane>
 
 
 class Lanes:
     """``n`` devices, each held by up to ``share`` holders; :meth:`hold` waits until ``k`` lanes have room
     (work beyond the devices queues, as on hardware) and takes the least loaded, then least held ones."""
 
-    def __init__(self, n: int, share: int = 1) -> None:
+    def __init__(self, n: int, share: int = 1, now: Callable[[], float] = time.time) -> None:
+        """``now``: the wall clock its arrivals are read from (a test's own clock keeps the devices' clock exact)."""
         if n < 1:
             raise ValueError(f"a worker holds at least one device lane, got {n}")
         if share < 1:
             raise ValueError(f"a lane has room for at least one holder, got {share}")
-        self.n, self.share = n, share
+        self.n, self.share, self.now = n, share, now
         self._holders = [0] * n
         self._load = [0.0] * n  # the holders' expected shares of each device's time, summed
         # each device's pieces not over, in their order there, with their arrivals; the end of those over
@@ -86,7 +85,7 @@ class Lanes:
         whether it is on a lent device). The caller sleeps the wait plus ``seconds`` and the pushes, less what it
         owes, so its host time meets the device's again when the piece ends."""
         with self._cv:
-            arrival = time.time() - max(0.0, ahead)
+            arrival = self.now() - max(0.0, ahead)
             queue = self._queue[lane]
             over = [p.end for _, p in queue if p.end <= arrival]
             if over:

@@ -1,11 +1,11 @@
-"""An emulated inference engine (``ServiceConfig.emulation``): the real :class:`InferenceEngine` — its inference
+"""An emulated inference engine (:mod:`nexus.emulator`): the real :class:`InferenceEngine` — its inference
 queue, group-batching rule, statistics and metering — whose grouped forward *takes* the calibrated time of
 its rows and tenants' families (in the engine's model thread, as a real forward would) and answers with
 zero actions. Heads are version counters: weight-sync messages move them like real heads.
 
 With ``EmulationSettings.lend_inference`` the engine's device steps simulators between forwards: each forward is
-told to the simulator workers as it starts (:class:`~nexus.services.device_lender.DeviceLender`), and runs there
-first; the steps lent there are pushed back by it (:meth:`~nexus.services.lent_devices.LentDevices.preempt`)."""
+told to the simulator workers as it starts (:class:`~nexus.emulator.lender.DeviceLender`), and runs there
+first; the steps lent there are pushed back by it (:meth:`~nexus.emulator.lent.LentDevices.preempt`)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ import numpy as np
 from distributed import get_worker
 
 from nexus.config import ServiceConfig
+from nexus.emulator.clock import DeviceTimeline
+from nexus.emulator.lender import DeviceLender
+from nexus.emulator.settings import EmulationSettings
 from nexus.features import TenantSchema
-from nexus.services.device_clock import DeviceTimeline
-from nexus.services.device_lender import DeviceLender
 from nexus.services.engine_stats import EngineMeter
 from nexus.services.head_versions import HeadVersions
 from nexus.services.inference import InferenceEngine
@@ -56,10 +57,9 @@ class EmulatedHeads(HeadVersions[None]):
 class EmulatedEngine(InferenceEngine):
     """``device``: the slot its groups are charged to (``<worker>#<engine slot>`` when a worker holds several)."""
 
-    def __init__(self, config: ServiceConfig, device: str | None = None) -> None:
+    def __init__(self, config: ServiceConfig, emu: EmulationSettings, device: str | None = None) -> None:
         super().__init__(config)
-        assert config.emulation is not None
-        self.times = config.emulation.times()
+        self.times = emu.times()
         self.heads = EmulatedHeads()  # type: ignore[assignment]
         self.meter = EngineMeter(pending=lambda: len(self.queue), device=device)
         self._busy = 0.0  # the calibrated time of the group now (or last) running
@@ -76,7 +76,7 @@ class EmulatedEngine(InferenceEngine):
         self.queue.compute_of = lambda measured: self._busy
         self.set_batching(config.infer_max_wait_s, config.infer_max_batch)
         self.device = device
-        self._worker = self._lending_worker() if config.emulation.lend_inference else None  # the messages go from it
+        self._worker = self._lending_worker() if emu.lend_inference else None  # the messages go from it
         self.lender = DeviceLender() if self._worker is not None else None
         self.share = 0.0  # the part of the device's time forwards take lately (what lent steps lose to them)
         self._told: set[asyncio.Task] = set()  # messages to the simulator workers on their way

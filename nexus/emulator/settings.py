@@ -1,8 +1,12 @@
 """Emulated devices: the real control plane at a scale this machine does not have.
 
-In an emulated service (``ServiceConfig.emulation``, ``nexus up --emulate CALIBRATION``) the three kinds
-of device work — an actor update, an inference forward, a simulator step — take the time a
-**calibration** says instead of computing anything; everything around them is the real code: the
+The emulator is a tool apart from the service (``nexus.emulator``: it depends on ``nexus``, nothing in ``nexus``
+imports it). In an emulated service (:func:`nexus.emulator.service.local`, ``python -m nexus.emulator up --emulate
+CALIBRATION``) the three kinds of device work — an actor update, an inference forward, a simulator step — take the
+time a **calibration** says instead of computing anything. It plugs into the service through its one seam, a model
+of the workers' devices (:mod:`nexus.services.devices`), which every worker installs from its preload
+(:mod:`nexus.emulator.worker`) with these settings (``emulator.json`` in the service root, never in
+``ServiceConfig``); everything around the device work is the real code: the
 scheduler plugin, the training queue with its in-flight caps and staleness drops, the inference queue
 with its group-batching rule, the Dask task graph, the engine pool and routing, weight-sync messages,
 health. Devices are slots with counts (``devices``: actor-inference-simulator, e.g. 2-2-4): one worker
@@ -27,7 +31,7 @@ their time (``"load"``: each producer's share is its calibrated chunk of steps o
 
 ``lend_actor`` lets the actor's devices step simulators while no update runs on them (a device that changes role
 when the actor starves): the actor rank lends them to the simulator workers when an update ends and takes them back
-when the next arrives (:mod:`nexus.services.lent_devices`). ``lend_inference`` lets the engines' devices step
+when the next arrives (:mod:`nexus.emulator.lent`). ``lend_inference`` lets the engines' devices step
 simulators between forwards: each forward runs there first (a high-priority stream), pushing the lent steps back.
 
 ``time_scale`` k divides every service time, so long workloads run in minutes; the benchmark checks that
@@ -46,18 +50,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from nexus.errors import SpecError, describe_errors
 
-# a place (a simulator slot, a device lane) granted later than this after it was asked for had to be waited for
-WAITED_S = 0.001
-
-
-def ready_from(ready_at: float, asked: float, granted: float, freed_at: float = 0.0) -> float:
-    """When an emulated task could start on the devices' clock (wall clock; 0: not said): ``ready_at``, the end of
-    the work that let it start, unless its place was waited for (asked at ``asked``, granted at ``granted``): then
-    from when the place's last holder ended on the devices' clock (``freed_at``; its task came back to the
-    scheduler a few host milliseconds later) or, when that is not known, from the grant."""
-    if not ready_at or granted - asked <= WAITED_S:
-        return ready_at
-    return max(ready_at, freed_at) if freed_at else granted
+FILE = "emulator.json"  # the settings in an emulated service's root
+ENV = "NEXUS_EMULATOR"  # ... and the variable that tells its workers' preload where they are
 
 
 class DeviceCounts(BaseModel):
@@ -132,7 +126,8 @@ class Calibration(BaseModel):
 
 
 class EmulationSettings(BaseModel):
-    """``ServiceConfig.emulation``: which calibration, how fast, how many devices."""
+    """The emulator's settings (its own file, ``emulator.json`` in the service root): which calibration, how fast,
+    how many devices."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     calibration: str = Field(description="a calibrations/ catalog name or a path to a calibration .toml")
@@ -185,6 +180,22 @@ class EmulationSettings(BaseModel):
         assert self.table is not None
         return ServiceTimes(self.table, self.time_scale)
 
+    def save(self, path: Path) -> None:
+        """Written whole, the loaded calibration with it (workers never re-read the calibration file)."""
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.model_dump_json(indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def read(cls, path: Path) -> EmulationSettings:
+        try:
+            return cls.model_validate_json(Path(path).read_text())
+        except OSError as e:
+            raise SpecError(f"emulator settings {path}: cannot read them ({e.strerror or e})") from None
+        except ValidationError as e:
+            raise SpecError(f"emulator settings {path}: {describe_errors(e.errors(), root='?', field_words=True)}") \
+                from None
+
 
 class ServiceTimes:
     """Calibrated durations, already divided by the time scale k."""
@@ -236,7 +247,7 @@ class ServiceTimes:
 
 def catalog_dir() -> Path:
     """``calibrations/`` next to ``schedulers/`` (``NEXUS_CATALOG_ROOT`` moves both)."""
-    return Path(os.environ.get("NEXUS_CATALOG_ROOT", Path(__file__).resolve().parents[1])) / "calibrations"
+    return Path(os.environ.get("NEXUS_CATALOG_ROOT", Path(__file__).resolve().parents[2])) / "calibrations"
 
 
 def load_calibration(ref: str) -> Calibration:

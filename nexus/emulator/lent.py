@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
-from nexus.services.device_piece import DevicePiece
+from nexus.emulator.piece import DevicePiece
 
 RECLAIM_LATE_S = 2.0  # how far back a reclaim may cut the pieces on a device (they are kept that long after their end)
 
 
 class LentDevices:
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.time) -> None:
+        self.now = now  # the wall clock (a test's own keeps the devices' clock exact)
         self._free_at: dict[str, float] = {}  # device -> end of the work queued on it (wall clock)
         self._pieces: dict[str, list[DevicePiece]] = {}  # device -> its pieces not over (or lately: RECLAIM_LATE_S)
         self._open: set[str] = set()  # devices lent now
@@ -44,7 +46,7 @@ class LentDevices:
             for d in devices:
                 self._free_at[d] = max(self._free_at.get(d, 0.0), free_at)
                 if d not in self._open:
-                    self._lent_at[d] = min(free_at, time.time())
+                    self._lent_at[d] = min(free_at, self.now())
                 self._open.add(d)
 
     def reclaim(self, devices: list[str], at: float) -> float:
@@ -70,7 +72,7 @@ class LentDevices:
         owner's work takes lately (what a new piece expects to lose to it)."""
         with self._lock:
             if device not in self._open:
-                self._lent_at[device] = min(at + seconds, time.time())
+                self._lent_at[device] = min(at + seconds, self.now())
             self._open.add(device)
             self._owner_share[device] = min(max(share, 0.0), 0.95)
             busy_until = at + seconds

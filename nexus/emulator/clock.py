@@ -1,4 +1,4 @@
-"""An emulated producer's clock (``ServiceConfig.emulation``): it sleeps calibrated service times, less the host's
+"""An emulated producer's clock (:mod:`nexus.emulator`): it sleeps calibrated service times, less the host's
 time owed from before — messaging, event-loop and timer lateness. Those are the same milliseconds at any time
 scale k, so k-fold in emulated seconds: of each, the devices' clock keeps the share a run at the devices' real
 speed would see (1/k: all of it at k = 1, where emulated and host seconds are one) and the producer owes the rest.
@@ -22,12 +22,12 @@ class DeviceClock:
     caller's loop between them (:meth:`settle`; its locks and its share of the process's interpreter, which grow with
     the host's load, not with k)."""
 
-    def __init__(self, k: float = 1.0) -> None:
-        self.k = k
+    def __init__(self, k: float = 1.0, now: Callable[[], float] = time.perf_counter) -> None:
+        self.k, self.now = k, now  # ``now``: the host's clock (a test's own keeps the accounting exact)
         self.debt = 0.0  # host time not yet taken off a later sleep
         self.slept = 0.0  # calibrated time spent, whatever was actually slept
         self.queued = 0.0  # time waited for a device shared with other work
-        self._mark = time.perf_counter()  # host time up to here is accounted for
+        self._mark = now()  # host time up to here is accounted for
         self._accounted = 0.0  # host time since the mark accounted for already (messages)
 
     def ask(self, seconds: float) -> float:
@@ -47,7 +47,7 @@ class DeviceClock:
         """A round trip of ``took`` host seconds, ``served`` of them another device's work waited for (an engine's
         queue and forward, on its own clock): the rest is the host's messaging, owed. ``paid``: the part of
         ``served`` before the request reached the engine (it was made that much earlier on the devices' clock: the
-        debt it carried, ``ahead_s``): device time the debt stood for, so paid off it."""
+        debt it carried, the request's ``lead_s``): device time the debt stood for, so paid off it."""
         paid = min(max(0.0, paid), self.debt)
         self.debt -= paid
         self.owe(took - served + paid)
@@ -55,7 +55,7 @@ class DeviceClock:
 
     def settle(self) -> None:
         """Owe the host time since the last accounted moment that no message accounted for: the caller's own loop."""
-        now = time.perf_counter()
+        now = self.now()
         self.owe(now - self._mark - self._accounted)
         self._mark, self._accounted = now, 0.0
 
@@ -86,10 +86,10 @@ class DeviceClock:
             work = max(0.0, work - off)
         self.queued += pushed
         asked = wait + work + pushed
-        left = asked - (time.perf_counter() - t0)
+        left = asked - (self.now() - t0)
         if left > 0:
             time.sleep(left)
-        end = time.perf_counter()
+        end = self.now()
         if asked > 0 or cut is not None:
             self.owe(end - t0 - asked)
             self._mark = end

@@ -1,5 +1,5 @@
-"""An emulated rollout producer (``ServiceConfig.emulation``): the task :func:`nexus.services.sim_tasks.run_rollout`
-runs when its request says the service is emulated.
+"""An emulated rollout producer: what the task :func:`nexus.services.sim_tasks.run_rollout` runs on a worker whose
+devices the emulator models (:class:`nexus.emulator.worker.EmulatedDevices`).
 
 The producer holds one simulator lane of its worker for the whole task (as a real one holds its SIM
 worker; with ``producers_per_sim`` > 1 other producers hold it too, and each reset or step queues behind
@@ -14,7 +14,6 @@ calibrated step time plus the engine's real queueing and forward time, whatever 
 from __future__ import annotations
 
 import math
-import threading
 import time
 import uuid
 
@@ -22,35 +21,29 @@ import numpy as np
 from distributed import get_worker
 
 from nexus import catalog
-from nexus.emulation import EmulationSettings, ServiceTimes, ready_from
+from nexus.control.sim_slots import ready_from
+from nexus.emulator.clock import DeviceClock
+from nexus.emulator.lanes import Lanes, lane_label
+from nexus.emulator.lent import LentDevices
+from nexus.emulator.settings import EmulationSettings, ServiceTimes
 from nexus.engine_client import EngineClient
 from nexus.features import Observation, TenantSchema
 from nexus.messages import BatchRef, RolloutRequest, RolloutResult
-from nexus.services.device_clock import DeviceClock
-from nexus.services.lanes import Lanes, lane_label
 from nexus.services.rollout import ProducerLink, producer_envs
 from nexus.services.sim_host import SimHost
 from nexus.signals import emit
 
-_LOCK = threading.Lock()
 
-
-def sim_lanes(sim: SimHost, emu: EmulationSettings) -> Lanes:
+def sim_lanes(emu: EmulationSettings) -> Lanes:
     """The worker's simulator lanes: the devices behind its ``SIM`` places, each for the producers per device."""
-    with _LOCK:
-        lanes = getattr(sim, "lanes", None)
-        if lanes is None:
-            places = int(get_worker().state.total_resources.get("SIM", 1))
-            lanes = Lanes(emu.sim_devices(places), emu.producers_per_sim)
-            sim.lanes = lanes  # type: ignore[attr-defined]
-        return lanes
+    places = int(get_worker().state.total_resources.get("SIM", 1))
+    return Lanes(emu.sim_devices(places), emu.producers_per_sim)
 
 
-def producer_load(req: RolloutRequest, times: ServiceTimes, envs: int) -> float:
+def producer_load(req: RolloutRequest, emu: EmulationSettings, times: ServiceTimes, envs: int) -> float:
     """What the producer tells its worker's lanes (``EmulationSettings.sim_placement``): with ``"load"``, the share
     of a device's time it steps alone; with ``"fewest"``, nothing (0), so lanes are told apart by their count."""
-    emu = req.emulation
-    if emu is None or emu.sim_placement != "load":
+    if emu.sim_placement != "load":
         return 0.0
     spec = req.tenant.spec
     return times.stepping_share(req.env, envs, times.family(spec.env, spec.action_head))
@@ -63,10 +56,10 @@ def observation(schema: TenantSchema) -> Observation:
                        instruction=schema.instruction)
 
 
-def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
+def run_rollout(sim: SimHost, req: RolloutRequest, emu: EmulationSettings, lanes: Lanes,
+                lent: LentDevices | None) -> RolloutResult:
+    """``lanes``: the worker's simulator devices; ``lent``: the devices other services lend it (None: no lending)."""
     t_start = time.time()
-    emu = req.emulation
-    assert emu is not None
     times = emu.times()
     entry = catalog.env(req.env)
     cost = times.env(req.env)
@@ -75,9 +68,8 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
     rl = req.version is None
     kind = "rollout" if rl else "eval"
     name = req.tenant.name
-    lanes = sim_lanes(sim, emu)
     asked = time.time()
-    with (lanes.hold(1, load=producer_load(req, times, k)) as (lane,),
+    with (lanes.hold(1, load=producer_load(req, emu, times, k)) as (lane,),
           sim.producer(f"{req.job}:{req.offset}", req.job or "", name, kind) as progress):
         t0 = time.time()
         clock = DeviceClock(times.k)
@@ -93,7 +85,6 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
         pieces = []  # those run on lent devices (what pushed them too late is read at the end)
         requests = rows = 0
         versions: set[int] = set()
-        lent = sim.lent if emu.lend_actor or emu.lend_inference else None
 
         def run_on_device(seconds: float, unit: float | None = None) -> None:
             """``seconds`` of device work (steps of ``unit``) on the producer's device, or (``lend_actor``,
@@ -126,7 +117,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
                     clock.settle()  # the request was made as early on the devices' clock as the host time owed
                     ahead = clock.debt
                     sent = time.perf_counter()
-                    reply = link.submit([obs] * n, ahead_s=ahead).result()
+                    reply = link.submit([obs] * n, lead_s=ahead).result()
                     got = time.perf_counter() - sent
                     versions.update(int(o.version) for o in reply.outputs)
                     served = reply.engine_wait_s + reply.compute_s

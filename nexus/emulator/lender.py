@@ -1,5 +1,5 @@
 """The lending side of ``EmulationSettings.lend_actor`` and ``lend_inference``: the emulated actor rank lends its idle
-devices to the simulator workers (their :class:`~nexus.services.lent_devices.LentDevices`) and takes them back; an
+devices to the simulator workers (their :class:`~nexus.emulator.lent.LentDevices`) and takes them back; an
 emulated engine tells them of each forward it runs first on its lent device. Worker to worker over Dask's RPC (the
 scheduler is asked once where the simulator workers are, and again when one is gone)."""
 

@@ -1,4 +1,4 @@
-"""An emulated actor rank (``ServiceConfig.emulation``): the tasks of :mod:`nexus.services.actor_tasks` with the
+"""An emulated actor rank (:mod:`nexus.emulator`): the tasks of :mod:`nexus.services.actor_tasks` with the
 same names, arguments and results, but an update *takes* its calibrated time on the rank's device lanes
 instead of computing (no torch, no DeepSpeed: a slot is its version counter).
 
@@ -12,6 +12,7 @@ so the scheduler submits exactly the tasks it submits to a real rank.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from distributed import get_worker
@@ -19,12 +20,13 @@ from distributed import get_worker
 from nexus.config import ServiceConfig
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.tenant_dirs import job_seq
+from nexus.emulator.clock import DeviceTimeline
+from nexus.emulator.lanes import Lanes, lane_label
+from nexus.emulator.lender import DeviceLender
+from nexus.emulator.settings import EmulationSettings
 from nexus.engine_client import EngineSet
 from nexus.errors import SpecError, Unavailable
 from nexus.messages import EngineEndpoint, OpWork, RLWork, SlotInfo, TenantSetup, UpdateRequest, UpdateResult
-from nexus.services.device_clock import DeviceTimeline
-from nexus.services.device_lender import DeviceLender
-from nexus.services.lanes import Lanes, lane_label
 from nexus.services.slot_rebuild import rebuild_each
 from nexus.signals import emit
 
@@ -38,14 +40,15 @@ class UpdateTimeline:
     milliseconds at any time scale k, k-fold in emulated seconds) is on it by the share a run at the devices' speed
     would see (1/k): the rank sleeps to the devices' end, less when the update reached it late."""
 
-    def __init__(self, n: int, k: float = 1.0) -> None:
+    def __init__(self, n: int, k: float = 1.0, now: Callable[[], float] = time.time) -> None:
         self.devices = DeviceTimeline(n, k)
+        self.now = now  # the wall clock (a test's own keeps the devices' clock exact)
         self.job_end: dict[str, float] = {}  # a job's last update's end
 
     def start(self, lanes: list[int], ready_at: float) -> float:
         """The update's start on ``lanes``: ``ready_at`` (never after now; 0: now) or the lanes' last end, plus the
         host's share."""
-        now = time.time()
+        now = self.now()
         return self.devices.start(lanes, ready_at if ready_at > 0 else now, now)
 
     def end(self, lanes: list[int], t1: float, job: str | None) -> None:
@@ -57,10 +60,7 @@ class UpdateTimeline:
 class EmulatedActorHost:
     """One emulated actor rank: ``devices.actor`` lanes; an update holds ``emulation.group`` of them."""
 
-    def __init__(self, config: ServiceConfig, rank: int = 0, world_size: int = 1) -> None:
-        emu = config.emulation
-        if emu is None:
-            raise ValueError("EmulatedActorHost needs ServiceConfig.emulation")
+    def __init__(self, config: ServiceConfig, emu: EmulationSettings, rank: int = 0, world_size: int = 1) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.times = emu.times()
         self.group = emu.group

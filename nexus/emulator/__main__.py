@@ -1,0 +1,5 @@
+import sys
+
+from nexus.emulator.cli import main
+
+sys.exit(main())
