@@ -21,9 +21,12 @@ from nexus.processes import DEVICES_RESOURCE
 if TYPE_CHECKING:
     from nexus.config import ServiceConfig
     from nexus.messages import RolloutRequest, RolloutResult
-    from nexus.services.inference import InferenceEngine
-    from nexus.services.sim_host import SimHost
 
+# the engine a model builds and the simulator host it runs rollouts on are the worker side's own types
+# (``nexus.services.inference.InferenceEngine``, ``nexus.services.sim_host.SimHost``): named, not imported, so the
+# seam stays below the roles that call it
+InferenceEngine = Any
+SimHost = Any
 
 
 class DeviceModel(Protocol):
