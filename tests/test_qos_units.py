@@ -347,11 +347,11 @@ def test_a_waiter_granted_a_released_slot_gets_its_last_holder_s_end_on_the_devi
             await asyncio.sleep(0.01)
             assert not waiting.done()
             first.ended_at = 1234.5
-        assert await asyncio.wait_for(waiting, 1) == 1234.5
+        assert await asyncio.wait_for(waiting, 60) == 1234.5
         late = [asyncio.ensure_future(slots.acquire(t)) for t in ("c", "d")]
         await asyncio.sleep(0.01)
         cap[0] = 3  # two places at once, none released: no holder's end to pass on
-        assert await asyncio.wait_for(asyncio.gather(*late), 1) == [0.0, 0.0]
+        assert await asyncio.wait_for(asyncio.gather(*late), 60) == [0.0, 0.0]
         slots.release("b", 99.0)
         assert slots.busy == 2
 
@@ -373,15 +373,15 @@ def test_sim_slots_go_to_the_tenant_holding_fewest_and_cancelled_waiters_leave()
         assert not (a3.done() or b1.done())
         slots.release("a")
         assert slots.held["b"] == 1 and slots.held["a"] == 1  # b holds none: its later request goes first
-        await asyncio.wait_for(b1, 1)
+        await asyncio.wait_for(b1, 60)
         assert not a3.done()
         a4.cancel()
         await asyncio.sleep(0.01)
         slots.release("b")
-        await asyncio.wait_for(a3, 1)
+        await asyncio.wait_for(a3, 60)
         assert dict(slots.held) == {"a": 2} and slots.view()["waiting"] == {}
         cap[0] = 3  # a SIM worker joined: waiters see it on their next look
-        await asyncio.wait_for(slots.acquire("c"), 1)
+        await asyncio.wait_for(slots.acquire("c"), 60)
         assert slots.busy == 3
 
     asyncio.run(main())
