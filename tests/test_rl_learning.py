@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 
 from nexus.client.api import Nexus
+from nexus.features import Observation
 from nexus.spec import TenantSpec
 
 pytestmark = pytest.mark.cluster
@@ -55,7 +57,15 @@ def nx(tmp_path_factory):
         yield nexus
 
 
-def test_ppo_through_the_service_beats_its_start(nx):
+@pytest.fixture(scope="module")
+def learned(nx) -> dict[str, Any]:
+    out = learn(nx, "learner", SEED)
+    print(f"learning figures (seed {SEED}): return {out['before']['mean_return']:.2f} -> "
+          f"{out['after']['mean_return']:.2f}, rollouts {out['rollout_returns']}")  # shown with pytest -s
+    return out
+
+
+def test_ppo_through_the_service_beats_its_start(learned):
     """8 PPO updates of 16 PushCube episodes through the service raise the policy's deterministic evaluation
     return (16 episodes on the evaluation's fixed seeds) by at least MARGIN over its version 0.
 
@@ -70,12 +80,37 @@ def test_ppo_through_the_service_beats_its_start(nx):
 
     MARGIN (2.0) is under half the smallest gain. PPO's advantage sign flipped (pg loss +A * ratio, a broken
     update): see BROKEN below."""
-    out = learn(nx, "learner", SEED)
-    before, after = out["before"], out["after"]
-    assert out["result"]["updates"] == UPDATES and after["version"] == before["version"] + UPDATES
+    before, after = learned["before"], learned["after"]
+    assert learned["result"]["updates"] == UPDATES and after["version"] == before["version"] + UPDATES
     assert before["episodes"] == after["episodes"] == EVAL_EPISODES
     gain = after["mean_return"] - before["mean_return"]
-    assert gain >= MARGIN, (before["mean_return"], after["mean_return"], out["rollout_returns"])
+    assert gain >= MARGIN, (before["mean_return"], after["mean_return"], learned["rollout_returns"])
+
+
+def test_an_evaluation_reports_what_its_policy_scores(nx, learned):
+    """An evaluation job's success rate and mean return are those of the policy it evaluates, known here by
+    driving that version through an environment session, one predict per step, on the evaluation's own
+    episode seeds (``7_000_003 * (1 + tenant seed) + i``, nexus.control.flows) with its deterministic actions."""
+    t, version, n = nx.tenant("learner"), learned["after"]["version"], 4
+    report = t.evaluate(episodes=n, version=version).result(timeout=600)
+    assert report["version"] == version and report["episodes"] == n
+    returns, successes = [], []
+    with t.env(ENV) as env:
+        for i in range(n):
+            obs, _ = env.reset(seed=7_000_003 * (1 + SEED) + i)
+            total, success = 0.0, False
+            for _ in range(env.max_episode_steps):
+                out = t.predict_action(Observation(state=obs["state"], instruction=env.instruction),
+                                       version=version, deterministic=True).result(60)
+                obs, reward, terminated, truncated, info = env.step(out["action"])
+                total, success = total + reward, success or info["success"]
+                if terminated or truncated:
+                    break
+            returns.append(total)
+            successes.append(success)
+    assert report["success_rate"] == pytest.approx(np.mean(successes)), (report, successes)
+    assert report["mean_return"] == pytest.approx(np.mean(returns), rel=1e-3), (report, returns)
+    assert report["steps"] == n * 50  # fixed 50-step episodes
 
 
 if __name__ == "__main__":  # calibration: python tests/test_rl_learning.py 2 3 4
