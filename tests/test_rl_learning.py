@@ -89,17 +89,13 @@ def test_ppo_through_the_service_beats_its_start(learned):
     assert gain >= MARGIN, (before["mean_return"], after["mean_return"], learned["rollout_returns"])
 
 
-def test_an_evaluation_reports_what_its_policy_scores(nx, learned):
-    """An evaluation job's success rate and mean return are those of the policy it evaluates, known here by
-    driving that version through an environment session, one predict per step, on the evaluation's own
-    episode seeds (``7_000_003 * (1 + tenant seed) + i``, nexus.control.flows) with its deterministic actions."""
-    t, version, n = nx.tenant("learner"), learned["after"]["version"], 4
-    report = t.evaluate(episodes=n, version=version).result(timeout=600)
-    assert report["version"] == version and report["episodes"] == n
+def replay(t, version: int, seeds: list[int]) -> tuple[list[float], list[bool]]:
+    """Each episode's return and success under ``version``'s deterministic actions, driven here through an
+    environment session, one predict per step: the episodes an evaluation with these seeds runs."""
     returns, successes = [], []
     with t.env(ENV) as env:
-        for i in range(n):
-            obs, _ = env.reset(seed=7_000_003 * (1 + SEED) + i)
+        for seed in seeds:
+            obs, _ = env.reset(seed=seed)
             total, success = 0.0, False
             for _ in range(env.max_episode_steps):
                 out = t.predict_action(Observation(state=obs["state"], instruction=env.instruction),
@@ -110,9 +106,28 @@ def test_an_evaluation_reports_what_its_policy_scores(nx, learned):
                     break
             returns.append(total)
             successes.append(success)
-    assert report["success_rate"] == pytest.approx(np.mean(successes)), (report, successes)
-    assert report["mean_return"] == pytest.approx(np.mean(returns), rel=1e-3), (report, returns)
-    assert report["steps"] == n * 50  # fixed 50-step episodes
+    return returns, successes
+
+
+def test_an_evaluation_reports_what_its_policy_scores(nx, learned):
+    """An evaluation job's success rate and mean return are those of the policy it evaluates, known here by
+    replaying that version on the evaluation's own episode seeds (``7_000_003 * (1 + tenant seed) + i``,
+    nexus.control.flows)."""
+    t, version = nx.tenant("learner"), learned["after"]["version"]
+    first = 7_000_003 * (1 + SEED)
+    # one episode: one simulator task whose rows reach the engine one at a time, as the replay's do: the same
+    # arithmetic, the same episode
+    one = t.evaluate(episodes=1, version=version).result(timeout=600)
+    returns, successes = replay(t, version, [first])
+    assert (one["version"], one["episodes"], one["steps"]) == (version, 1, 50)  # fixed 50-step episodes
+    assert one["success_rate"] == float(successes[0]) and one["mean_return"] == pytest.approx(returns[0], rel=1e-5)
+    # four on two simulator tasks at once: their rows share engine batches, whose sums may differ from a lone
+    # row's in the last bits, and 50 steps of contact can grow that (seen: 7.519 reported, 7.543 replayed)
+    four = t.evaluate(episodes=4, version=version).result(timeout=600)
+    returns, successes = replay(t, version, [first + i for i in range(4)])
+    assert (four["episodes"], four["steps"]) == (4, 200)
+    assert four["success_rate"] == pytest.approx(np.mean(successes)), (four, successes)
+    assert four["mean_return"] == pytest.approx(np.mean(returns), rel=0.02), (four, returns)
 
 
 if __name__ == "__main__":  # calibration: python tests/test_rl_learning.py 2 3 4
