@@ -532,7 +532,7 @@ def test_tracker_link_resends_after_loss_and_reopens_runs_first():
         link.start()
         link.attach("tcp://t1")
         link.start_run("j1", "a", "rl", {})
-        assert await link.flush(2)
+        assert await link.flush(60)
         assert link.runs == {"j1": "run-j1"}
         fail["on"] = True
         link.log_metrics("j1", {"loss": 1.0, "note": "x"}, 1)
@@ -541,7 +541,7 @@ def test_tracker_link_resends_after_loss_and_reopens_runs_first():
         link.lost()
         fail["on"] = False
         link.attach("tcp://t2")
-        assert await link.flush(3)
+        assert await link.flush(60)
         assert sent[-1] == ("tcp://t2", ["reopen", "log_metrics"])
         await link.close()
 

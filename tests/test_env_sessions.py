@@ -203,9 +203,11 @@ def test_sb3_ppo_trains_on_a_service_vector_env_and_an_exported_policy_predicts(
     with SB3VecEnv(t.vector_env(PUSH, num_envs=2, seed=0)) as venv:
         model = PPO("MultiInputPolicy", venv, n_steps=32, batch_size=32, n_epochs=2, seed=0, device="cpu")
         model.set_logger(Logger(None, []))  # SB3's default logger makes a folder in /tmp per learn()
-        model.learn(total_timesteps=64)
-        assert model.num_timesteps >= 64
-        assert len(model.ep_info_buffer) == 0 or "r" in model.ep_info_buffer[0]
+        model.learn(total_timesteps=128)  # two rollouts of 32 steps per env: each env ends a 50-step episode
+        assert model.num_timesteps == 128
+        # the finished episodes reached SB3 with their return and length (the Monitor-style "episode" info)
+        assert len(model.ep_info_buffer) >= 2, model.ep_info_buffer
+        assert all(np.isfinite(e["r"]) and 1 <= e["l"] <= 50 for e in model.ep_info_buffer), model.ep_info_buffer
         t.export(None, tmp_path / "policy")
         policy = nexus.policy.load(tmp_path / "policy")
         obs = venv.reset()

@@ -4,7 +4,7 @@ the control plane is recording (no cluster)."""
 from __future__ import annotations
 
 import asyncio
-import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +12,7 @@ import pytest
 from nexus.episodes import check_episodes, newest_version
 from nexus.errors import LimitExceeded, SpecError
 from nexus.features import CameraSpec, TenantSchema
+from nexus.gateway import envs
 from nexus.gateway.envs import recorded_view
 
 SCHEMA = TenantSchema(proprio_dim=2, action_dim=1)
@@ -73,7 +74,7 @@ def test_newest_version_reads_an_upload_or_leaves_the_error_to_the_check():
     assert newest_version({"state": []}) is None and newest_version([1, 2]) is None
 
 
-def test_an_upload_waits_for_the_control_plane_to_record_the_version_predict_answered():
+def test_an_upload_waits_for_the_control_plane_to_record_the_version_predict_answered(monkeypatch):
     view = RecordsLater(before=1, recorded=2, after=4)
     assert asyncio.run(recorded_view(view, "t", wanted=2, poll=0.01))["version"] == 2 and view.reads == 4
     # already recorded, or nothing to wait for: one read
@@ -86,8 +87,16 @@ def test_an_upload_waits_for_the_control_plane_to_record_the_version_predict_ans
     assert view.reads == 1
     with pytest.raises(SpecError, match="versions so far are 0..1"):
         check_episodes({**upload(), "policy_version": [3] * 5}, SCHEMA, v, 100, 10)
-    # a version that never gets recorded is refused after the wait
-    view = RecordsLater(before=1, recorded=2, after=10**9)
-    t0 = time.monotonic()
-    assert asyncio.run(recorded_view(view, "t", wanted=2, timeout=0.2, poll=0.01))["version"] == 1
-    assert time.monotonic() - t0 >= 0.2 and view.reads > 2
+    # a version that never gets recorded is refused after the wait: on the wait's clock, which here moves
+    # 0.05 s per read (not the wall clock), it reads until its 0.2 s have passed and then gives up
+    clock = [0.0]
+
+    class Ticking(RecordsLater):
+        async def tenant_view(self, tenant: str) -> dict:
+            clock[0] += 0.05
+            return await super().tenant_view(tenant)
+
+    monkeypatch.setattr(envs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    view = Ticking(before=1, recorded=2, after=10**9)
+    assert asyncio.run(recorded_view(view, "t", wanted=2, timeout=0.2, poll=0.001))["version"] == 1
+    assert view.reads == 5 and clock[0] == pytest.approx(0.25)  # the first read, then 0.2 s of polls

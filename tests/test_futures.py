@@ -21,9 +21,9 @@ def test_result_error_and_await():
     failing = NexusFuture.run(pool, lambda: (_ for _ in ()).throw(NotFound("no tenant 'x'")))
     assert isinstance(first, Future) and not first.done()
     gate.set()
-    assert first.result(5) == "a" and second.result(5) == 2 and order == [1, 2]  # submission order
+    assert first.result(60) == "a" and second.result(60) == 2 and order == [1, 2]  # submission order
     with pytest.raises(NotFound, match="no tenant 'x'"):
-        failing.result(5)
+        failing.result(60)
 
     async def waits() -> tuple:
         later = NexusFuture.run(pool, lambda: 7)

@@ -60,28 +60,42 @@ def test_up_prints_where_everything_is(service):
         assert needle in text, text
 
 
-def test_submit_files_gives_the_same_tenant_as_the_api(service, tmp_path):
+@pytest.fixture(scope="module")
+def filed(service, tmp_path_factory):
+    """Tenant "filed" and its SFT job from files by `nexus submit --follow`, then an evaluation job file through
+    the API: what the tests below read (each of them runs alone too)."""
     root, _, _ = service
-    (tmp_path / "tenant.toml").write_text('name = "filed"\ndataset = "pickcube-scripted"\n'
-                                          'env = "maniskill/pickcube-state"\nseed = 4\n')
-    (tmp_path / "job.toml").write_text('kind = "sft"\nsteps = 3\nbatch_size = 8\n')
-    r = nexus("submit", str(tmp_path / "tenant.toml"), str(tmp_path / "job.toml"), "--set", "tenant.lr=0.002",
+    files = tmp_path_factory.mktemp("files")
+    (files / "tenant.toml").write_text('name = "filed"\ndataset = "pickcube-scripted"\n'
+                                       'env = "maniskill/pickcube-state"\nseed = 4\n')
+    (files / "job.toml").write_text('kind = "sft"\nsteps = 3\nbatch_size = 8\n')
+    r = nexus("submit", str(files / "tenant.toml"), str(files / "job.toml"), "--set", "tenant.lr=0.002",
               "--set", "job.steps=6", "--root", str(root), "--follow")
     assert r.returncode == 0, r.stderr
-    assert "submitted filed-sft-" in r.stdout
+    gateway = root / "gateway"  # as the CLI does: the gateway, as the operator
+    with Nexus(read_gateway_url(gateway), token=read_operator_token(gateway)) as nx:
+        version = nx.tenant("filed").info["version"]  # before the evaluation (which makes no version)
+        # a job file for an existing tenant, through the API
+        ev = nx.tenant("filed").submit(REPO / "configs" / "jobs" / "eval.toml", overrides=["job.episodes=1"])
+        evaluated = ev.result(timeout=300)
+    return {"submit": r, "version": version, "eval": evaluated}
+
+
+def test_submit_files_gives_the_same_tenant_as_the_api(service, filed, tmp_path):
+    root, _, _ = service
+    assert "submitted filed-sft-" in filed["submit"].stdout
     gateway = root / "gateway"  # as the CLI does: the gateway, as the operator
     with Nexus(read_gateway_url(gateway), token=read_operator_token(gateway)) as nx:
         t = nx.tenant("filed")
         spec, _ = validate_tenant({"name": "filed", "dataset": "pickcube-scripted", "env": "maniskill/pickcube-state",
                                    "seed": 4, "lr": 0.002})
-        assert t.info["version"] == 6
+        assert filed["version"] == 6 == t.info["version"]
         # the API with the same content is the same tenant (an existing tenant with another spec is refused)
         assert nx.create_tenant(spec.model_dump()).name == "filed"
         with pytest.raises(Conflict, match="exists with another spec"):  # the gateway: 409
             nx.create_tenant(spec.model_copy(update={"lr": 0.1}).model_dump())
-        # a job file for an existing tenant, through the API
-        ev = t.submit(REPO / "configs" / "jobs" / "eval.toml", overrides=["job.episodes=1"])
-        assert ev.result(timeout=300)["episodes"] == 1
+        # the evaluation job file (through the API, in the fixture)
+        assert filed["eval"]["episodes"] == 1 and filed["eval"]["version"] == 6
         # retention (max_versions_kept=3): the newest 3, the initial and the evaluated (6)
         weights = sorted(int(p.stem[1:]) for p in (root / "tenants" / "filed" / "weights").glob("v*.pt"))
         assert weights == [0, 4, 5, 6]
@@ -91,7 +105,7 @@ def test_submit_files_gives_the_same_tenant_as_the_api(service, tmp_path):
     assert r.returncode == 1 and "unknown env" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_list_and_logs(service):
+def test_list_and_logs(service, filed):
     root, _, _ = service
     r = nexus("list", "--root", str(root))
     assert r.returncode == 0 and "filed-sft-" in r.stdout and "6/6 steps" in r.stdout, r.stdout

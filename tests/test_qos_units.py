@@ -158,6 +158,12 @@ class Engines:
     def __init__(self, delay_s: float = 0.01) -> None:
         self.delay_s, self.calls, self.draining, self.reports = delay_s, [], {"e0"}, []
         self.fail: Exception | None = None
+        self.hold: asyncio.Event | None = None  # set: calls answer only once it is set (not after delay_s)
+
+    async def reached(self, n: int) -> None:
+        """Until the engine has been called ``n`` times."""
+        while len(self.calls) < n:
+            await asyncio.sleep(0)
 
     async def endpoint(self, tenant: str) -> EngineEndpoint:
         return EngineEndpoint("e0", "tcp://e0")
@@ -167,7 +173,7 @@ class Engines:
 
     async def predict_many(self, ep: EngineEndpoint, requests: list[list]) -> dict:
         self.calls.append((ep.engine, [r[0] for r in requests]))
-        await asyncio.sleep(self.delay_s)
+        await (self.hold.wait() if self.hold is not None else asyncio.sleep(self.delay_s))
         if self.fail is not None:
             raise self.fail
         if ep.engine in self.draining:
@@ -282,15 +288,21 @@ def test_predict_server_sheds_a_tenant_over_its_fair_share_only_while_another_is
         await server.predict("q", None, None, True, {})
         assert server.shed_count == 0 and server.fair.over("loud")
         assert not server.contended("loud")
+        routes.hold = asyncio.Event()  # the engine answers once released: "first" is in flight until then
         first = asyncio.ensure_future(server.predict("q", None, None, True, {}))  # another tenant in flight,
-        await asyncio.sleep(0.005)
+        await asyncio.wait_for(routes.reached(len(routes.calls) + 1), 60)
+        assert not first.done()
         assert server.contended("loud") and not server.contended("q") and not any(server.lanes.values())  # none waits
         with pytest.raises(Overloaded, match="fair_share_factor") as e:
             await server.predict("loud", None, None, True, {})
         assert e.value.retry_after_s == server.settings.retry_after_s and server.shed_count == 1
         assert server.budgets.held == {"q": 1}  # the refusal held nothing
-        await server.predict("q", None, None, True, {})  # the quiet tenant is admitted meanwhile
-        await first
+        second = asyncio.ensure_future(server.predict("q", None, None, True, {}))
+        await asyncio.wait_for(routes.reached(len(routes.calls) + 1), 60)  # the quiet tenant is admitted meanwhile
+        assert not first.done() and server.budgets.held == {"q": 2}
+        routes.hold.set()
+        await asyncio.gather(first, second)
+        routes.hold = None
         assert not server.contended("loud") and server.budgets.held_total == 0
         await server.predict("loud", None, None, True, {})  # nobody else served: admitted again
         assert server.shed_count == 1
@@ -335,11 +347,11 @@ def test_a_waiter_granted_a_released_slot_gets_its_last_holder_s_end_on_the_devi
             await asyncio.sleep(0.01)
             assert not waiting.done()
             first.ended_at = 1234.5
-        assert await asyncio.wait_for(waiting, 1) == 1234.5
+        assert await asyncio.wait_for(waiting, 60) == 1234.5
         late = [asyncio.ensure_future(slots.acquire(t)) for t in ("c", "d")]
         await asyncio.sleep(0.01)
         cap[0] = 3  # two places at once, none released: no holder's end to pass on
-        assert await asyncio.wait_for(asyncio.gather(*late), 1) == [0.0, 0.0]
+        assert await asyncio.wait_for(asyncio.gather(*late), 60) == [0.0, 0.0]
         slots.release("b", 99.0)
         assert slots.busy == 2
 
@@ -361,15 +373,15 @@ def test_sim_slots_go_to_the_tenant_holding_fewest_and_cancelled_waiters_leave()
         assert not (a3.done() or b1.done())
         slots.release("a")
         assert slots.held["b"] == 1 and slots.held["a"] == 1  # b holds none: its later request goes first
-        await asyncio.wait_for(b1, 1)
+        await asyncio.wait_for(b1, 60)
         assert not a3.done()
         a4.cancel()
         await asyncio.sleep(0.01)
         slots.release("b")
-        await asyncio.wait_for(a3, 1)
+        await asyncio.wait_for(a3, 60)
         assert dict(slots.held) == {"a": 2} and slots.view()["waiting"] == {}
         cap[0] = 3  # a SIM worker joined: waiters see it on their next look
-        await asyncio.wait_for(slots.acquire("c"), 1)
+        await asyncio.wait_for(slots.acquire("c"), 60)
         assert slots.busy == 3
 
     asyncio.run(main())

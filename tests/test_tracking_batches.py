@@ -46,39 +46,51 @@ def test_consecutive_metric_calls_are_one_write_per_run_in_order(tmp_path):
 
 
 def test_link_lets_calls_gather_and_a_flush_sends_at_once():
+    """Without a wall clock: a linger no test outlives (an hour) shows what goes out without waiting it out
+    (a full batch, a flush), and a short linger that calls queued together go out as one message."""
+
     async def main():
         sent: list[list[str]] = []
+        arrived = asyncio.Event()
 
         async def send(address, calls):
             sent.append([c[0] for c in calls])
+            arrived.set()
             return [None] * len(calls)
 
-        link = TrackerLink(send, max_batch=4, linger_s=0.3)
+        link = TrackerLink(send, max_batch=4, linger_s=3600.0)
         link.start()
         link.attach("tcp://t")
         for step in range(3):
             link.log_metrics("j", {"loss": 1.0}, step)
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.1)
+            await asyncio.sleep(0.02)  # the sender has the loop between the calls
         assert sent == [] and link.pending == 3  # still gathering
-        await asyncio.sleep(0.4)
-        assert sent == [["reopen", "log_metrics", "log_metrics", "log_metrics"]]  # one message
 
-        for step in range(6):  # a full batch goes without lingering
+        for step in range(3):  # the fourth call fills a batch: it goes without lingering, the rest lingers
             link.log_metrics("j", {"loss": 1.0}, 10 + step)
+        await asyncio.wait_for(arrived.wait(), 60)
         await asyncio.sleep(0.05)
-        assert sent[1] == ["log_metrics"] * 4 and link.pending == 2
+        assert sent == [["reopen"] + ["log_metrics"] * 4] and link.pending == 2
 
         link.log_metrics("j", {"loss": 1.0}, 20)
         link.lost()
-        await asyncio.sleep(0.5)
-        assert link.pending == 3 and len(sent) == 2  # no tracker: nothing is sent, nothing lost
+        await asyncio.sleep(0.1)
+        assert link.pending == 3 and len(sent) == 1  # no tracker: nothing is sent, nothing lost
         link.attach("tcp://t2")
-        t0 = asyncio.get_running_loop().time()
-        assert await link.flush(5)
-        assert asyncio.get_running_loop().time() - t0 < 0.25  # a flush does not wait out the linger
-        assert sent[2] == ["reopen", "log_metrics", "log_metrics", "log_metrics"] and link.pending == 0
+        assert await link.flush(60)  # a flush does not wait out the (hour-long) linger
+        assert sent[1] == ["reopen", "log_metrics", "log_metrics", "log_metrics"] and link.pending == 0
         await link.close()
+
+        sent.clear()
+        arrived.clear()
+        short = TrackerLink(send, max_batch=4, linger_s=0.05)  # the linger ends by itself: one message
+        short.start()
+        short.attach("tcp://t")
+        for step in range(3):
+            short.log_metrics("j", {"loss": 1.0}, step)
+        await asyncio.wait_for(arrived.wait(), 60)
+        assert sent == [["reopen", "log_metrics", "log_metrics", "log_metrics"]] and short.pending == 0
+        await short.close()
 
     asyncio.run(main())
 
