@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import queue
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,9 @@ def observation(tenant: str, obs: Mapping[str, Any], **fields: Any) -> pb.Observ
 
 def chunk_dict(reply: pb.ActionChunk) -> dict[str, Any]:
     """An :class:`ActionChunk` as a dict: ``actions`` [chunk, action_dim], ``version``, ``logprob``, ``value``,
-    ``timing`` (ms), ``deadline_missed``, ``request_id``."""
+    ``timing`` (ms), ``deadline_missed``, ``request_id``; a refusal for now: ``actions`` None and ``retry_after_s``."""
+    if reply.retry_after_s > 0:  # refused for now: nothing was done
+        return {"actions": None, "retry_after_s": reply.retry_after_s, "request_id": reply.request_id}
     return {"actions": np.array(to_array(reply.actions, "actions")), "version": reply.policy_version,
             "logprob": reply.logprob, "value": reply.value, "deadline_missed": reply.deadline_missed,
             "request_id": reply.request_id,
@@ -76,10 +79,16 @@ class ActSession:
     def receive(self) -> dict[str, Any]:
         return chunk_dict(next(self._replies))
 
-    def act(self, obs: Mapping[str, Any] | pb.Observation, **fields: Any) -> dict[str, Any]:
-        """The action chunk of one observation (``sample=True``: a sample with its ``logprob``, for RL)."""
-        self.send(obs, **fields)
-        return self.receive()
+    def act(self, obs: Mapping[str, Any] | pb.Observation, max_retries: int = 100, **fields: Any) -> dict[str, Any]:
+        """The action chunk of one observation (``sample=True``: a sample with its ``logprob``, for RL); sent again
+        after ``retry_after_s`` while the gateway refuses it for now (at most ``max_retries`` times)."""
+        for _ in range(max_retries):
+            self.send(obs, **fields)
+            out = self.receive()
+            if out["actions"] is not None:
+                return out
+            time.sleep(out["retry_after_s"])
+        raise RuntimeError(f"the gateway refused the observation {max_retries} times (busy): retry later")
 
     def close(self) -> None:
         self._out.put(_END)

@@ -17,7 +17,10 @@ tenant. The listener binds the gateway's address (loopback unless configured) on
 serves HTTPS. Messages over ``limits.max_request_bytes`` are refused by grpc itself (RESOURCE_EXHAUSTED).
 Requests are parsed here, not by grpc, so a malformed message is INVALID_ARGUMENT (grpc would answer INTERNAL);
 every refusal is a :class:`~nexus.errors.NexusError` turned into its status (:data:`STATUS`) and ends the stream,
-whose predicts in flight are taken out of the queue; the other streams go on as they were.
+whose predicts in flight are taken out of the queue; the other streams go on as they were. The exception: an
+observation refused for now (:class:`~nexus.errors.Overloaded`: a budget of predicts at once, the tenant's fair
+share) is answered on the open stream with ``retry_after_s`` and no actions, as HTTP answers 429: a robot's
+stream survives a busy moment.
 
 **LeRobot's async inference protocol is refused.** LeRobot's ``AsyncInference`` service (``Ready``,
 ``SendPolicyInstructions``, ``SendObservations``, ``GetActions``) carries its observations, actions and policy
@@ -162,7 +165,12 @@ class RobotPolicy:
             who = self.who(context)
             async for raw in requests:
                 t0 = time.perf_counter()
-                reply = await self.one(who, _parse(pb.Observation, raw, "observation"), t0)
+                msg = _parse(pb.Observation, raw, "observation")
+                try:
+                    reply = await self.one(who, msg, t0)
+                except Overloaded as e:  # a transient refusal: the robot sends again; its stream stays open
+                    reply = pb.ActionChunk(request_id=msg.request_id, retry_after_s=max(e.retry_after_s, 1e-3),
+                                           timing=pb.Timing(total_ms=1e3 * (time.perf_counter() - t0)))
                 yield reply.SerializeToString()
         except NexusError as e:
             await self._refuse(context, e)
