@@ -340,3 +340,50 @@ def test_the_grpc_robot_example_runs(svc):
     assert out["episodes"] >= 2 and out["uploads"] == 1 and 1 <= out["uploaded_rows"] <= 4
     assert job.result(timeout=600)["updates"] == 1
     json.dumps(out)
+
+
+def test_the_listener_serves_tls_with_the_gateways_certificate(tmp_path):
+    """A TLS gateway's gRPC listener: a client verifying the service CA gets the service's own answers (here its
+    token check), a client without TLS gets no answer at all."""
+    import asyncio
+
+    from nexus.config import ServiceConfig
+    from nexus.gateway import grpc_api
+    from nexus.gateway.app import Gateway
+    from nexus.gateway.auth import TokenStore
+    from nexus.gateway.backend import Backend
+    from nexus.tls import ensure_certificates, server_certificate
+
+    config = ServiceConfig(root=str(tmp_path))
+    ensure_certificates(config.tls_dir)
+    cert, key = server_certificate(config.tls_dir, "gateway", ("127.0.0.1",))
+    gw = Gateway(config, Backend("tls://127.0.0.1:1"), TokenStore(config.gateway_dir))  # never connected: not needed
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    box: dict = {}
+
+    async def serve() -> None:
+        box["stop"] = asyncio.Event()
+        server, box["port"] = await grpc_api.start(gw, None, "127.0.0.1", 0, MAX_BYTES, str(cert), str(key))
+        ready.set()
+        await box["stop"].wait()
+        await server.stop(0)
+
+    th = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    th.start()
+    try:
+        assert ready.wait(60)
+        target = f"127.0.0.1:{box['port']}"
+        with RobotClient(target, "nxt_not-a-token", ca=config.tls_dir / "ca.pem") as c, \
+                pytest.raises(grpc.RpcError) as e:
+            c.info("a")
+        assert e.value.code() == Code.UNAUTHENTICATED and "unknown token" in e.value.details()
+        with RobotClient(target, "nxt_not-a-token") as c, pytest.raises(grpc.RpcError) as e:
+            c.info("a", timeout=10)
+        assert e.value.code() == Code.UNAVAILABLE
+    finally:
+        if "stop" in box:
+            loop.call_soon_threadsafe(box["stop"].set)
+        th.join(60)
+        assert not th.is_alive()
+        loop.close()
