@@ -276,6 +276,18 @@ def test_a_client_that_stops_reading_holds_nobody_up(svc):
 
 
 @pytest.mark.cluster
+def test_a_token_revoked_mid_stream_stops_working(svc):
+    t = svc["nx"].create_tenant(TenantSpec(name="gone", env=PUSH, seed=9))
+    with RobotClient(svc["target"], t.token) as c, c.session("gone") as s:
+        assert s.act({"state": _state(0)})["actions"].shape == (1, 4)
+        r = httpx.delete(f"{svc['url']}/v1/tenants/gone", headers={"Authorization": f"Bearer {t.token}"}, timeout=120)
+        assert r.status_code == 200, r.text
+        with pytest.raises(grpc.RpcError) as e:
+            s.act({"state": _state(0)})
+        assert e.value.code() == Code.UNAUTHENTICATED
+
+
+@pytest.mark.cluster
 def test_lerobot_async_inference_is_not_served(svc):
     with grpc.insecure_channel(svc["target"]) as ch, pytest.raises(grpc.RpcError) as e:
         ch.unary_unary("/async_inference.AsyncInference/Ready")(b"", timeout=60,

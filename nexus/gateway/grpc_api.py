@@ -139,7 +139,6 @@ class RobotPolicy:
 
     def __init__(self, gateway, envs) -> None:
         self.gw, self.envs = gateway, envs
-        self.streams = 0  # Act streams open now
 
     def who(self, context: grpc.aio.ServicerContext) -> Principal:
         token = None
@@ -160,11 +159,11 @@ class RobotPolicy:
 
     # Act ----------------------------------------------------------------------------------------
     async def act(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        self.streams += 1
         try:
-            who = self.who(context)
+            who = self.who(context)  # refused before anything is read
             async for raw in requests:
                 t0 = time.perf_counter()
+                who = self.who(context)  # again per observation: a token revoked meanwhile stops working
                 msg = _parse(pb.Observation, raw, "observation")
                 try:
                     reply = await self.one(who, msg, t0)
@@ -174,8 +173,6 @@ class RobotPolicy:
                 yield reply.SerializeToString()
         except NexusError as e:
             await self._refuse(context, e)
-        finally:
-            self.streams -= 1
 
     async def one(self, who: Principal, msg: pb.Observation, t0: float) -> pb.ActionChunk:
         """One observation's action chunk, through the HTTP predict's path."""
@@ -200,12 +197,11 @@ class RobotPolicy:
         version = msg.version if msg.HasField("version") else None
         if version is not None and version < 0:
             raise SpecError(f"observation.version: {version}; versions are 0 or more")
-        spans: dict[str, float] = {}
+        spans: dict[str, float] = {"check": time.perf_counter() - t0}
         out = await gw.serving.predict(tenant, obs, version, not msg.sample, spans,
                                        msg.seed if msg.HasField("seed") else None)
         actions = np.asarray(out.get("chunk", out["action"]), np.float32).reshape(-1, schema.action_dim)
         total = time.perf_counter() - t0
-        spans["check"] = 0.0
         gw.serving.observe(tenant, total, spans)  # the tenant's latency histogram, as an HTTP predict's
         return pb.ActionChunk(
             request_id=msg.request_id, actions=to_tensor(actions), policy_version=int(out["version"]),
@@ -287,7 +283,6 @@ async def start(gateway, envs, host: str, port: int, max_message_bytes: int, cer
     if not bound:
         raise OSError(f"the gRPC robot API cannot listen on {address}")
     await server.start()
-    server.robot_policy = service  # type: ignore[attr-defined]  # its counters, for the QoS view
     logger.info("gRPC robot API (%s) on %s:%d%s", SERVICE, host, bound, " (TLS)" if certfile else "")
     return server, bound
 
