@@ -20,7 +20,10 @@ every refusal is a :class:`~nexus.errors.NexusError` turned into its status (:da
 whose predicts in flight are taken out of the queue; the other streams go on as they were. The exception: an
 observation refused for now (:class:`~nexus.errors.Overloaded`: a budget of predicts at once, the tenant's fair
 share) is answered on the open stream with ``retry_after_s`` and no actions, as HTTP answers 429: a robot's
-stream survives a busy moment.
+stream survives a busy moment. A client that stops reading holds nobody up: its replies wait in grpc's
+flow-control window, then its own stream's handler waits, holding no predict budget (a predict gives its budget
+back when its answer comes); the server pings idle connections (:data:`KEEPALIVE`), so a robot that vanished
+without closing its stream has it ended.
 
 **LeRobot's async inference protocol is refused.** LeRobot's ``AsyncInference`` service (``Ready``,
 ``SendPolicyInstructions``, ``SendObservations``, ``GetActions``) carries its observations, actions and policy
@@ -80,6 +83,8 @@ STATUS: dict[type[NexusError], grpc.StatusCode] = {
     NotSupported: grpc.StatusCode.UNIMPLEMENTED,
 }
 MAX_DETAILS = 2000  # characters of a status message
+# ping a connection silent for a minute, drop it when the ping is not answered in 20 s (a robot gone without closing)
+KEEPALIVE = (("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000))
 
 
 def status_of(e: NexusError) -> grpc.StatusCode:
@@ -272,7 +277,7 @@ async def start(gateway, envs, host: str, port: int, max_message_bytes: int, cer
     service = RobotPolicy(gateway, envs)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.max_send_message_length", max_message_bytes),
-                                      ("grpc.so_reuseport", 0)])
+                                      ("grpc.so_reuseport", 0), *KEEPALIVE])
     server.add_generic_rpc_handlers((service.handler(),))
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if certfile is not None and keyfile is not None:
