@@ -426,6 +426,9 @@ class ServiceConfig(BaseModel):
                                                "torch.distributed); loopback unless the service spans hosts")
     tls: bool = Field(False, description="Dask comms over mutual TLS, certificates generated under root/tls")
     gateway_port: int = Field(0, ge=0, le=65535, description="tenant gateway port (0: any free port)")
+    grpc_port: int | None = Field(None, ge=0, le=65535, description="the gateway's gRPC robot API "
+                                  "(nexus.gateway.grpc_api) on the gateway's address: this port (0: any free port); "
+                                  "unset: no gRPC listener")
     open_registration: bool | None = Field(None, description="who may create a tenant: true: anyone reaching the "
                                            "gateway; false: the operator token is needed; unset: anyone while the "
                                            "gateway listens on loopback, the operator token off loopback")

@@ -70,21 +70,36 @@ def main(argv: list[str] | None = None) -> int:
     host = f"[{name}]" if ":" in name else name
     url = f"{'https' if a.certfile else 'http'}://{host}:{port}"
 
-    def ready() -> None:
-        info = {"url": url, "pid": os.getpid(), "scheduler": address}
+    def ready(extra: dict) -> None:
+        info = {"url": url, "pid": os.getpid(), "scheduler": address, **extra}
         if app.state.gateway.openpi is not None:  # the robots' WebSocket endpoint (nexus.gateway.openpi)
             info["openpi_url"] = f"{'wss' if a.certfile else 'ws'}://{host}:{app.state.gateway.openpi.port}"
         private_write_bytes(config.gateway_dir / "gateway.json", json.dumps(info).encode())
         logging.getLogger("nexus.gateway").info("gateway serving on %s (docs: %s/docs)", url, url)
 
     class Server(uvicorn.Server):
+        grpc = None  # the gRPC robot API's server (config.grpc_port)
+
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if not self.should_exit:  # listening now: the URL may be handed out
-                ready()
+                extra = {}
+                if config.grpc_port is not None:  # the robot API, in this process and event loop
+                    from nexus.gateway import grpc_api
+
+                    self.grpc, grpc_port = await grpc_api.start(
+                        app.state.gateway, app.state.envs, bind, config.grpc_port, config.limits.max_request_bytes,
+                        a.certfile, a.keyfile)
+                    extra["grpc"] = f"{host}:{grpc_port}"
+                ready(extra)
                 gc_pauses()  # counted from now on (GET /v1/admin/qos)
                 logging.getLogger("nexus.gateway").info(
                     "gc after start-up: %s", apply_gc(config.gc.freeze, config.gc.gen0_threshold))
+
+        async def shutdown(self, sockets=None) -> None:
+            if self.grpc is not None:
+                await self.grpc.stop(2)
+            await super().shutdown(sockets)
 
     openpi_ssl = None
     if a.certfile:

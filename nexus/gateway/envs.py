@@ -275,18 +275,23 @@ async def upload_episodes(job_id: str, body: EpisodesBody, who: Who, request: Re
     stored in the tenant's trajectory store, then one update's batch (dropped like the service's rollouts when
     its oldest ``policy_version`` lags more than the tenant's ``max_staleness``). Waits while the job holds
     untrained uploads."""
-    gw = request.app.state.gateway
+    return await store_episodes(request.app.state.gateway, _envs(request), who, job_id, body.episodes)
+
+
+async def store_episodes(gw, envs: EnvBackend, who: Principal, job_id: str, episodes: Any) -> dict[str, Any]:
+    """An upload of episodes into the job's tenant's RL (the HTTP route's and the gRPC API's): the same checks
+    (the job's owner, ``rollouts="external"``, the columns, the versions, storage), the same store and queue."""
     job = await gw.own_job(who, job_id)
     tenant = job["tenant"]
     if job["kind"] != "rl" or job["spec"].get("rollouts") != "external":
         raise SpecError(f"job {job_id!r} is not an RL job with rollouts='external': it takes no uploaded episodes")
     _, schema = await gw.spec_schema(tenant)
-    view = await recorded_view(gw.backend, tenant, newest_version(body.episodes))
+    view = await recorded_view(gw.backend, tenant, newest_version(episodes))
     lim = gw.limits(tenant)
-    columns = await asyncio.to_thread(check_episodes, body.episodes, schema, int(view["version"]),
+    columns = await asyncio.to_thread(check_episodes, episodes, schema, int(view["version"]),
                                       lim.max_batch_rows, lim.max_episodes_per_batch)
     await gw.check_storage(tenant, view["output_dir"])
-    stored = await _envs(request).store(output_dir=view["output_dir"], tenant=tenant, schema=schema, columns=columns)
+    stored = await envs.store(output_dir=view["output_dir"], tenant=tenant, schema=schema, columns=columns)
     return await gw.backend._call("nexus_feed_rollouts", tenant=tenant, job=job_id, batch=stored["batch"],
                                   stats=stored["stats"])
 
@@ -309,4 +314,4 @@ def add_env_routes(app: FastAPI, backend) -> None:
     app.include_router(router)
 
 
-__all__ = ["EnvBackend", "add_env_routes", "router"]
+__all__ = ["EnvBackend", "add_env_routes", "router", "store_episodes"]
