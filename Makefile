@@ -15,8 +15,6 @@ $(STAMP): setup.cfg pyproject.toml scripts/install_system.sh scripts/constraints
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0   # the CPU wheel on local disk; pinned so no CUDA build is pulled
 	$(BIN)/pip install -q -c scripts/constraints.txt -e '.[test]'
-	# robosuite (LIBERO's engine) without its numpy<2 dependency mink; its other needs are in setup.cfg
-	$(BIN)/pip install -q -c scripts/constraints.txt --no-deps robosuite==1.5.2
 	touch $(STAMP)
 
 demo: $(STAMP)
