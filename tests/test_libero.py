@@ -95,3 +95,16 @@ def test_episode_ends_at_the_step_limit_without_success(task1):
     assert results[-1].obs.state[2] > results[0].obs.state[2]  # the arm went up: delta-EEF actions act
     with pytest.raises(ValueError, match="action shape"):
         task1.step(np.zeros(4, np.float32))
+
+
+def test_every_catalog_task_has_its_bddl_file_and_fifty_initial_states():
+    from pathlib import Path
+
+    for name, e in catalog.envs().items():
+        if e.simulator != "libero":
+            continue
+        suite, b = e.options["suite"], lb.benchmark(e.options["suite"])
+        assert len(catalog.suite_tasks(name)) == b.n_tasks, name
+        for i in range(b.n_tasks):
+            assert Path(b.get_task_bddl_file_path(i)).is_file(), (name, i)
+            assert lb.initial_states(suite, i).shape[0] == 50, (name, i)
