@@ -108,3 +108,13 @@ def test_every_catalog_task_has_its_bddl_file_and_fifty_initial_states():
         for i in range(b.n_tasks):
             assert Path(b.get_task_bddl_file_path(i)).is_file(), (name, i)
             assert lb.initial_states(suite, i).shape[0] == 50, (name, i)
+
+
+def test_a_libero_pro_perturbation_runs_as_its_own_suite():
+    entry = catalog.env("libero/object-swap/2")
+    assert entry.options == {"suite": "libero_object_swap", "task": 2} and entry.max_episode_steps == 280
+    with make_env(dataclasses.replace(entry, max_episode_steps=1), seed=7) as env:
+        assert env.task_name == lb.suite_tasks("libero_object_swap")[2][0] and env.initial_state_index == 7
+        res = env.step(np.zeros(7, np.float32))
+        assert res.truncated and res.obs.images["agentview"].std() > 5
+        assert res.obs.instruction == entry.schema.instruction
