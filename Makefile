@@ -18,8 +18,6 @@ $(STAMP): setup.cfg pyproject.toml scripts/install_system.sh scripts/constraints
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))   # pinned: no CUDA build unless asked
 	$(BIN)/pip install -q -c scripts/constraints.txt -e '.[test]'
-	# robosuite (LIBERO's engine) without its numpy<2 dependency mink; its other needs are in setup.cfg
-	$(BIN)/pip install -q -c scripts/constraints.txt --no-deps robosuite==1.5.2
 	# openpi-client (the robots' side of openpi's policy server) declares numpy<2 but runs on ours: --no-deps too
 	$(BIN)/pip install -q -c scripts/constraints.txt --no-deps openpi-client==0.1.2
 	touch $(STAMP)

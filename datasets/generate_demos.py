@@ -119,7 +119,8 @@ class RobosuiteLiftExpert:
     def __call__(self, obs: Observation) -> PolicyOutput:
         env = self.env
         cube = np.asarray(env.sim.data.body_xpos[env.cube_body_id])
-        tcp = np.asarray(env.sim.data.site_xpos[env.robots[0].eef_site_id["right"]])
+        site = env.robots[0].eef_site_id  # robosuite 1.4: one id (1.5: per arm, {"right": id})
+        tcp = np.asarray(env.sim.data.site_xpos[site["right"] if isinstance(site, dict) else site])
         grasped = bool(env._check_grasp(gripper=env.robots[0].gripper, object_geoms=env.cube))
         if tcp[2] - cube[2] > 0.03 and not grasped:
             self.closing = 0  # a new episode, or a lost cube

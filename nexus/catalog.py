@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -18,10 +18,10 @@ from typing import Any
 from nexus.errors import quote
 from nexus.features import CameraSpec, TenantSchema
 
-SIMULATORS = ("maniskill", "robosuite")
+SIMULATORS = ("maniskill", "robosuite", "libero")
 DATASET_FORMATS = ("arrow", "lerobot")
 # per simulator: where the success flag comes from (the catalog's ``success`` field)
-SUCCESS_CRITERIA = {"maniskill": ("evaluate",), "robosuite": ("check_success",)}
+SUCCESS_CRITERIA = {"maniskill": ("evaluate",), "robosuite": ("check_success",), "libero": ("check_success",)}
 
 
 class CatalogError(ValueError):
@@ -102,9 +102,26 @@ def _env_entry(suite: str, task: str, simulator: str, t: dict[str, Any], where: 
     return entry
 
 
+def _task_variants(entry: EnvEntry, task_list: Any, where: str) -> dict[str, EnvEntry]:
+    """A suite entry's tasks (``task_list``: [name, instruction] pairs): ``<suite>/<task>/<i>`` and
+    ``<suite>/<task>/<name>``, each with its own instruction and ``options["task"] = i``."""
+    try:
+        pairs = [(str(n), str(lang)) for n, lang in task_list]
+    except (TypeError, ValueError):
+        raise CatalogError(f"{where}: {entry.name!r}: task_list must be [name, instruction] pairs") from None
+    out: dict[str, EnvEntry] = {}
+    for i, (task, lang) in enumerate(pairs):
+        schema = TenantSchema(entry.schema.proprio_dim, entry.schema.action_dim, entry.schema.cameras, lang)
+        one = replace(entry, name=f"{entry.name}/{i}", schema=schema, options={**entry.options, "task": i},
+                      description=f"{entry.description}; task {i}: {task}")
+        out[one.name] = out[f"{entry.name}/{task}"] = one
+    return out
+
+
 @lru_cache(maxsize=4)
-def _load(root: Path) -> tuple[dict[str, EnvEntry], dict[str, str], dict[str, DatasetEntry]]:
+def _load(root: Path) -> tuple[dict[str, EnvEntry], dict[str, str], dict[str, DatasetEntry], dict[str, EnvEntry]]:
     envs: dict[str, EnvEntry] = {}
+    tasks: dict[str, EnvEntry] = {}  # the tasks of suite entries (task_list), by index and by name
     refused: dict[str, str] = {}  # lower-case env id, "<suite>/<task>" or "<suite>/*" -> reason
     suites = [(f, tomllib.loads(f.read_text())) for f in sorted((root / "envs").glob("*.toml"))]
     for f, suite in suites:  # refusals first: they apply to the tasks of every suite
@@ -126,6 +143,8 @@ def _load(root: Path) -> tuple[dict[str, EnvEntry], dict[str, str], dict[str, Da
                 refused[entry.name.lower()] = why
             else:
                 envs[entry.name] = entry
+                if "task_list" in raw:  # a suite: the entry is its first task; every task has its own name
+                    tasks.update(_task_variants(entry, raw["task_list"], where))
     datasets: dict[str, DatasetEntry] = {}
     for f in sorted((root / "datasets").glob("*.toml")):
         d, where = tomllib.loads(f.read_text()), f"datasets/{f.name}"
@@ -137,7 +156,7 @@ def _load(root: Path) -> tuple[dict[str, EnvEntry], dict[str, str], dict[str, Da
             name=d["name"], format=fmt, path=(f.parent / path).resolve(), env=d.get("env"),
             schema=_schema(d.get("schema", {}), where), generator=d.get("generator", ""),
             features=dict(d.get("features", {})), filter=dict(d.get("filter", {})), stats=dict(d.get("stats", {})))
-    return envs, refused, datasets
+    return envs, refused, datasets, tasks
 
 
 def envs() -> dict[str, EnvEntry]:
@@ -153,10 +172,23 @@ def refused() -> dict[str, str]:
     return dict(_load(catalog_root())[1])
 
 
+def suite_tasks(name: str) -> list[EnvEntry]:
+    """The tasks of a suite entry (``task_list``) in order, from its name or one of its tasks' ('' if none)."""
+    tasks = _load(catalog_root())[3]
+    base = tasks[name].name.rpartition("/")[0] if name in tasks else name
+    out, i = [], 0
+    while f"{base}/{i}" in tasks:
+        out.append(tasks[f"{base}/{i}"])
+        i += 1
+    return out
+
+
 def env(name: str) -> EnvEntry:
-    all_envs, refused_, _ = _load(catalog_root())
+    all_envs, refused_, _, tasks = _load(catalog_root())
     if name in all_envs:
         return all_envs[name]
+    if name in tasks:
+        return tasks[name]
     suite, _, task = name.lower().rpartition("/")
     for key in (name.lower(), f"{suite}/*", task, f"{task}-v1"):
         if key in refused_:

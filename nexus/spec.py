@@ -225,6 +225,13 @@ class EvalJob(_Spec):
     episodes: int = Field(4, ge=1)
     version: int | None = Field(None, ge=0, description="policy version to pin; default: current")
     deterministic: bool = True
+    protocol: Literal["episodes", "suite"] = Field(
+        "episodes", description="episodes: `episodes` seeded episodes in the tenant's env; suite: the standard "
+        "protocol over the tasks of the env's suite (LIBERO): per task one episode from each of its first "
+        "`initial_states` fixed initial states, the catalog's step limit, success per task and on average")
+    tasks: list[int] | None = Field(None, max_length=200, description="suite: the task indices (default: all)")
+    initial_states: int = Field(50, ge=1, le=50, description="suite: episodes per task (initial states 0..n-1; "
+                                "LIBERO has 50 per task)")
 
 
 JobSpec = Annotated[SFTJob | RLJob | EvalJob, Field(discriminator="kind")]

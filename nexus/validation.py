@@ -134,6 +134,21 @@ def external_schema(ext: ExternalEnv) -> TenantSchema:
                         instruction=ext.instruction)
 
 
+def _check_suite_eval(spec: TenantSpec, job: Any, limits: ServiceLimits | None) -> None:
+    """A suite evaluation needs a suite env (a catalog entry with a task list), known task indices, and its
+    episodes (tasks x initial states) within the tenant's evaluation quota."""
+    tasks = catalog.suite_tasks(spec.env or "")
+    if not tasks:
+        raise SpecError(f"tenant {spec.name!r}: protocol='suite' needs an env of a suite (e.g. 'libero/spatial'); "
+                        f"{spec.env!r} has no task list")
+    bad = [i for i in job.tasks or () if not 0 <= i < len(tasks)]
+    if bad:
+        raise SpecError(f"tasks {bad}: the suite of {spec.env!r} has tasks 0..{len(tasks) - 1}")
+    n = len(job.tasks or tasks) * job.initial_states
+    if limits is not None and n > limits.max_eval_episodes:
+        raise _over("tasks x initial_states", n, "max_eval_episodes", limits.max_eval_episodes)
+
+
 def validate_job(spec: TenantSpec, raw: dict[str, Any], limits: ServiceLimits | None = None,
                  active_evals: int = 0) -> Any:
     """Check a job against its tenant: RL and eval need an env, SFT a dataset (and, given ``limits``,
@@ -156,6 +171,8 @@ def validate_job(spec: TenantSpec, raw: dict[str, Any], limits: ServiceLimits | 
                            if spec.external is not None else ""))
     if job.kind == "sft" and not spec.dataset:
         raise SpecError(f"tenant {spec.name!r} has no dataset: an sft job needs one")
+    if job.kind == "eval" and job.protocol == "suite":
+        _check_suite_eval(spec, job, limits)
     if job.kind == "rl" and spec.action_head not in RL_ACTION_HEADS:
         heads = ", ".join(sorted(RL_ACTION_HEADS))
         raise SpecError(f"tenant {spec.name!r}: RL needs a Gaussian action head ({heads}); "

@@ -134,7 +134,8 @@ async def _rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **r
 
 
 async def _run_rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, **req: Any) -> RolloutResult:
-    r = RolloutRequest(tenant=t.setup(), env=t.spec.env or "", job=js.job_id, route=ctx.pool.route(t.name),
+    r = RolloutRequest(tenant=t.setup(), env=req.pop("env", None) or t.spec.env or "", job=js.job_id,
+                       route=ctx.pool.route(t.name),
                        datapath=ctx.datapath, **req)
     return await ctx.runtime.run(tasks.RUN_ROLLOUT, r, key=key, resources={"SIM": 1})
 
@@ -383,14 +384,22 @@ async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int
     role = producer_role(js.job_id)
     ctx.health.register(role, "rollout")
     js.progress.update(version=version, episodes=0)
-    n_tasks = min(spec.episodes, max(1, ctx.eval_fanout))
-    shares = even_shares(spec.episodes, n_tasks)
+    suite = spec.protocol == "suite"
+    # the suite protocol: part i is task i, its episodes reset with seeds 0..n-1 (initial states 0..n-1), at most
+    # eval_fanout tasks at once; otherwise the episodes split over eval_fanout parts in the tenant's env
+    task_envs = [e.name for e in catalog.suite_tasks(t.spec.env or "")] if suite else []
+    if suite:
+        task_envs = [task_envs[i] for i in spec.tasks] if spec.tasks is not None else task_envs
+    n_tasks = len(task_envs) if suite else min(spec.episodes, max(1, ctx.eval_fanout))
+    shares = [spec.initial_states] * n_tasks if suite else even_shares(spec.episodes, n_tasks)
+    fanout = asyncio.Semaphore(max(1, ctx.eval_fanout))
 
     async def chunk(i: int, offset: int, n: int) -> RolloutResult:
+        where = {"env": task_envs[i], "seed": 0} if suite else {"seed": 7_000_003 * (1 + t.spec.seed)}
         for attempt in range(ctx.rollout_attempts):
             key = f"nexus-eval-{js.job_id}-{i}-{offset}" + (f"-r{attempt}" if attempt else "")
             try:
-                out = await _rollout(ctx, t, js, key, episodes=n, seed=7_000_003 * (1 + t.spec.seed),
+                out = await _rollout(ctx, t, js, key, episodes=n, **where,
                                      offset=offset, deterministic=spec.deterministic, version=version)
                 ctx.health.progress(role)
                 return out
@@ -404,23 +413,33 @@ async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int
     async def part(i: int, n: int) -> list[RolloutResult]:
         """Part ``i``'s episodes in tasks of at most ``sim_task_episodes``, one after another: between two
         of them its SIM slot may go to another tenant (the fair share's preemption point)."""
-        start, outs = sum(shares[:i]), []
-        for offset in range(start, start + n, ctx.sim_task_episodes):
-            outs.append(await chunk(i, offset, min(ctx.sim_task_episodes, start + n - offset)))
-            js.progress["episodes"] = js.progress.get("episodes", 0) + outs[-1].stats["episodes"]
+        start, outs = 0 if suite else sum(shares[:i]), []
+        async with fanout:
+            for offset in range(start, start + n, ctx.sim_task_episodes):
+                outs.append(await chunk(i, offset, min(ctx.sim_task_episodes, start + n - offset)))
+                js.progress["episodes"] = js.progress.get("episodes", 0) + outs[-1].stats["episodes"]
         return outs
 
     await ctx.pool.pin(t.name, version, t.output_dir)
     parts = [_spawn(part(i, n)) for i, n in enumerate(shares)]
     try:
-        outs = [o for part_outs in await asyncio.gather(*parts) for o in part_outs]
+        by_part = await asyncio.gather(*parts)
     finally:
         await _cancel_all([p for p in parts if not p.done()])
         await ctx.pool.unpin(t.name, version)
         ctx.health.remove(role)
+    outs = [o for part_outs in by_part for o in part_outs]
     stats = merge_stats([o.stats for o in outs])
     versions_seen = sorted({v for o in outs for v in o.versions})
     report = {"tenant": t.name, "job": js.job_id, "version": version, "versions_seen": versions_seen, **stats}
+    if suite:  # the papers' table: success per task and the average over tasks
+        report["protocol"] = "suite"
+        entries = [catalog.env(name) for name in task_envs]
+        report["tasks"] = [{"task": e.options.get("task"), "env": e.name, "instruction": e.schema.instruction,
+                            "initial_states": list(range(spec.initial_states)),
+                            "max_episode_steps": e.max_episode_steps, **merge_stats([o.stats for o in p])}
+                           for e, p in zip(entries, by_part, strict=True)]
+        report["average_success_rate"] = sum(x["success_rate"] for x in report["tasks"]) / len(report["tasks"])
     report["report_path"] = await ctx.runtime.run(tasks.WRITE_EVAL_REPORT, t.output_dir, report,
                                                   key=f"nexus-evalreport-{js.job_id}", resources={"SIM": 1})
     ctx.log(js, {"success_rate": stats["success_rate"], "return": stats["mean_return"],

@@ -1,15 +1,17 @@
 """robosuite back-end (MuJoCo): Panda tabletop tasks, LIBERO's own engine and observation schema.
 
-LIBERO's scene assets cannot be had offline, so robosuite tasks (Lift, Stack, Door, ...) with
-LIBERO's camera pair (``agentview`` + ``robot0_eye_in_hand``) and 8-dim proprio state (eef position,
-eef axis-angle, gripper joints) stand in for it. robosuite 1.5.2 runs here in the same numpy-2
-environment (and process) as ManiSkill: installed ``--no-deps`` without ``mink``, ``mujoco==3.3.7``.
+robosuite tasks (Lift, Stack, Door, ...) with LIBERO's camera pair (``agentview`` +
+``robot0_eye_in_hand``) and 8-dim proprio state (eef position, eef axis-angle, gripper joints): the
+small, fast tasks beside LIBERO's own scenes (:mod:`nexus.simulators.libero`). robosuite 1.4.0 (the
+version LIBERO pins) runs here in the same numpy-2 environment (and process) as ManiSkill, with
+``mujoco==3.3.7``; its controllers are 1.4's single-arm ones (``load_controller_config``).
 
 Set-up facts this module encodes: offscreen rendering through EGL (``MUJOCO_GL=egl``, Mesa's
 software GL on CPU) chosen before MuJoCo is imported; OpenGL images come bottom-up and are flipped;
 numba's JIT cache is kept in a persistent folder, and a warm-up step at creation absorbs the first
 frame after a cold compile (it can be noise); episodes are seeded by reseeding robosuite's own
-generator in place (its placement samplers hold a reference to it).
+generator: robosuite 1.4 draws placements and initial joint noise from numpy's global generator,
+which is seeded for the reset and restored afterwards (nothing else in the process sees a change).
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from nexus.catalog import CatalogError, EnvEntry
 from nexus.features import Observation
 from nexus.simulators.base import EnvSchemaError, SimEnv, StepResult, check_observation
 
-# catalog control_mode -> robosuite arm part controller (inside the BASIC composite controller)
-CONTROLLERS = {"osc_pose": "OSC_POSE", "osc_position": "OSC_POSITION", "ik_pose": "IK_POSE",
-               "joint_position": "JOINT_POSITION"}
+# catalog control_mode -> robosuite 1.4 controller (IK_POSE is left out: it needs pybullet)
+CONTROLLERS = {"osc_pose": "OSC_POSE", "osc_position": "OSC_POSITION", "joint_position": "JOINT_POSITION"}
 AXISANGLE = "_axisangle"  # derived proprio key: "<prefix>_axisangle" from "<prefix>_quat" (xyzw)
 
 
@@ -38,17 +39,25 @@ def _prepare_process() -> None:
     os.environ.setdefault("NUMBA_CACHE_DIR", str(cache))
 
 
-def _controller(entry: EnvEntry, robot: str) -> dict[str, Any]:
-    from robosuite.controllers import load_composite_controller_config, load_part_controller_config
-    from robosuite.controllers.composite.composite_controller_factory import refactor_composite_controller_config
+def _controller(entry: EnvEntry) -> dict[str, Any]:
+    from robosuite.controllers import load_controller_config
 
     if entry.control_mode not in CONTROLLERS:
         raise CatalogError(f"env {entry.name!r}: control_mode {entry.control_mode!r} is not one of "
                            f"{sorted(CONTROLLERS)}")
-    if entry.control_mode == "osc_pose":
-        return load_composite_controller_config(controller=None, robot=robot)  # BASIC + OSC_POSE
-    part = load_part_controller_config(default_controller=CONTROLLERS[entry.control_mode])
-    return refactor_composite_controller_config(part, robot, ["right"])
+    return load_controller_config(default_controller=CONTROLLERS[entry.control_mode])
+
+
+def seeded(seed: int | None, fn, *args: Any) -> Any:
+    """``fn(*args)`` with numpy's global generator seeded (robosuite 1.4 draws from it), then restored."""
+    if seed is None:
+        return fn(*args)
+    saved = np.random.get_state()
+    np.random.seed(seed % 2**32)
+    try:
+        return fn(*args)
+    finally:
+        np.random.set_state(saved)
 
 
 def quat_to_axisangle(q: np.ndarray) -> np.ndarray:
@@ -59,6 +68,16 @@ def quat_to_axisangle(q: np.ndarray) -> np.ndarray:
     if den < 1e-8:
         return np.zeros(3, np.float32)
     return (q[:3] * 2.0 * np.arccos(w) / den).astype(np.float32)
+
+
+def clear_gripper_actions(env: Any) -> None:
+    """Zero the grippers' integrated actions: robosuite 1.4 keeps them across a soft reset (``hard_reset=False``),
+    so an episode would otherwise start with the last one's gripper command."""
+    for robot in env.robots:
+        grippers = robot.gripper.values() if isinstance(robot.gripper, dict) else [robot.gripper]
+        for g in grippers:
+            if hasattr(g, "current_action"):
+                g.current_action = np.zeros_like(g.current_action)
 
 
 class RobosuiteEnv(SimEnv):
@@ -75,16 +94,16 @@ class RobosuiteEnv(SimEnv):
         robot = options.pop("robots", "Panda")
         # a fixed model seed: object sizes are drawn once, at construction, so every instance (and every
         # sub-env of a vector env) has the same objects; episodes are seeded in reset()
-        options.setdefault("seed", 0)
+        model_seed = int(options.pop("seed", 0))
         cams = entry.schema.cameras
         try:
-            self._env = robosuite.make(
-                entry.env_id, robots=robot, controller_configs=_controller(entry, robot),
+            self._env = seeded(model_seed, lambda: robosuite.make(
+                entry.env_id, robots=robot, controller_configs=_controller(entry),
                 has_renderer=False, has_offscreen_renderer=bool(cams), use_camera_obs=bool(cams),
                 camera_names=[c.name for c in cams] or "agentview",
                 camera_heights=[c.height for c in cams] or 64, camera_widths=[c.width for c in cams] or 64,
                 reward_shaping=entry.reward_mode == "dense", control_freq=options.pop("control_freq", 20),
-                horizon=entry.max_episode_steps, ignore_done=True, hard_reset=False, **options)
+                horizon=entry.max_episode_steps, ignore_done=True, hard_reset=False, **options))
         except Exception as e:  # robosuite raises bare Exception / AssertionError for unknown names
             raise CatalogError(f"env {entry.name!r}: robosuite cannot make {entry.env_id!r}: {e}") from e
         low, high = self._env.action_spec
@@ -109,10 +128,10 @@ class RobosuiteEnv(SimEnv):
         return self._low, self._high
 
     def reset(self, seed: int | None = None) -> Observation:
-        if seed is not None:  # in place: the placement samplers keep a reference to this generator
-            self._env.rng.bit_generator.state = np.random.default_rng(seed).bit_generator.state
         self._t = 0
-        obs = self._observation(self._env.reset())
+        raw = seeded(seed, self._env.reset)
+        clear_gripper_actions(self._env)
+        obs = self._observation(raw)
         if not self._checked:
             check_observation(self.entry, obs, self.entry.proprio_keys)
             self._checked = True

@@ -34,6 +34,10 @@ def make_single(entry: EnvEntry, device: str = "cpu") -> Any:
         from nexus.simulators.robosuite import RobosuiteEnv
 
         return RobosuiteEnv(entry)
+    if entry.simulator == "libero":
+        from nexus.simulators.libero import LiberoEnv
+
+        return LiberoEnv(entry)
     from nexus.catalog import SIMULATORS, CatalogError
 
     raise CatalogError(f"env {entry.name!r}: unknown simulator {entry.simulator!r} (supported: "
