@@ -22,7 +22,7 @@ import time
 from typing import Annotated, Any
 
 import numpy as np
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
@@ -307,9 +307,4 @@ async def recorded_view(backend, tenant: str, wanted: int | None, timeout: float
     return view
 
 
-def add_env_routes(app: FastAPI, backend) -> None:
-    app.state.envs = EnvBackend(backend)
-    app.include_router(router)
-
-
-__all__ = ["EnvBackend", "add_env_routes", "router"]
+__all__ = ["EnvBackend", "router"]
