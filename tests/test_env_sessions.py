@@ -57,7 +57,7 @@ def svc(tmp_path_factory):
 
 
 def sessions(nx: Nexus, tenant: str) -> list[dict]:
-    return list(nx.internal("nexus_env_sessions", tenant=tenant))
+    return list(nx.service.internal("nexus_env_sessions", tenant=tenant))
 
 
 def metered_sim(nx: Nexus, tenant: str) -> float:
@@ -161,7 +161,7 @@ def test_a_vector_session_spread_over_two_workers_steps_like_one_on_one_worker(s
             return dask_worker.plugins[PLUGIN_NAME].sim.sessions.close(session, tenant)
 
         shard = row2["shards"][1]
-        nx.client.run(close_shard, session=row2["session"], tenant="a", workers=[shard["address"]])
+        nx.service.client.run(close_shard, session=row2["session"], tenant="a", workers=[shard["address"]])
         with pytest.raises(NotFound, match="no environment session"):
             v2.step(np.zeros((3, 4), np.float32))
         assert sessions(nx, "a") == []

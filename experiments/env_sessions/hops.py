@@ -89,17 +89,17 @@ def main() -> None:
         tenant = nx.create_tenant(TenantSpec(name="hops", env=args.env))
         venv = tenant.vector_env(args.env, num_envs=n, seed=0)
         sid = venv.session.id
-        (row,) = nx.client.sync(nx.client.scheduler.nexus_env_sessions, tenant="hops", session=sid)
+        (row,) = nx.service.client.sync(nx.service.client.scheduler.nexus_env_sessions, tenant="hops", session=sid)
         sim = row["address"]
         actions = np.zeros((n, venv.single_action_space.shape[0]), np.float32)
 
         def metered() -> float:
-            return nx.client.run(session_busy, session=sid, workers=[sim])[sim]
+            return nx.service.client.run(session_busy, session=sid, workers=[sim])[sim]
 
         async def direct_loop() -> float:
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                await call_sim(nx.client, sim, "step", plain=True, session=sid, tenant="hops",
+                await call_sim(nx.service.client, sim, "step", plain=True, session=sid, tenant="hops",
                                actions=actions.tobytes(), shape=list(actions.shape))
             return (time.perf_counter() - t0) / args.steps
 
@@ -113,9 +113,9 @@ def main() -> None:
                 out["client"] = (time.perf_counter() - t0) / args.steps
                 b1 = metered()
                 out["client_session"] = (b1 - b0) / args.steps
-                out["direct"] = nx.client.sync(direct_loop)
+                out["direct"] = nx.service.client.sync(direct_loop)
                 out["direct_session"] = (metered() - b1) / args.steps
-                out["worker_back_to_back"] = nx.client.run(lockstep_loop, args.env, n, args.steps,
+                out["worker_back_to_back"] = nx.service.client.run(lockstep_loop, args.env, n, args.steps,
                                                            workers=[sim])[sim]
                 out["here_back_to_back"] = lockstep_loop(args.env, n, args.steps)
                 out["here_paused"] = lockstep_loop(args.env, n, args.steps, args.pause_ms / 1000)

@@ -27,7 +27,6 @@ from gymnasium.vector.utils import batch_space
 
 from nexus.client.http import json_bytes
 from nexus.client.keepalive import KeepAlive, post_json
-from nexus.errors import NotSupported
 from nexus.inputs import decode_array
 
 
@@ -42,9 +41,6 @@ class EnvSession:
 
     def __init__(self, tenant, env: str, num_envs: int = 1, seed: int = 0, autoreset: bool = False) -> None:
         transport = tenant.nexus.transport
-        if transport is None:
-            raise NotSupported("environment sessions go through the tenant gateway: connect with "
-                               "Nexus('http://...', token=...) or Nexus.local()")
         self.transport, self.tenant = transport, tenant.name
         self.base = f"/v1/tenants/{quote(tenant.name, safe='')}/envs"
         self.info = transport.request("POST", self.base, tenant=self.tenant,
