@@ -8,8 +8,8 @@ field, what was expected and what came.
 One observation layout everywhere: ``{"state": [P], "images": {camera: uint8 [H, W, 3]}, "instruction": str}``
 (``images`` and ``instruction`` optional where the tenant has no camera / wants its own instruction): what
 ``predict`` takes, what an environment session answers (batched: a leading env axis), what an exported policy's
-``predict_action`` takes and what a dataset's rows give. Only Stable-Baselines3, which takes no nested ``Dict``,
-sees it flattened (:func:`flat_observation`: ``images.<camera>`` keys).
+``predict_action`` takes and what a dataset yields (``OfflineDataset.rows``). Only Stable-Baselines3, which
+takes no nested ``Dict``, sees it flattened (:func:`flat_observation`: ``images.<camera>`` keys).
 
 Arrays arrive as numpy arrays, nested lists of numbers, or the wire form of :func:`encode_array`
 (``{"dtype", "shape", "b64"}``: exact and compact in JSON).
