@@ -41,8 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from nexus.config import ServiceConfig
+from nexus.engine_client import EngineClient, EngineHandle
 from nexus.errors import Conflict, NotFound
 from nexus.gateway.auth import read_gateway_url, read_operator_token
+from nexus.messages import EngineEndpoint
 from nexus.paths import FILE_MODE, harden_process, private_mkdir
 from nexus.processes import gateway_command, role_env, role_of, scheduler_command, service_env, worker_command
 from nexus.tls import ensure_certificates, security
@@ -164,9 +166,6 @@ class InternalAccess:
 
     def engine(self, index: int = 0):
         """The ``index``-th serving inference engine (``engine(0).engine_stats().result()``)."""
-        from nexus.engine_client import EngineHandle
-        from nexus.messages import EngineEndpoint
-
         engines = self.internal("nexus_engines")
         if index >= len(engines):
             raise NotFound(f"no inference engine {index}: {len(engines)} serve")
@@ -175,8 +174,6 @@ class InternalAccess:
     def predictor(self):
         """Action requests straight to each tenant's engine (re-routed when an engine drains or is lost)."""
         if self._predictor is None:
-            from nexus.engine_client import EngineClient
-
             self._predictor = EngineClient(self.client)
         return self._predictor
 
