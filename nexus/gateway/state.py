@@ -80,7 +80,6 @@ class StrictBody(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-
 class PredictBody(StrictBody):
     observation: dict[str, Any] = Field(description="state [proprio_dim], images {camera: uint8 [H, W, 3]}, "
                                                     "instruction")
@@ -89,7 +88,6 @@ class PredictBody(StrictBody):
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="a reproducible sample (deterministic=false): "
                                                                   "sample j of n draws with seed + j")
     n: int = Field(1, ge=1, le=64, description="samples of the action (deterministic=false): actions, logprobs")
-
 
 
 class Gateway:

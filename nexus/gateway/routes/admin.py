@@ -16,7 +16,6 @@ class ScaleBody(StrictBody):
     engines: int = Field(ge=1, le=64, description="inference engines to run")
 
 
-
 router = APIRouter()
 
 

@@ -36,7 +36,6 @@ class StateBody(StrictBody):
     name: str = Field(min_length=1, max_length=64, description="the saved state's name (letters, digits, . - _)")
 
 
-
 router = APIRouter()
 
 

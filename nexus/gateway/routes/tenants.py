@@ -26,7 +26,6 @@ class ExportBody(StrictBody):
                                          "name no path outside it, the operator token may")
 
 
-
 router = APIRouter()
 
 
