@@ -16,7 +16,7 @@ import numpy as np
 
 from nexus.algorithms.grpo import group_advantages
 from nexus.client.api import Nexus
-from nexus.features import Observation
+from nexus.client.envs import unbatch
 from nexus.spec import TenantSpec
 
 ENV = "maniskill/pushcube-state"
@@ -30,11 +30,12 @@ def run(nx: Nexus, tenant: str = "grpo", iterations: int = 5, group: int = 4, ma
             obs = envs.reset(seed=[1000 + it] * group)[0]  # one start for the whole group
             steps, returns, alive = [], np.zeros(group), np.ones(group, bool)
             for _ in range(max_steps):
-                outs = t.predict_batch([Observation(state=s) for s in obs["state"]]).result()
+                rows = unbatch(obs)  # one observation per env, each as predict takes it
+                outs = t.predict_batch(rows).result()
                 actions = np.stack([o["action"] for o in outs])
                 nxt, rew, term, trunc, _ = envs.step(np.clip(actions, -1.0, 1.0))
                 for i in np.flatnonzero(alive):
-                    steps.append((i, Observation(state=obs["state"][i]), actions[i], outs[i]["logprob"]))
+                    steps.append((i, rows[i], actions[i], outs[i]["logprob"]))
                 returns += rew * alive
                 alive &= ~(term | trunc)  # an ended env keeps stepping (autoreset) but no longer counts
                 obs = nxt

@@ -38,10 +38,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from nexus.config import ServiceConfig
-from nexus.errors import Conflict
+from nexus.engine_client import EngineClient, EngineHandle
+from nexus.errors import Conflict, NotFound
 from nexus.gateway.auth import read_gateway_url, read_operator_token
+from nexus.messages import EngineEndpoint
 from nexus.paths import FILE_MODE, harden_process, private_mkdir
 from nexus.processes import gateway_command, role_env, role_of, scheduler_command, service_env, worker_command
 from nexus.tls import ensure_certificates, security
@@ -136,7 +139,55 @@ def _child_setup() -> None:
     harden_process()
 
 
-class LocalService:
+class InternalAccess:
+    """The service-internal Dask connection, for the process that started the service only (its operator, tests):
+    scheduler handlers by name, the inference engines directly. Tenants, the Python client and the CLI reach
+    the service through the gateway (``nexus.client.api.Nexus``); nothing here is part of that contract."""
+
+    address: str | None
+    config: ServiceConfig
+    _client: Any = None
+    _predictor: Any = None
+
+    @property
+    def client(self):
+        """The Dask client of the service's scheduler (made on first use, closed with the service)."""
+        if self._client is None:
+            if self.address is None:
+                raise Conflict("the service is not running: no Dask connection")
+            from distributed import Client
+
+            self._client = Client(self.address, timeout=60, set_as_default=False, security=security(self.config))
+        return self._client
+
+    def internal(self, handler: str, **kwargs: Any) -> Any:
+        """A scheduler handler (``nexus_status``, ``nexus_env_sessions``, …) over the Dask connection."""
+        return self.client.sync(getattr(self.client.scheduler, handler), **kwargs)
+
+    def engine(self, index: int = 0):
+        """The ``index``-th serving inference engine (``engine(0).engine_stats().result()``)."""
+        engines = self.internal("nexus_engines")
+        if index >= len(engines):
+            raise NotFound(f"no inference engine {index}: {len(engines)} serve")
+        return EngineHandle(self.client, EngineEndpoint.from_dict(engines[index]))
+
+    def predictor(self):
+        """Action requests straight to each tenant's engine (re-routed when an engine drains or is lost)."""
+        if self._predictor is None:
+            self._predictor = EngineClient(self.client)
+        return self._predictor
+
+    @property
+    def dashboard_link(self) -> str:
+        return self.client.dashboard_link
+
+    def close_client(self, timeout: float | None = None) -> None:
+        client, self._client, self._predictor = self._client, None, None
+        if client is not None:
+            client.close(timeout=timeout) if timeout is not None else client.close()
+
+
+class LocalService(InternalAccess):
     def __init__(self, config: ServiceConfig, n_sim: int | None = None, dashboard_address: str | None = None,
                  memory_limit: str | None = None, n_infer: int | None = None, *,
                  slots: dict[str, int] | None = None, devices: dict[str, int] | None = None,
@@ -253,6 +304,7 @@ class LocalService:
         return self.n_sim + self.config.actor_ranks + self.n_infer + int(self.config.resolved_tracker_worker())
 
     def stop(self) -> None:
+        self.close_client()
         self._end_sessions()
         for p in reversed(self.procs):  # workers first, scheduler last
             try:

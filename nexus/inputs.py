@@ -5,6 +5,12 @@ low-level ops, the inference engine), so a bad datum never becomes a raw numpy /
 in a tenant's weights. Every refusal is a :class:`nexus.errors.SpecError` whose message names the
 field, what was expected and what came.
 
+One observation layout everywhere: ``{"state": [P], "images": {camera: uint8 [H, W, 3]}, "instruction": str}``
+(``images`` and ``instruction`` optional where the tenant has no camera / wants its own instruction): what
+``predict`` takes, what an environment session answers (batched: a leading env axis), what an exported policy's
+``predict_action`` takes and what a dataset yields (``OfflineDataset.rows``). Only Stable-Baselines3, which
+takes no nested ``Dict``, sees it flattened (:func:`flat_observation`: ``images.<camera>`` keys).
+
 Arrays arrive as numpy arrays, nested lists of numbers, or the wire form of :func:`encode_array`
 (``{"dtype", "shape", "b64"}``: exact and compact in JSON).
 """
@@ -37,6 +43,25 @@ BATCH_FIELDS = {
 GRPO_FIELDS = tuple(GRPOConfig.model_fields)
 MAX_ELEMENTS = 1 << 26  # one array of a request: 64 Mi elements, far above any real observation
 MAX_ABS = 1e6  # states, actions and RL fields: larger magnitudes overflow float32 losses (x**2 > 3.4e38)
+
+
+FLAT_IMAGE_PREFIX = "images."  # flat_observation's camera keys
+
+
+def flat_observation(obs: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"state", "images": {cam: a}}`` -> ``{"state", "images.<cam>": a}`` (SB3's ``MultiInputPolicy`` takes no
+    nested ``Dict``); the instruction, a string, is left out."""
+    return {"state": obs["state"], **{f"{FLAT_IMAGE_PREFIX}{c}": v for c, v in (obs.get("images") or {}).items()}}
+
+
+def nested_observation(obs: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`flat_observation` (an observation already nested passes as it is)."""
+    flat = [k for k in obs if isinstance(k, str) and k.startswith(FLAT_IMAGE_PREFIX)]
+    if not flat:
+        return dict(obs)
+    out = {k: v for k, v in obs.items() if k not in flat}
+    out["images"] = {**(out.get("images") or {}), **{k.removeprefix(FLAT_IMAGE_PREFIX): obs[k] for k in flat}}
+    return out
 
 
 def encode_array(a: Any) -> dict[str, Any]:

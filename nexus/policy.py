@@ -54,6 +54,7 @@ from nexus.data.policy_files import (
 )
 from nexus.errors import Conflict, NotFound, SpecError
 from nexus.features import Observation, TenantSchema
+from nexus.inputs import check_observation, nested_observation
 from nexus.model.backbone import BackboneConfig, SharedBackbone
 from nexus.model.framework import VLAFramework
 from nexus.model.layers import PROPRIO_SCALE
@@ -282,7 +283,9 @@ class ExportedPolicy:
         import numpy as np
         import torch
 
-        obs = [o if isinstance(o, Observation) else as_observation(o) for o in observations]
+        # a dict is checked as the service's predict checks it (the one observation layout, the same errors)
+        obs = [o if isinstance(o, Observation) else check_observation(o, self.schema, field=f"observations[{i}]")
+               for i, o in enumerate(observations)]
         feats = [self.framework.preprocess(self.tenant, o) for o in obs]
         (idx, cond), = self.framework.group_features([(self.tenant, f) for f in feats]).values()
         proprio = torch.as_tensor(np.stack([feats[i].proprio for i in idx]))
@@ -301,30 +304,21 @@ class ExportedPolicy:
     def predict(self, observation: dict[str, Any], state: Any = None, episode_start: Any = None,
                 deterministic: bool = True) -> tuple[Any, Any]:
         """Stable-Baselines3's ``predict(obs) -> (action, state)``: ``observation`` as a service env gives it
-        (``nexus.client.envs``: ``state`` and ``image.<camera>``, one observation or a batch); the actions are
-        clipped to the service's action bounds [-1, 1]. The policy keeps no recurrent state (``state`` passes
-        through), so ``evaluate_policy(policy, env)`` works on it."""
+        (``nexus.client.envs``: ``state`` and ``images``, one observation or a batch; or SB3's flattened form,
+        :func:`nexus.inputs.flat_observation`); the actions are clipped to the service's action bounds [-1, 1].
+        The policy keeps no recurrent state (``state`` passes through), so ``evaluate_policy(policy, env)``
+        works on it."""
         import numpy as np
 
+        observation = nested_observation(observation)
         states = np.asarray(observation["state"], np.float32)
         single = states.ndim == 1
         rows = states[None] if single else states
-        cams = {k.removeprefix("image."): np.asarray(v) for k, v in observation.items() if k.startswith("image.")}
+        cams = {c: np.asarray(v) for c, v in (observation.get("images") or {}).items()}
         obs = [Observation(state=rows[i], images={c: (v if single else v[i]) for c, v in cams.items()},
                            instruction=self.schema.instruction) for i in range(len(rows))]
         actions = np.clip(np.stack([o["action"] for o in self.predict_actions(obs, deterministic)]), -1.0, 1.0)
         return (actions[0] if single else actions), state
-
-
-def as_observation(d: dict[str, Any]) -> Observation:
-    """``{"state": [...], "images": {camera: uint8 HxWx3}, "instruction": str}`` -> :class:`Observation`."""
-    import numpy as np
-
-    if "state" not in d:
-        raise SpecError(f"an observation needs a 'state' (got keys {sorted(d)})")
-    images = {k: np.asarray(v, dtype=np.uint8) for k, v in (d.get("images") or {}).items()}
-    return Observation(state=np.asarray(d["state"], dtype=np.float32), images=images,
-                       instruction=str(d.get("instruction") or ""))
 
 
 def load(path: str | Path, *, device: str = "cpu", backbone_path: str | None = None,

@@ -127,6 +127,15 @@ def validate_tenant(raw: dict[str, Any] | TenantSpec,
     return spec, schema
 
 
+def schema_of(spec: TenantSpec) -> TenantSchema:
+    """The observation schema of a validated spec's data: its env's, its own env's, else its dataset's."""
+    if spec.env is not None:
+        return catalog.env(spec.env).schema
+    if spec.external is not None:
+        return external_schema(spec.external)
+    return catalog.dataset(spec.dataset).schema  # type: ignore[arg-type]
+
+
 def external_schema(ext: ExternalEnv) -> TenantSchema:
     """The observation schema of a tenant's own environment."""
     return TenantSchema(proprio_dim=ext.proprio_dim, action_dim=ext.action_dim,

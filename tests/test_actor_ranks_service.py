@@ -52,7 +52,7 @@ def _restores(nx: Nexus, tenant: str) -> list[dict]:
 
 def _actor_slots(nx: Nexus) -> dict[str, dict]:
     names = {w["address"]: w["name"] for w in nx.status()["workers"]}
-    return {names[a]: s for a, s in nx.client.run(slot_states).items() if names.get(a, "").startswith("actor-")}
+    return {names[a]: s for a, s in nx.service.client.run(slot_states).items() if names.get(a, "").startswith("actor-")}
 
 
 def test_two_ranks_form_one_group_bound_to_the_service_host(nx):

@@ -44,6 +44,17 @@ def http_port():
     server.shutdown()
 
 
+@pytest.fixture(scope="module")
+def silent_port():
+    """A port that accepts connections (the kernel's backlog) and never answers: a request waits on it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        yield s.getsockname()[1]
+
+
 def test_no_service_at_root(tmp_path):
     r = nexus("status", "--root", str(tmp_path))
     one_line_error(r, 3, "is `nexus up` running?", str(tmp_path / "gateway"))
@@ -74,21 +85,18 @@ def test_an_http_port_that_is_not_a_gateway_is_refused(http_port):
     one_line_error(r, 3, "is not a JoyNexus gateway", f"--address http://127.0.0.1:{http_port}")
 
 
-def test_dead_address_fails_within_the_stated_timeout(tmp_path):
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = nexus("list", "--address", f"tcp://127.0.0.1:{port}", "--timeout", "2")
-    one_line_error(r, 3, "within 2 s", "is `nexus up` running?", f"--address tcp://127.0.0.1:{port}")
+def test_a_dask_address_is_refused_with_the_gateway_hint(http_port):
+    # the CLI speaks the HTTP API only: the scheduler's address is the service's own, never a client's door
+    r = nexus("list", "--address", f"tcp://127.0.0.1:{http_port}", "--timeout", "2")
+    one_line_error(r, 1, "give the gateway URL", f"tcp://127.0.0.1:{http_port}")
 
 
-def test_a_port_that_is_not_a_scheduler_does_not_hang(http_port):
+def test_a_silent_port_fails_within_the_stated_timeout_and_debug_shows_the_traceback(silent_port):
     # (a hang would end in subprocess.TimeoutExpired: the dashboard port once hung the CLI past 400 s)
-    r = nexus("status", "--address", f"tcp://127.0.0.1:{http_port}", "--timeout", "2", timeout=60)
-    one_line_error(r, 3, f"tcp://127.0.0.1:{http_port} within 2 s")
-    debug = nexus("--debug", "status", "--address", f"tcp://127.0.0.1:{http_port}", "--timeout", "1", timeout=30)
+    r = nexus("status", "--address", f"http://127.0.0.1:{silent_port}", "--token", "x", "--timeout", "2", timeout=60)
+    one_line_error(r, 3, f"http://127.0.0.1:{silent_port} within 2 s")
+    debug = nexus("--debug", "status", "--address", f"http://127.0.0.1:{silent_port}", "--token", "x", "--timeout",
+                  "1", timeout=30)
     assert debug.returncode != 0 and "Traceback" in debug.stderr  # --debug shows it
 
 
@@ -103,16 +111,16 @@ def _wait_until_connecting(pid: int, port: int, timeout_s: float = 60.0) -> None
     raise AssertionError(f"the CLI (pid {pid}) opened no connection to port {port} within {timeout_s:g} s")
 
 
-def test_ctrl_c_is_one_line(http_port):
+def test_ctrl_c_is_one_line(silent_port):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # as from a terminal: a runner started in the background (`make test &`, some CI) ignores SIGINT and its
     # children inherit that, so the CLI's process gets Python's handler back before the CLI runs
     as_terminal = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
                    "sys.argv[0] = 'nexus'; runpy.run_module('nexus.client.cli', run_name='__main__')")
     proc = subprocess.Popen([sys.executable, "-c", as_terminal, "status", "--address",
-                             f"tcp://127.0.0.1:{http_port}", "--timeout", "60"], stderr=subprocess.PIPE, text=True,
-                            env=env)
-    _wait_until_connecting(proc.pid, http_port)  # imported and waiting on the connection (a cold import is slow)
+                             f"http://127.0.0.1:{silent_port}", "--token", "x", "--timeout", "60"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    _wait_until_connecting(proc.pid, silent_port)  # imported and waiting on the connection (a cold import is slow)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err

@@ -40,7 +40,7 @@ def test_two_tenants_k_envs_groups_and_rows_reach_their_own_envs(nx, tiny_backbo
     specs = [TenantSpec(name=f"push-{i}", env="maniskill/pushcube-state", action_dim=4, seed=21 + i,
                         hidden_dim=64) for i in range(2)]
     tenants = [nx.create_tenant(s) for s in specs]
-    engine = nx.engine()
+    engine = nx.service.engine()
     engine.reset_stats().result()
     jobs = [t.rl(updates=2, episodes_per_batch=K, collectors=1) for t in tenants]
     results = [j.result(timeout=900) for j in jobs]
@@ -57,7 +57,7 @@ def test_two_tenants_k_envs_groups_and_rows_reach_their_own_envs(nx, tiny_backbo
         assert r["rtt_s"] >= r["compute_s"] and r["messaging_s"] >= 0
 
     nx.flush()
-    split = nx.call("nexus_monitoring")["simulator_split"]
+    split = nx.monitoring()["simulator_split"]
     assert all(split[s.name]["sim_s"] > 0 and split[s.name]["action_wait_s"] > 0 for s in specs)
 
     # every stored row's logprob/value/feature is that row's own observation under its own tenant's
@@ -81,7 +81,7 @@ def test_two_tenants_k_envs_groups_and_rows_reach_their_own_envs(nx, tiny_backbo
         assert len(np.unique(arrays["state"][:, :3].round(4), axis=0)) > K  # the envs really differ
     for spec, tenant in zip(specs, tenants, strict=True):  # the batches carried features; updates used them
         out = TenantOutputDir(tenant.info["output_dir"])
-        hist = nx.call("nexus_tenant_log", tenant=spec.name)["jobs"][-1]["history"]
+        hist = nx.tenant_log(spec.name)["jobs"][-1]["history"]
         assert [h["cached_features"] for h in hist if "cached_features" in h] == [1.0, 1.0]
 
 
@@ -101,9 +101,9 @@ def test_lazy_sync_and_an_eval_pinned_mid_sft_sees_exactly_its_version(nx, tiny_
     assert res["version"] == 32 > pinned  # versions count every optimizer step
 
     nx.flush()
-    ws = nx.call("nexus_monitoring")["weight_sync"]["sft-lazy"]
+    ws = nx.monitoring()["weight_sync"]["sft-lazy"]
     assert ws["count"] == 2, ws  # one push per SFT job (its end), not one per step (32)
-    engine = nx.engine()
+    engine = nx.service.engine()
     assert engine.versions().result()["live"]["sft-lazy"] == t.version == 32  # the end pushed the last head
 
     # a pinned version answers with exactly that version's head

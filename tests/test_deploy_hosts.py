@@ -37,7 +37,7 @@ def _roles(nx: Nexus) -> dict[str, dict]:
 
 
 def _sim_spans(nx: Nexus, tenant: str) -> list[dict]:
-    spans = nx.call("nexus_monitoring", since=0.0)["spans"]
+    spans = nx.monitoring(since=0.0)["spans"]
     return [s for s in spans if s["service"] == "simulator" and s["tenant"] == tenant]
 
 

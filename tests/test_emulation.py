@@ -616,7 +616,7 @@ def nx(tmp_path_factory):
 def _run(nx, policy: str) -> tuple[float, float, dict]:
     from nexus.config import Scheduler
 
-    nx.internal("nexus_set_scheduler", scheduler=Scheduler.load(policy).model_dump())
+    nx.service.internal("nexus_set_scheduler", scheduler=Scheduler.load(policy).model_dump())
     t0 = time.time()
     handles = {"emu-lift": nx.tenant("emu-lift").rl(updates=2, episodes_per_batch=4, collectors=2),
                "emu-push": nx.tenant("emu-push").rl(updates=2, episodes_per_batch=4, collectors=2),
@@ -634,7 +634,7 @@ def _outcome(res: dict) -> dict:
 
 
 def test_emulated_service_runs_the_real_plugin_and_accounts_per_device(nx):
-    info = nx.client.scheduler_info()["workers"]
+    info = nx.service.client.scheduler_info()["workers"]
     resources = sorted(tuple(sorted(i["resources"].items())) for i in info.values())
     # one worker per service holding its devices, and the tracker's own (cluster.tracker_worker: an emulated
     # service's default)
@@ -645,14 +645,14 @@ def test_emulated_service_runs_the_real_plugin_and_accounts_per_device(nx):
         p = dask_scheduler.plugins["nexus"]
         return type(p).__module__, type(p.master.queue).__module__, type(p.master.pool).__module__
 
-    assert nx.client.run_on_scheduler(plugin_kind) == (
+    assert nx.service.client.run_on_scheduler(plugin_kind) == (
         "nexus.control.plugin", "nexus.control.queues", "nexus.control.engines")  # no second scheduler
 
     def host_kind(dask_worker):
         p = dask_worker.plugins["nexus"]
         return type(p.actor).__name__ if p.actor is not None else [type(e.engine).__name__ for e in p.engines.values()]
 
-    kinds = sorted(str(v) for v in nx.client.run(host_kind).values())
+    kinds = sorted(str(v) for v in nx.service.client.run(host_kind).values())
     assert "EmulatedActorHost" in kinds and "['EmulatedEngine', 'EmulatedEngine']" in kinds
 
     def seam(dask_worker):  # each worker's devices are the emulator's, installed in the one seam by its preload
@@ -660,7 +660,7 @@ def test_emulated_service_runs_the_real_plugin_and_accounts_per_device(nx):
 
         return type(devices.installed()).__module__
 
-    assert set(nx.client.run(seam).values()) == {"nexus.emulator.worker"}
+    assert set(nx.service.client.run(seam).values()) == {"nexus.emulator.worker"}
     assert (nx.service.root / "emulator.json").exists() and "emulation" not in nx.service.config.model_dump()
 
     t0, t1, res = _run(nx, "fifo")
@@ -671,16 +671,16 @@ def test_emulated_service_runs_the_real_plugin_and_accounts_per_device(nx):
     # the tracker's host work (MLflow, plots) stayed off the workers carrying the emulated devices: on its own
     # worker, which the OS runs after theirs
     assert {r["role"]: r for r in nx.status()["roles"]}["tracker"]["worker"] == "tracker-0"
-    nice = {info[a]["name"]: n for a, n in nx.client.run(os.getpriority, os.PRIO_PROCESS, 0).items()}
+    nice = {info[a]["name"]: n for a, n in nx.service.client.run(os.getpriority, os.PRIO_PROCESS, 0).items()}
     assert nice["tracker-0"] == min(nice["actor-0"] + TRACKER_NICE, 19) and nice["actor-0"] == nice["infer-0"], nice
     st = nx.status(limit=100)
     assert set(st["training_queue"]["delay_s"]) >= {"emu-lift", "emu-push", "emu-sft"}  # the real queue ran them
     reasons = {}
     for i in range(2):
-        reasons.update(nx.engine(i).engine_stats().result()["reasons"])
+        reasons.update(nx.service.engine(i).engine_stats().result()["reasons"])
     assert reasons and set(reasons) <= {"full", "all_waiting", "none_expected", "timeout"}  # the real batcher
 
-    acc = nx.internal("nexus_accounting", t0=t0, t1=t1)
+    acc = nx.service.internal("nexus_accounting", t0=t0, t1=t1)
     assert {s: r["slots"] for s, r in acc["services"].items()} == {"actor": 2, "inference": 2, "simulator": 4}
     for service, row in acc["services"].items():
         assert row["device_s"] == pytest.approx(row["slots"] * acc["wall_s"])
@@ -708,7 +708,7 @@ def test_a_short_emulated_run_is_deterministic_for_a_fixed_seed(nx):
         # a job's 'return' / 'success_rate' are its last batch's, and which of the two collectors' batches
         # comes last is a matter of timing: the batches' draws are compared as a set, the totals as they are
         last = {k: out.pop(k) for k in ("return", "mean_return", "success_rate") if k in out}
-        history = nx.call("nexus_tenant_log", tenant=name)["jobs"][0]["history"]
+        history = nx.tenant_log(name)["jobs"][0]["history"]
         batches = sorted((h["return"], h["success_rate"]) for h in history if h["kind"] == "rollout")
         assert (last["return"], last["success_rate"]) in batches
         outs[name] = {**out, "batches": batches}
@@ -723,7 +723,7 @@ def test_the_isolated_policy_really_isolates_on_emulated_devices(nx):
     views = sorted(res["views"].values(), key=lambda v: v["t_start"])
     for a, b in itertools.pairwise(views):
         assert a["t_end"] <= b["t_start"] + 1e-3, (a, b)  # one tenant after the other
-    spans = [s for s in nx.call("nexus_monitoring", since=t0)["spans"] if s["t0"] >= t0]
+    spans = [s for s in nx.monitoring(since=t0)["spans"] if s["t0"] >= t0]
     assert all("+" not in s["tenant"] for s in spans)  # no forward mixed two tenants
     by_tenant = {tn: [s for s in spans if s["tenant"] == tn] for tn in {s["tenant"] for s in spans}}
     assert set(by_tenant) == {"emu-lift", "emu-push", "emu-sft"}
@@ -739,11 +739,11 @@ def test_the_elastic_policy_splits_an_rl_batch_over_simulators_and_keeps_its_epi
 
     got = {}
     for pol in ("priority", "elastic"):
-        nx.internal("nexus_set_scheduler", scheduler=Scheduler.load(pol).model_dump())
+        nx.service.internal("nexus_set_scheduler", scheduler=Scheduler.load(pol).model_dump())
         t0 = time.time()
         out = nx.tenant("emu-push").rl(updates=1, episodes_per_batch=8, collectors=1).result(timeout=300)
         nx.flush()
-        spans = [s for s in nx.call("nexus_monitoring", since=t0)["spans"]
+        spans = [s for s in nx.monitoring(since=t0)["spans"]
                  if s["service"] == "simulator" and s["t0"] >= t0 - 1e-3]
         got[pol] = (out["episodes"], out["env_steps"], len(spans), spans)
     assert got["priority"][:3] == (8, 800, 1)
@@ -811,7 +811,7 @@ def test_a_simulator_device_shared_by_two_producers_steps_one_at_a_time(tmp_path
 
     emu = {**EMU, "devices": {"actor": 1, "inference": 1, "simulator": 1}, "producers_per_sim": 2}
     with local(tmp_path / "svc", emulation=emu, scheduler="fifo", datapath={"envs_per_producer": 4}) as nx:
-        info = nx.client.scheduler_info()["workers"]
+        info = nx.service.client.scheduler_info()["workers"]
         assert sorted(tuple(sorted(i["resources"].items())) for i in info.values()) == [
             (("ACTOR", 1),), (("INFER", 1),), (("SIM", 2),), (("TRACK", 1),)]
         nx.create_tenant(TenantSpec(name="pair", env="robosuite/lift-state", action_dim=7, hidden_dim=32, seed=3))
@@ -820,10 +820,10 @@ def test_a_simulator_device_shared_by_two_producers_steps_one_at_a_time(tmp_path
         t1 = time.time()
         nx.flush()
         assert out["episodes"] == 8
-        acc = nx.internal("nexus_accounting", t0=t0, t1=t1)
+        acc = nx.service.internal("nexus_accounting", t0=t0, t1=t1)
         sim = acc["services"]["simulator"]
         assert sim["slots"] == 1 and list(sim["busy_per_slot_s"]) == ["sim-0"], sim  # one device, not two
-        rollouts = [s for s in nx.call("nexus_monitoring", since=t0)["spans"]
+        rollouts = [s for s in nx.monitoring(since=t0)["spans"]
                     if s["service"] == "simulator" and s["t0"] >= t0 - 1e-3]
         assert len(rollouts) == 2 and {s["worker"] for s in rollouts} == {"sim-0"}, rollouts
         a, b = sorted(rollouts, key=lambda s: s["t0"])
@@ -850,12 +850,12 @@ def test_an_idle_actor_or_engine_lends_its_device_to_a_busy_simulator_and_keeps_
         t1 = time.time()
         nx.flush()
         assert out["updates"] == 4 and out["episodes"] == 16
-        spans = [s for s in nx.call("nexus_monitoring", since=t0)["spans"] if s["t0"] >= t0 - 1e-3]
+        spans = [s for s in nx.monitoring(since=t0)["spans"] if s["t0"] >= t0 - 1e-3]
         rollouts = [s for s in spans if s["service"] == "simulator"]
         updates = [s for s in spans if s["service"] == "actor"]
         lent = sum(s["lent_s"] for s in rollouts)
         assert len(updates) == 4 and 0 < lent < sum(s["sim_s"] for s in rollouts), rollouts
-        acc = nx.internal("nexus_accounting", t0=t0, t1=t1)
+        acc = nx.service.internal("nexus_accounting", t0=t0, t1=t1)
         assert acc["services"]["actor"]["busy_s"] == pytest.approx(sum(s["t1"] - s["t0"] for s in updates), rel=1e-6)
         assert acc["services"]["simulator"]["slots"] == 1  # the lent device is still the actor's or engine's slot
         forwards = [s for s in spans if s["service"] == "inference"]

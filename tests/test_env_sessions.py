@@ -57,7 +57,7 @@ def svc(tmp_path_factory):
 
 
 def sessions(nx: Nexus, tenant: str) -> list[dict]:
-    return list(nx.internal("nexus_env_sessions", tenant=tenant))
+    return list(nx.service.internal("nexus_env_sessions", tenant=tenant))
 
 
 def metered_sim(nx: Nexus, tenant: str) -> float:
@@ -102,6 +102,34 @@ def test_vector_env_autoresets_at_the_episode_limit(svc):
         np.testing.assert_array_equal(again["state"][1:], obs2["state"][1:])  # unmasked envs keep their episode
 
 
+def test_an_env_observation_goes_as_it_is_to_predict_and_to_an_exported_policy(svc, tmp_path):
+    """One observation layout: what an env session answers (a camera env here) is what ``predict`` (through the
+    gateway), ``predict_batch`` and an exported policy's ``predict_action`` take, unconverted."""
+    import nexus.policy
+    from nexus.client.envs import unbatch
+
+    cam_env = "maniskill/pickcube-rgb"
+    t = svc["nx"].create_tenant(TenantSpec(name="cam", env=cam_env, hidden_dim=32))
+    with t.env(cam_env, seed=1) as env:
+        obs, _ = env.reset(seed=3)
+        assert set(obs) == {"state", "images"} and obs["images"]["base_camera"].shape == (64, 64, 3)
+        assert env.observation_space.contains(obs)
+        served = t.predict_action(obs).result()
+        assert served["action"].shape == (env.action_space.shape[0],) and np.isfinite(served["action"]).all()
+        obs2, *_ = env.step(np.clip(served["action"], -1, 1))
+        assert t.predict_action(obs2).result()["action"].shape == served["action"].shape
+    with t.vector_env(cam_env, num_envs=2, seed=5) as venv:
+        batch, _ = venv.reset()
+        assert batch["images"]["base_camera"].shape == (2, 64, 64, 3)
+        outs = t.predict_batch(unbatch(batch), deterministic=True).result()
+        assert len(outs) == 2 and all(np.isfinite(o["action"]).all() for o in outs)
+    t.export(None, tmp_path / "policy")
+    policy = nexus.policy.load(tmp_path / "policy")
+    np.testing.assert_allclose(policy.predict_action(obs)["action"], served["action"], atol=1e-4)
+    with pytest.raises(SpecError, match="unknown field"):  # the old flat layout is refused, as by predict
+        policy.predict_action({"state": obs["state"], "image.base_camera": obs["images"]["base_camera"]})
+
+
 def test_a_vector_session_spread_over_two_workers_steps_like_one_on_one_worker(svc):
     nx, spread, solo = svc["nx"], svc["t"]["a"], svc["t"]["solo"]
     with spread.vector_env(PUSH, num_envs=3, seed=4) as v2, solo.vector_env(PUSH, num_envs=3, seed=4) as v1:
@@ -133,7 +161,7 @@ def test_a_vector_session_spread_over_two_workers_steps_like_one_on_one_worker(s
             return dask_worker.plugins[PLUGIN_NAME].sim.sessions.close(session, tenant)
 
         shard = row2["shards"][1]
-        nx.client.run(close_shard, session=row2["session"], tenant="a", workers=[shard["address"]])
+        nx.service.client.run(close_shard, session=row2["session"], tenant="a", workers=[shard["address"]])
         with pytest.raises(NotFound, match="no environment session"):
             v2.step(np.zeros((3, 4), np.float32))
         assert sessions(nx, "a") == []

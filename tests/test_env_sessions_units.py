@@ -181,9 +181,10 @@ def test_shard_answers_are_joined_in_env_order_with_final_rows_masked_where_no_e
     from nexus.inputs import decode_array, wire_json
 
     def answer(state, reward, ended):
-        out = {"reward": reward, "terminated": ended, "obs": {"state": state}}
+        obs = {"state": state, "images": {"cam": np.full((len(state), 2, 2, 3), state[:, :1, None, None], np.uint8)}}
+        out = {"reward": reward, "terminated": ended, "obs": obs}
         if ended.any():
-            out["final"] = {"mask": ended, "state": state - 1}
+            out["final"] = {"mask": ended, "state": state - 1, "images": obs["images"]}
         return wire_json(out)
 
     s1, s2 = np.arange(6, dtype=np.float32).reshape(3, 2), np.arange(6, 10, dtype=np.float32).reshape(2, 2)
@@ -193,6 +194,8 @@ def test_shard_answers_are_joined_in_env_order_with_final_rows_masked_where_no_e
     np.testing.assert_array_equal(decode_array(joined["reward"]), [1, 1, 1, 2, 2])
     np.testing.assert_array_equal(decode_array(joined["final"]["mask"]), [0, 0, 0, 0, 1])
     np.testing.assert_array_equal(decode_array(joined["final"]["state"])[4], s2[1] - 1)
+    cams = decode_array(joined["obs"]["images"]["cam"])  # the nested images joined like the state, env by env
+    assert cams.shape == (5, 2, 2, 3) and cams[:, 0, 0, 0].tolist() == [0, 2, 4, 6, 8]
     assert decode_array(joined["terminated"]).dtype == np.uint8
     assert split_reset([3, 2], [0, 1, 2, 3, None], [True, False, True, False, True]) == [
         {"seeds": [0, 1, 2], "mask": [True, False, True]}, {"seeds": [3, None], "mask": [False, True]}]

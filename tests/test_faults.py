@@ -88,9 +88,9 @@ def _run_two_and_kill(nx: Nexus, kill, updates: int = 6, **job):
 
 # -- isolation ---------------------------------------------------------------------------------------------
 def test_malformed_observation_fails_only_its_own_request(nx):
-    predictor = nx.predictor()
+    predictor = nx.service.predictor()
     assert nx.status()["inference"]["routes"]["fa"] == nx.status()["inference"]["routes"]["fb"]
-    before = nx.engine(0).engine_stats().result()["groups"]
+    before = nx.service.engine(0).engine_stats().result()["groups"]
     good = [predictor.predict("fb", _obs(), deterministic=True) for _ in range(24)]
     bad = [predictor.predict("fa", _obs(40), deterministic=True) for _ in range(8)]
     bad += [predictor.predict("fa", Observation(state=np.full(35, np.nan, np.float32)), deterministic=True)]
@@ -100,13 +100,13 @@ def test_malformed_observation_fails_only_its_own_request(nx):
     for f in bad:
         with pytest.raises(SpecError, match="shape|NaN"):
             f.result(timeout=120)
-    stats = nx.engine(0).engine_stats().result()
+    stats = nx.service.engine(0).engine_stats().result()
     assert stats["groups"] > before and max(stats["group_sizes"][-10:]) > 1, "requests were grouped"
 
 
 # -- elastic inference -----------------------------------------------------------------------------------------
 def test_scale_1_2_1_answers_every_request_once_and_eval_keeps_its_version(nx):
-    predictor = nx.predictor()
+    predictor = nx.service.predictor()
     pinned = nx.tenant("fa").version
     answers: dict[str, list] = {"fa": [], "fb": []}
     errors: list[BaseException] = []
@@ -153,7 +153,7 @@ def test_scale_1_2_1_answers_every_request_once_and_eval_keeps_its_version(nx):
     assert not errors, errors[:3]
     assert report["version"] == pinned and list(report["versions_seen"]) == [pinned]
     # every request was computed by exactly one engine: the served logs of all engines, incl. the removed one
-    logs = nx.client.run(lambda dask_worker: list(dask_worker.plugins["nexus"].served_log))
+    logs = nx.service.client.run(lambda dask_worker: list(dask_worker.plugins["nexus"].served_log))
     served = [rid for log in logs.values() for _, rid in log]
     assert len(served) == len(set(served)), "a request was answered twice"
     engines_used = {eng for log in logs.values() for eng, _ in log}
@@ -188,21 +188,22 @@ def test_kill_a_sim_worker_holding_a_shard_of_an_environment_session(nx):
     venv = t.vector_env("maniskill/pushcube-state", num_envs=2, seed=0)
     venv.reset()
     venv.step(np.zeros((2, 4), np.float32))
-    (row,) = nx.internal("nexus_env_sessions", tenant="fa")
+    (row,) = nx.service.internal("nexus_env_sessions", tenant="fa")
     (kept, lost) = [sh["worker"] for sh in row["shards"]]
     kill_worker(nx, lost)
     with pytest.raises((Unavailable, NotFound)):
         venv.step(np.zeros((2, 4), np.float32))
     venv.session.closed = True
-    wait_for(lambda: not nx.internal("nexus_env_sessions", tenant="fa"), 60, 0.5, "the session dropped")
+    wait_for(lambda: not nx.service.internal("nexus_env_sessions", tenant="fa"), 60, 0.5, "the session dropped")
 
     def sessions_here(dask_worker) -> int:  # local: sent to the worker by value
         from nexus.services.worker_plugin import PLUGIN_NAME
 
         return len(dask_worker.plugins[PLUGIN_NAME].sim.sessions.sessions)
 
-    survivor = next(a for a, w in nx.client.scheduler_info(n_workers=-1)["workers"].items() if w["name"] == kept)
-    wait_for(lambda: nx.client.run(sessions_here, workers=[survivor])[survivor] == 0, 30, 0.5,
+    workers = nx.service.client.scheduler_info(n_workers=-1)["workers"]
+    survivor = next(a for a, w in workers.items() if w["name"] == kept)
+    wait_for(lambda: nx.service.client.run(sessions_here, workers=[survivor])[survivor] == 0, 30, 0.5,
              "the surviving shard closed")
     wait_for(lambda: _all_healthy(nx), 120, 0.5, "the simulator worker back")
     with t.vector_env("maniskill/pushcube-state", num_envs=2, seed=0) as again:
@@ -296,7 +297,7 @@ def test_delete_tenant_keeps_or_purges_its_output(nx, capsys):
     st = nx.status()
     assert "fb" not in {x["tenant"] for x in st["tenants"]} and "fb" not in st["inference"]["routes"]
     with pytest.raises(Exception, match="fb"):
-        nx.predictor().predict("fb", _obs()).result(timeout=60)
+        nx.service.predictor().predict("fb", _obs()).result(timeout=60)
     again = nx.create_tenant(TenantSpec(name="fb", env="maniskill/pushcube-state", seed=32))
     assert again.info["version"] == version and again.info["restored"], "re-created from the kept output dir"
     root = nx.service.config.root

@@ -105,8 +105,8 @@ def snapshot(env) -> dict:
     nx = env["nx"]
     st_ = nx.status()
     actor = next(w["address"] for w in st_["workers"] if "ACTOR" in w["resources"])
-    slots = nx.client.run(slot_states, workers=[actor])[actor]
-    live = nx.engine().versions().result()["live"]
+    slots = nx.service.client.run(slot_states, workers=[actor])[actor]
+    live = nx.service.engine().versions().result()["live"]
     tokens = json.loads((env["root"] / "gateway" / "tokens.json").read_text())["tenants"]
     return {"tenants": {t["tenant"]: t["version"] for t in st_["tenants"] if t["tenant"] != "bg"},
             "names": sorted(t["tenant"] for t in st_["tenants"]),
@@ -283,7 +283,7 @@ def test_oversized_head_refused_before_any_slot_and_actor_never_restarts(env):
 
     nx = env["nx"]
     actor = next(w["address"] for w in nx.status()["workers"] if "ACTOR" in w["resources"])
-    pid = nx.client.run(_os.getpid, workers=[actor])[actor]
+    pid = nx.service.client.run(_os.getpid, workers=[actor])[actor]
     before = snapshot(env)
     with pytest.raises(LimitExceeded, match="max_hidden_dim=4096"):  # at validation, in the gateway
         nx.create_tenant(TenantSpec(name="huge", env=PUSH, hidden_dim=20000))
@@ -293,7 +293,7 @@ def test_oversized_head_refused_before_any_slot_and_actor_never_restarts(env):
         nx.create_tenant(TenantSpec(name="big2", env=PUSH, hidden_dim=20000))
     assert snapshot(env) == before
     workers = nx.status()["workers"]
-    assert nx.client.run(_os.getpid, workers=[actor])[actor] == pid and len(workers) == 3
+    assert nx.service.client.run(_os.getpid, workers=[actor])[actor] == pid and len(workers) == 3
     # the other tenants still train: a step on a's slot lowers its loss on the batch it stepped on
     a = env["t"]["a"]
     first = a.forward_backward(_batch(2)).result(120)["metrics"]["loss"]

@@ -23,7 +23,7 @@ def nx(tmp_path_factory):
 
 
 def test_isolated_tenants_never_overlap_and_accounting_holds(nx):
-    assert nx.internal("nexus_scheduling")["admission"]["isolated"]
+    assert nx.service.internal("nexus_scheduling")["admission"]["isolated"]
     rl = nx.create_tenant(TenantSpec(name="iso-rl", env="maniskill/pushcube-state", action_dim=4, hidden_dim=64,
                                      seed=3))
     sft = nx.create_tenant(TenantSpec(name="iso-sft", dataset="pickcube-scripted", env="maniskill/pickcube-state",
@@ -42,14 +42,14 @@ def test_isolated_tenants_never_overlap_and_accounting_holds(nx):
     assert views[1]["t_start"] > views[1]["t_submit"]  # it really waited
 
     nx.flush()
-    spans = [s for s in nx.call("nexus_monitoring", since=t0)["spans"] if s["t0"] >= t0]
+    spans = [s for s in nx.monitoring(since=t0)["spans"] if s["t0"] >= t0]
     by_tenant = {tn: [s for s in spans if s["tenant"] == tn] for tn in {s["tenant"] for s in spans}}
     assert set(by_tenant) == {"iso-rl", "iso-sft"}, sorted(by_tenant)  # no mixed inference group either
     assert {s["service"] for s in by_tenant["iso-rl"]} == {"actor", "inference", "simulator"}
     for x, y in itertools.product(by_tenant["iso-rl"], by_tenant["iso-sft"]):
         assert x["t1"] <= y["t0"] or y["t1"] <= x["t0"], (x, y)  # no two tenants' work at the same time
 
-    acc = nx.internal("nexus_accounting", t0=t0, t1=t1)
+    acc = nx.service.internal("nexus_accounting", t0=t0, t1=t1)
     assert acc["wall_s"] == pytest.approx(t1 - t0)
     allocated = {"actor": 1, "inference": 1, "simulator": 2}  # the module's cluster: spans map onto its slots
     assert {s: r["slots"] for s, r in acc["services"].items()} == allocated, acc
@@ -67,22 +67,22 @@ def test_isolated_tenants_never_overlap_and_accounting_holds(nx):
 def test_a_scheduler_switched_on_the_idle_service_moves_t_and_b_to_the_engines(nx):
     from nexus.config import Scheduler
 
-    engine = nx.engine()
-    first = nx.internal("nexus_scheduling")["scheduler"]
+    engine = nx.service.engine()
+    first = nx.service.internal("nexus_scheduling")["scheduler"]
     before = engine.batching().result(timeout=30)
     assert before == {"max_wait_s": first["infer_max_wait_s"], "max_batch": first["infer_max_batch"]}
     shared = {"name": "shared-wide", "settings": {"dispatch": {"isolated": False}, "infer_max_wait_s": 0.02,
                                                   "infer_max_batch": 12}}
     try:
-        view = nx.internal("nexus_set_scheduler", scheduler=shared)
+        view = nx.service.internal("nexus_set_scheduler", scheduler=shared)
         assert not view["admission"]["isolated"] and view["scheduler"]["name"] == "shared-wide"
         assert engine.batching().result(timeout=30) == {"max_wait_s": 0.02, "max_batch": 12}
         with pytest.raises(Exception, match="infer_max_batch"):  # refused whole: nothing of it applies
-            nx.internal("nexus_set_scheduler", scheduler={"name": "bad", "settings": {
+            nx.service.internal("nexus_set_scheduler", scheduler={"name": "bad", "settings": {
                 "dispatch": {"isolated": True}, "infer_max_batch": 0}})
-        assert not nx.internal("nexus_scheduling")["admission"]["isolated"]
+        assert not nx.service.internal("nexus_scheduling")["admission"]["isolated"]
         assert engine.batching().result(timeout=30)["max_batch"] == 12
     finally:
-        nx.internal("nexus_set_scheduler", scheduler=Scheduler.load(first["name"]).model_dump())
+        nx.service.internal("nexus_set_scheduler", scheduler=Scheduler.load(first["name"]).model_dump())
     assert engine.batching().result(timeout=30) == before
-    assert nx.internal("nexus_scheduling")["admission"]["isolated"]
+    assert nx.service.internal("nexus_scheduling")["admission"]["isolated"]

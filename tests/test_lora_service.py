@@ -70,7 +70,7 @@ def test_lora_and_plain_tenants_train_on_a_checkpoint_backbone(nx, trained, chec
     assert nx.status()["config"]["backbone"]["local_path"] == str(checkpoint.resolve())
     for res in results:
         assert res["version"] == STEPS and np.isfinite(res["heldout_action_mse"])
-    logs = {t: nx.call("nexus_tenant_log", tenant=t)["jobs"][0]["history"] for t in (LORA.name, PLAIN.name)}
+    logs = {t: nx.tenant_log(t)["jobs"][0]["history"] for t in (LORA.name, PLAIN.name)}
     for history in logs.values():
         mse = [h["heldout_action_mse"] for h in history if "heldout_action_mse" in h]
         assert mse[-1] < mse[0]
@@ -81,12 +81,12 @@ def test_every_engine_of_the_pool_serves_the_adapter(nx, trained):
     adapter changes the answer (the two tenants share the backbone and differ in head and adapter)."""
     lora, plain, _ = trained
     obs = heldout(3)
-    assert len(nx.internal("nexus_engines")) == 2
-    per_engine = [np.stack([nx.engine(i).predict(LORA.name, o, None, True).result()["action"] for o in obs])
+    assert len(nx.service.internal("nexus_engines")) == 2
+    per_engine = [np.stack([nx.service.engine(i).predict(LORA.name, o, None, True).result()["action"] for o in obs])
                   for i in range(2)]
     np.testing.assert_allclose(per_engine[0], per_engine[1], atol=1e-5)
     np.testing.assert_allclose(per_engine[0], service_actions(lora, obs), atol=1e-5)
-    versions = [nx.engine(i).versions().result()["live"] for i in range(2)]
+    versions = [nx.service.engine(i).versions().result()["live"] for i in range(2)]
     assert all(v[LORA.name] == STEPS and v[PLAIN.name] == STEPS for v in versions)
 
 
@@ -118,7 +118,7 @@ def test_export_round_trip_api_and_cli(nx, trained, tmp_path, capsys):
     mine = lora.export(1, server_path="exports/custom-v1")
     assert mine["relative_path"] == "exports/custom-v1" and "local_path" not in mine
     with Nexus(nx.service.gateway_url, token=plain.token) as as_plain, pytest.raises(Forbidden):
-        as_plain.call("nexus_export", tenant=LORA.name, version=1)  # another tenant's export
+        as_plain.transport.export(LORA.name, version=1)  # another tenant's export
 
     for tenant, path in ((lora, tmp_path / "api"), (plain, tmp_path / "plain")):
         if tenant is plain:

@@ -40,7 +40,7 @@ def run(tmp_path_factory):
 
 def _shared_forward(nx: Nexus, output_dirs: list[str], tenants: list[str], tries: int = 20) -> bool:
     """Both tenants' producers ask at once, until one forward answered both (at most ``tries`` rounds)."""
-    engine = nx.engine()
+    engine = nx.service.engine()
     obs = []
     for d in output_dirs:
         schema = TenantSchema.from_dict(json.loads(TenantOutputDir(d).manifest_path.read_text())["schema"])
@@ -60,12 +60,12 @@ def _shared_forward(nx: Nexus, output_dirs: list[str], tenants: list[str], tries
 
 
 def _get(nx: Nexus, path: str) -> bytes:
-    return urllib.request.urlopen(nx.dashboard_link.replace("/status", path), timeout=60).read()
+    return urllib.request.urlopen(nx.service.dashboard_link.replace("/status", path), timeout=60).read()
 
 
 def test_signals_reach_the_page_data_source(run):
     nx, jobs, _ = run
-    view = nx.call("nexus_monitoring")
+    view = nx.monitoring()
     assert {t["tenant"] for t in view["status"]["tenants"]} == {"obs-rl", "obs-sft"}
     assert view["signals"].get("update", 0) >= 3 + 20  # one per update, plus init/checkpoint
     assert view["signals"].get("rollout", 0) >= 3 and view["signals"].get("inference", 0) >= 1
@@ -78,9 +78,9 @@ def test_signals_reach_the_page_data_source(run):
 
 def test_metering_sums_match_measured_busy_time(run):
     nx, jobs, _ = run
-    view = nx.call("nexus_monitoring")
+    view = nx.monitoring()
     metering = view["metering"]
-    stream = nx.client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.get_task_stream())
+    stream = nx.service.client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.get_task_stream())
 
     def dask_busy(prefixes: tuple[str, ...]) -> float:
         return sum(ss["stop"] - ss["start"] for t in stream if str(t["key"]).startswith(prefixes)
@@ -90,11 +90,11 @@ def test_metering_sums_match_measured_busy_time(run):
     sim = sum(m["simulator"] for m in metering.values())
     assert actor == pytest.approx(dask_busy(("nexus-update-", "nexus-init-", "nexus-finish-")), rel=0.05)
     assert sim == pytest.approx(dask_busy(("nexus-rollout-", "nexus-eval-obs")), rel=0.05)
-    engine = nx.engine().engine_stats().result()
+    engine = nx.service.engine().engine_stats().result()
     assert sum(m["inference"] for m in metering.values()) == pytest.approx(engine["busy_s"], rel=0.05)
     uses = {"rl": ("actor", "inference", "simulator"), "sft": ("actor",), "eval": ("inference", "simulator")}
     for j in jobs:  # every job is metered on exactly the services it used
-        info = nx.call("nexus_job", job_id=j.id)
+        info = nx.job(j.id).info()
         used = {s for s, v in info["metered_s"].items() if v > 0}
         assert used == set(uses[info["kind"]]), (info["kind"], info["metered_s"])
 
@@ -136,7 +136,7 @@ def test_nexus_page_renders_live_tenants_in_headless_chromium(run):
     shot = ARTIFACTS / "nexus-page.png"
     # the page shows the jobs table (every job id, with progress) and the timeline's legend as text
     expected = ["obs-rl", "obs-sft", "Jobs", "Health", "Legend", *(j.id for j in jobs), "20/20 steps"]
-    text = screenshot_when(nx.dashboard_link.replace("/status", "/nexus"), expected, shot)
+    text = screenshot_when(nx.service.dashboard_link.replace("/status", "/nexus"), expected, shot)
     assert GROUPED_LABEL in text  # the shared-forward colour is explained (a forward served both tenants)
     for name in ("sim-0", "sim-1", "actor-0", "infer-0"):  # health rows by worker name, not address
         assert name in text

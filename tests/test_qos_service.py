@@ -46,7 +46,7 @@ def svc(tmp_path_factory):
 
 
 def _get(nx, path: str) -> str:
-    return urllib.request.urlopen(nx.dashboard_link.replace("/status", path), timeout=60).read().decode()
+    return urllib.request.urlopen(nx.service.dashboard_link.replace("/status", path), timeout=60).read().decode()
 
 
 def test_hops_refusals_client_retries_and_latency_on_metrics(svc):
@@ -122,7 +122,7 @@ def test_hops_refusals_client_retries_and_latency_on_metrics(svc):
     assert 'nexus_predict_latency_seconds_bucket{le="+Inf",tenant="q"}' in metrics
     line = next(x for x in metrics.splitlines() if x.startswith('nexus_predict_rejected_total{tenant="p1"}'))
     assert float(line.split()[-1]) >= len(refused)
-    rows = nx.client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["nexus"].latency.rows())
+    rows = nx.service.client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["nexus"].latency.rows())
     assert {r["tenant"] for r in rows} >= {"q", "p1"}
 
 
@@ -192,7 +192,7 @@ def test_fast_path_answers_as_the_route(svc):
 def _producers(nx) -> dict[str, list[str]]:
     """The running producers' jobs on each SIM worker (their hosts' own view)."""
     sims = [w["address"] for w in nx.status()["workers"] if "SIM" in w["resources"]]
-    return nx.client.run(producer_jobs, workers=sims)
+    return nx.service.client.run(producer_jobs, workers=sims)
 
 
 def test_short_rl_job_completes_beside_long_evaluations_and_cancel_stops_them(svc):

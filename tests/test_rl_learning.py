@@ -45,7 +45,7 @@ def learn(nx: Nexus, name: str, seed: int, updates: int = UPDATES) -> dict[str, 
     before = t.evaluate(episodes=EVAL_EPISODES).result(timeout=600)
     res = t.submit(rl_job(updates)).result(timeout=1200)
     after = t.evaluate(episodes=EVAL_EPISODES).result(timeout=600)
-    log = nx.call("nexus_tenant_log", tenant=name)
+    log = nx.tenant_log(name)
     rollouts = [round(float(r["return"]), 2) for j in log["jobs"] if j["kind"] == "rl"
                 for r in j.get("history", []) if r.get("kind") == "rollout"]
     return {"before": before, "after": after, "result": res, "rollout_returns": rollouts}

@@ -186,7 +186,7 @@ def _slots(nx) -> dict:
     from nexus.services.worker_plugin import slot_states
 
     actor = next(w["address"] for w in nx.status()["workers"] if "ACTOR" in w["resources"])
-    return nx.client.run(slot_states, workers=[actor])[actor]
+    return nx.service.client.run(slot_states, workers=[actor])[actor]
 
 
 def test_idle_slots_go_to_disk_and_come_back_at_the_next_item(svc):

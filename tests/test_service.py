@@ -36,8 +36,8 @@ def _tenants(nx: Nexus) -> list[str]:
 
 
 def test_scheduler_process_never_imports_torch(nx):
-    assert nx.client.run_on_scheduler(lambda: "torch" in sys.modules) is False
-    assert "nexus" in nx.client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+    assert nx.service.client.run_on_scheduler(lambda: "torch" in sys.modules) is False
+    assert "nexus" in nx.service.client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
 
 
 def test_service_processes_run_with_the_service_dask_settings(nx):
@@ -51,10 +51,10 @@ def test_service_processes_run_with_the_service_dask_settings(nx):
                                                   "distributed.worker.memory.monitor-interval"))
 
     want = (False, "750ms", "1s")  # two defaults and the override given above
-    seen = nx.client.run(settings)
+    seen = nx.service.client.run(settings)
     assert set(seen.values()) == {want} and len(seen) >= 4
-    assert nx.client.run_on_scheduler(settings) == want
-    sampling = nx.client.run(lambda dask_worker: "profile" in dask_worker.periodic_callbacks)
+    assert nx.service.client.run_on_scheduler(settings) == want
+    sampling = nx.service.client.run(lambda dask_worker: "profile" in dask_worker.periodic_callbacks)
     assert not any(sampling.values())  # the 10 ms stack sampling is really off, not only configured off
     # the nanny's pre-spawn environment without Dask's MALLOC_TRIM_THRESHOLD_=65536 (glibc's own thresholds,
     # unless this process's environment sets one), with the rest of it kept
@@ -62,7 +62,7 @@ def test_service_processes_run_with_the_service_dask_settings(nx):
         return os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("OPENBLAS_NUM_THREADS")
 
     mine = (os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("OPENBLAS_NUM_THREADS", "1"))
-    assert set(nx.client.run(environ).values()) == {mine}
+    assert set(nx.service.client.run(environ).values()) == {mine}
 
 
 def test_the_control_planes_dask_streams_send_promptly(nx):
@@ -75,24 +75,24 @@ def test_the_control_planes_dask_streams_send_promptly(nx):
         return {"client": [client.scheduler_comm.interval, dask_scheduler.client_comms[client.id].interval],
                 "workers": [s.interval for s in dask_scheduler.stream_comms.values()]}
 
-    streams = nx.client.run_on_scheduler(control_streams)
+    streams = nx.service.client.run_on_scheduler(control_streams)
     assert streams["client"] == [PROMPT_S, PROMPT_S]
     assert len(streams["workers"]) >= 3 and set(streams["workers"]) == {PROMPT_S}  # actor, inference, SIM workers
-    to_scheduler = nx.client.run(lambda dask_worker: dask_worker.batched_stream.interval)
+    to_scheduler = nx.service.client.run(lambda dask_worker: dask_worker.batched_stream.interval)
     assert set(to_scheduler.values()) == {PROMPT_S}
     # this test's own client is not the control plane's: Dask's batching as before
-    assert nx.client.scheduler_comm.interval > PROMPT_S
+    assert nx.service.client.scheduler_comm.interval > PROMPT_S
 
 
 def test_cpu_seconds_name_every_process_of_the_service(nx):
     """LocalService.cpu_seconds (what the benchmarks read): every spawned process by its name, a worker's
     nanny apart, and CPU time only grows."""
     before = nx.service.cpu_seconds()
-    workers = {str(i["name"]) for i in nx.client.scheduler_info()["workers"].values()}
+    workers = {str(i["name"]) for i in nx.service.client.scheduler_info()["workers"].values()}
     assert set(before) == {"scheduler", "gateway", "nannies", *workers}
     assert {"actor-0", "infer-0", "sim-0", "sim-1"} <= workers and all(v > 0 for v in before.values())
-    nx.client.run(lambda: sum(i * i for i in range(2_000_000)), workers=[
-        a for a, i in nx.client.scheduler_info()["workers"].items() if i["name"] == "sim-0"])
+    nx.service.client.run(lambda: sum(i * i for i in range(2_000_000)), workers=[
+        a for a, i in nx.service.client.scheduler_info()["workers"].items() if i["name"] == "sim-0"])
     after = nx.service.cpu_seconds()
     assert all(after[k] >= before[k] for k in before) and after["sim-0"] > before["sim-0"]
 
@@ -194,18 +194,18 @@ def test_sft_loss_falls_and_eval_pins_version_while_training(nx):
 
 
 def _history(nx: Nexus, job_id: str) -> list[dict]:
-    return nx.client.run_on_scheduler(
+    return nx.service.client.run_on_scheduler(
         lambda dask_scheduler: dask_scheduler.plugins["nexus"].jobs[job_id].history)
 
 
 def test_eval_creates_no_training_queue_entries(nx):
     t = nx.create_tenant(TenantSpec(name="eval-only", env="maniskill/pushcube-state", action_dim=4, seed=8))
     before = {x["tenant"]: x for x in nx.status()["tenants"]}["eval-only"]
-    dispatched = nx.client.run_on_scheduler(
+    dispatched = nx.service.client.run_on_scheduler(
         lambda dask_scheduler: dask_scheduler.plugins["nexus"].queue.counters["eval-only"].dispatched)
     res = t.evaluate(episodes=2).result(timeout=300)
     assert res["version"] == before["version"] and res["episodes"] == 2
-    after = nx.client.run_on_scheduler(
+    after = nx.service.client.run_on_scheduler(
         lambda dask_scheduler: dask_scheduler.plugins["nexus"].queue.counters["eval-only"].dispatched)
     assert after == dispatched == 0
 
@@ -232,7 +232,7 @@ def test_low_level_api_futures(nx):
     after = t.forward_backward({"observations": obs, "actions": batch["action"]}).result(120)
     assert after["metrics"]["loss"] < l1
     with pytest.raises(SpecError, match="unknown op|loss"):
-        nx.call("nexus_op", tenant="tinker", verb="forward_backward", data=None, loss="bogus")
+        nx.transport.op("tinker", "forward_backward", body={"batch": None, "loss": "bogus"})
 
 
 def _ops_runs(client, experiment: str, tenant: str) -> dict[str, object]:
@@ -402,7 +402,7 @@ def test_state_route_and_cli_status(nx, capsys):
     from nexus.client.cli import main
 
     nx.create_tenant(TenantSpec(name="probe", env="maniskill/pushcube-state", seed=12))
-    url = nx.dashboard_link.replace("/status", "/nexus/api/state")
+    url = nx.service.dashboard_link.replace("/status", "/nexus/api/state")
     state = json.loads(urllib.request.urlopen(url, timeout=30).read())
     assert "probe" in {t["tenant"] for t in state["tenants"]}
     assert main(["status", "--root", nx.service.config.root, "--json"]) == 0

@@ -34,7 +34,7 @@ def test_service_killed_mid_job_is_rediscovered_by_the_next(tmp_path):
         nx.flush()  # the MLflow run exists
         kill_service(nx.service)
     finally:
-        nx.client.close(timeout=5)
+        nx.service.close_client(timeout=5)
         nx.service.stop()
     manifest = json.loads((out / "manifest.json").read_text())
     published = _hashes(manifest)

@@ -124,7 +124,7 @@ def test_grpo_job_with_a_kl_reference_and_an_annealed_learning_rate(env):
     res = job.result(timeout=900)
     assert res["updates"] == 2
     train = [r for r in job.info().get("history", []) if r.get("kind") == "train"] or [
-        r for j in env["nx"].call("nexus_tenant_log", tenant="tk")["jobs"] if j["job"] == job.id
+        r for j in env["nx"].tenant_log("tk")["jobs"] if j["job"] == job.id
         for r in j["history"] if r.get("kind") == "train"]
     assert len(train) == 2 and all("kl_ref" in r and "group_return_std" in r for r in train)
     assert [r["lr"] for r in train] == pytest.approx([1e-2, 1e-2 / 2])  # update i of n at the tenant's lr x (1 - i/n)
@@ -141,7 +141,7 @@ def test_closing_right_after_a_job_leaves_its_run_as_recorded(env):
     nx, t = env["nx"], env["t"]
     job = t.evaluate(episodes=1)
     assert {j["job"]: j["kind"] for j in nx.status(tenant="tk")["jobs"]}[job.id] == "eval"  # the service has it
-    info = nx.call("nexus_wait", job_id=job.id, timeout=300)  # returns as soon as the job's state is final
+    info = nx.transport.wait(job.id, timeout=300)  # returns as soon as the job's state is final
     assert info["state"] == "done"
     cfg = nx.service.config
     nx.close()

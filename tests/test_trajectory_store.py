@@ -30,6 +30,7 @@ from nexus.data.trajectory_store import (
     write_ipc,
 )
 from nexus.features import CameraSpec, TenantSchema
+from nexus.inputs import check_observation
 
 torch.set_num_threads(1)
 
@@ -247,6 +248,14 @@ def test_sample_batch_is_deterministic_and_covers_epochs(synthetic):
     obs = ds.observations(a)
     assert len(obs) == 16 and obs[0].instruction == "stack the blocks"
     assert obs[0].images["wrist"].shape == (6, 8, 3)
+    # the dataset's rows in the one observation layout: predict's own check takes each as it is, unchanged
+    rows = ds.rows(a)
+    assert len(rows) == 16 and set(rows[0]) == {"state", "images", "instruction"}
+    for row, o in zip(rows, obs, strict=True):
+        checked = check_observation(row, ds.schema)
+        np.testing.assert_array_equal(checked.state, o.state)
+        np.testing.assert_array_equal(checked.images["wrist"], o.images["wrist"])
+        assert checked.instruction == o.instruction
 
 
 def test_split_is_by_episode_and_drops_failures(synthetic):

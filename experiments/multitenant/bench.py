@@ -94,8 +94,8 @@ def warm_up(nx, policy: dict, args) -> dict[str, dict[str, int]]:
     from nexus.control.tasks import PREWARM
 
     envs = sorted({kw["env"] for kw, kind in TENANTS.values() if kind == "rl"})
-    sims = [a for a, info in nx.client.scheduler_info()["workers"].items() if "SIM" in info["resources"]]
-    futs = {(WORKER_NAMES[w], e): nx.client.submit(PREWARM, e, args.envs, workers=[w], resources={"SIM": 1},
+    sims = [a for a, info in nx.service.client.scheduler_info()["workers"].items() if "SIM" in info["resources"]]
+    futs = {(WORKER_NAMES[w], e): nx.service.client.submit(PREWARM, e, args.envs, workers=[w], resources={"SIM": 1},
                                                    pure=False) for w in sims for e in envs}
     idle: dict[str, dict[str, int]] = {}
     for (w, e), f in futs.items():
@@ -112,10 +112,10 @@ def cpu_seconds(nx) -> dict[str, float]:
 
 def run_mode(nx, mode: str, policy: dict, args, warm: bool = False) -> dict:
     """Submit the four jobs at once under ``policy``; the run's timing, accounting and groups."""
-    nx.internal("nexus_set_scheduler", scheduler=policy)
-    engine = nx.engine()
+    nx.service.internal("nexus_set_scheduler", scheduler=policy)
+    engine = nx.service.engine()
     engine.reset_stats().result()
-    before = nx.call("nexus_monitoring", since=time.time())
+    before = nx.monitoring(since=time.time())
     cpu0 = cpu_seconds(nx)
     t0 = time.time()
     handles = {n: nx.tenant(n).submit(job) for n, job in _jobs(args, warm).items()}
@@ -127,8 +127,8 @@ def run_mode(nx, mode: str, policy: dict, args, warm: bool = False) -> dict:
     for n, v in views.items():
         if v["state"] != "done":
             raise RuntimeError(f"{mode}: job of {n} ended {v['state']}: {v['error']}")
-    acc = nx.internal("nexus_accounting", t0=t0, t1=t1)
-    mon = nx.call("nexus_monitoring", since=t0)
+    acc = nx.service.internal("nexus_accounting", t0=t0, t1=t1)
+    mon = nx.monitoring(since=t0)
     stats = engine.engine_stats().result()
     sizes = {int(k): v for k, v in stats["size_hist"].items()}
     calls = {int(k): v for k, v in stats["calls_hist"].items()}
@@ -253,7 +253,8 @@ def main() -> None:
     t_bench = time.time()
     with Nexus.local(work / "service", n_sim=args.n_sim, backbone=backbone, scheduler=args.policies.split(",")[0],
                      datapath={"envs_per_producer": args.envs}) as nx:
-        WORKER_NAMES.update({a: str(i.get("name", a)) for a, i in nx.client.scheduler_info()["workers"].items()})
+        workers = nx.service.client.scheduler_info()["workers"]
+        WORKER_NAMES.update({a: str(i.get("name", a)) for a, i in workers.items()})
         for name, (kw, _) in TENANTS.items():
             nx.create_tenant(TenantSpec(name=name, hidden_dim=128, seed=len(name), **kw))
         idle = warm_up(nx, policies[args.policies.split(",")[0]], args)

@@ -86,12 +86,12 @@ class EmulatedService:
         shutil.rmtree(self.root.parent, ignore_errors=True)  # a bench's service: nothing in it is kept
 
     def engines(self) -> list:
-        return [self.nx.engine(i) for i in range(self.devices.inference)]
+        return [self.nx.service.engine(i) for i in range(self.devices.inference)]
 
     def run(self, pol: dict[str, Any]) -> dict[str, Any]:
         """The workload under ``pol``: jobs submitted at their arrival times; accounting over the run."""
         nx = self.nx
-        nx.internal("nexus_set_scheduler", scheduler=pol)
+        nx.service.internal("nexus_set_scheduler", scheduler=pol)
         engines = self.engines()
         for e in engines:
             e.reset_stats().result()
@@ -116,7 +116,7 @@ class EmulatedService:
         def poll() -> None:
             since = t0
             while not done.wait(2.0):
-                got = nx.call("nexus_monitoring", since=since)["spans"]
+                got = nx.monitoring(since=since)["spans"]
                 spans.update({(s["service"], s["worker"], s["t0"]): s for s in got})
                 since = max([since, *(s["t1"] for s in got)]) - 1.0
 
@@ -134,7 +134,7 @@ class EmulatedService:
         bad = {n: v["error"] for n, v in views.items() if v["state"] != "done"}
         if bad:
             raise RuntimeError(f"{pol['name']}: jobs did not finish: {bad}")
-        acc = nx.internal("nexus_accounting", t0=t0, t1=t1)
+        acc = nx.service.internal("nexus_accounting", t0=t0, t1=t1)
         st = nx.status(limit=1000)
         waits: dict[str, list[float]] = {}
         sizes: dict[int, int] = {}
@@ -148,7 +148,7 @@ class EmulatedService:
             groups += sum(s["tenants_hist"].values())
             mixed += sum(n for t, n in s["tenants_hist"].items() if int(t) > 1)
         arrival = {j.tenant: t0 + j.arrival_s for j in self.workload.jobs}
-        spans.update({(s["service"], s["worker"], s["t0"]): s for s in nx.call("nexus_monitoring", since=t0)["spans"]})
+        spans.update({(s["service"], s["worker"], s["t0"]): s for s in nx.monitoring(since=t0)["spans"]})
         return {
             "policy": pol["name"], "t0": t0, "t1": t1, "makespan_s": t1 - t0, "device_s": acc["device_s"],
             "utilization": {s: r["utilization"] for s, r in acc["services"].items()},

@@ -452,7 +452,7 @@ def serve(args) -> None:
                 r.raise_for_status()
                 tokens[n] = r.json()["token"]
             asyncio.run(closed_loop(host, int(port), tokens, names, 16, 2.0))  # warm every tenant's path
-            eng = nx.engine(0)
+            eng = nx.service.engine(0)
             print("READY", flush=True)
             for line in sys.stdin:
                 ask = json.loads(line)

@@ -105,8 +105,8 @@ def run_kill(nx: Nexus, kind: str, updates: int) -> dict[str, Any]:
         wait_for(lambda: all(j.info()["progress"].get("updates", 0) >= 2 for j in jobs.values()), 900)
         if kind == "sim":
             def running_a() -> list[str]:
-                procs = nx.client.processing()
-                info = nx.client.scheduler_info(n_workers=-1)["workers"]
+                procs = nx.service.client.processing()
+                info = nx.service.client.scheduler_info(n_workers=-1)["workers"]
                 return [info[a]["name"] for a, keys in procs.items()
                         if any("nexus-rollout-ra-" in str(k) for k in keys) and a in info]
 
@@ -152,7 +152,7 @@ def run_service_kill(nx: Nexus, root: Path, updates: int, ck: int) -> tuple[Nexu
     v_before = {t: nx.tenant(t).version for t in TENANTS}
     t_kill = time.time()
     kill_service(nx.service)
-    nx.client.close(timeout=5)
+    nx.service.close_client(timeout=5)
     nx2 = _start(root, ck)
     t_ready = time.time()
     st = nx2.status()

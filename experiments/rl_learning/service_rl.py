@@ -51,7 +51,7 @@ def job_spec(name: str, updates: int, args: argparse.Namespace) -> dict[str, Any
 
 def rollout_rows(nx, tenant: str) -> list[dict[str, Any]]:
     """Every RL batch the tenant's jobs collected: (update index, policy version, return, success)."""
-    log = nx.call("nexus_tenant_log", tenant=tenant)
+    log = nx.tenant_log(tenant)
     rows = []
     for job in sorted(log["jobs"], key=lambda j: j["t_submit"]):
         if job["kind"] != "rl":

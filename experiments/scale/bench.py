@@ -57,11 +57,11 @@ def rss(nx, resource: str, trim: bool = True) -> float:
 
     from nexus.services.slots import release_memory
 
-    pids = nx.client.run(os.getpid)
-    workers = nx.client.scheduler_info()["workers"]
+    pids = nx.service.client.run(os.getpid)
+    workers = nx.service.client.scheduler_info()["workers"]
     addr = next(a for a, w in workers.items() if resource in w["resources"])
     if trim:
-        nx.client.run(release_memory, workers=[addr])
+        nx.service.client.run(release_memory, workers=[addr])
     return psutil.Process(pids[addr]).memory_info().rss / MIB
 
 
@@ -156,7 +156,7 @@ def step(nx, http, op: dict, tokens: dict, target: int, args) -> dict:
     row["actor_rss_trained_untrimmed_mib"] = rss(nx, "ACTOR", trim=False)  # + the steps' freed buffers glibc kept
     row["actor_rss_trained_mib"] = rss(nx, "ACTOR")
     row["trained"] = len(trained)
-    row["decisions"] = nx.internal("nexus_status", limit=1)["decisions"]
+    row["decisions"] = nx.service.internal("nexus_status", limit=1)["decisions"]
     lat, size = [], 0
     for _ in range(args.status_calls):
         t0 = time.perf_counter()
@@ -167,7 +167,7 @@ def step(nx, http, op: dict, tokens: dict, target: int, args) -> dict:
             "monitoring_kib": len(http.get("/v1/admin/monitoring", headers=op).content) / 1024}
     clients = names[:args.clients] if len(names) >= args.clients else (names * args.clients)[:args.clients]
     row["predict"] = asyncio.run(predict_load(nx.service.gateway_url, tokens, clients, args.predict_s))
-    off = nx.internal("nexus_offload", idle_s=0.0)
+    off = nx.service.internal("nexus_offload", idle_s=0.0)
     time.sleep(2)
     row["offloaded"] = off["offloaded"]
     row["actor_rss_offloaded_mib"] = rss(nx, "ACTOR")

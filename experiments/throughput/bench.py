@@ -252,12 +252,12 @@ def main() -> None:
         t0 = time.time()
         from nexus.control.tasks import PREWARM
 
-        sims = [w for w, info in nx.client.scheduler_info()["workers"].items() if "SIM" in info["resources"]]
-        nx.client.gather([nx.client.submit(PREWARM, ENV, args.envs, args.waves,
+        sims = [w for w, info in nx.service.client.scheduler_info()["workers"].items() if "SIM" in info["resources"]]
+        nx.service.client.gather([nx.service.client.submit(PREWARM, ENV, args.envs, args.waves,
                                            datapath["producer_vector_mode"], workers=[w], resources={"SIM": 1},
                                            pure=False) for w in sims])
         run_service_job(nx, "warm", spec_kw, args, ppo)  # every path warm
-        engine = nx.engine()  # exists once a tenant does
+        engine = nx.service.engine()  # exists once a tenant does
         plain.run(1, args.episodes, 10_000)
         print(f"warm-up {time.time() - t0:.0f} s", flush=True)
         engine.reset_stats().result()

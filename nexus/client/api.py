@@ -1,9 +1,10 @@
 """The tenant's Python API.
 
 ``Nexus("http://host:port", token=...)`` talks to a service's tenant gateway (HTTP, bearer tokens;
-``nexus.client.http``); ``Nexus.local()`` starts a service and hands back a gateway client holding the
-operator token and, as tenants are created, their tokens. ``Nexus("tcp://…")`` is the service-internal
-Dask connection (code execution on the service: for its own processes and tests, never for tenants).
+``nexus.client.http``): the only way the client reaches the service. ``Nexus.local()`` starts a service and
+hands back a gateway client holding the operator token and, as tenants are created, their tokens; the
+service-internal Dask connection belongs to the process that started it (``nx.service``, a
+:class:`~nexus.cluster.LocalService`: ``nx.service.internal(handler)``, ``nx.service.client``), never to the client.
 
 High level: connect to a service (or start a local one), create a tenant from a spec, submit an
 SFT / RL / Eval job, stream its progress, wait for its result.
@@ -39,39 +40,30 @@ from nexus.client.http import HttpTransport
 from nexus.cluster import LocalService
 from nexus.config import ServiceConfig, load_service_config, load_submission, read_toml
 from nexus.data import policy_files as policy_format
-from nexus.engine_client import EngineClient, EngineHandle
-from nexus.errors import Conflict, Forbidden, JobFailed, NotFound, SpecError, Unavailable, describe_errors
+from nexus.errors import Conflict, Forbidden, JobFailed, NotFound, SpecError, describe_errors, quote
 from nexus.features import Observation
 from nexus.history import JOB_COUNTERS, JOB_HEADLINE
-from nexus.messages import EngineEndpoint
 from nexus.spec import AdamParams, EvalJob, RLJob, SFTJob, TenantSpec, check_session
-from nexus.tls import security
 
 PathLike = str | Path
 TERMINAL = ("done", "failed", "cancelled")
 
 
 class Nexus:
-    """A connection to a JoyNexus service."""
+    """A connection to a JoyNexus service's gateway."""
 
-    def __init__(self, address: str, *, token: str | None = None, service: Any = None, timeout: float = 120,
-                 security: Any = None, session: str | None = None, ca: PathLike | None = None) -> None:
-        """``ca``: the service's CA certificate (``root/tls/ca.pem``) to verify an ``https://`` gateway with."""
+    def __init__(self, address: str, *, token: str | None = None, service: LocalService | None = None,
+                 timeout: float = 120, session: str | None = None, ca: PathLike | None = None) -> None:
+        """``address``: the gateway URL (``http[s]://host:port``). ``ca``: the service's CA certificate
+        (``root/tls/ca.pem``) to verify an ``https://`` gateway with."""
+        if not address.startswith(("http://", "https://")):
+            raise SpecError(f"Nexus({quote(address)}): give the gateway URL (http[s]://host:port, what `nexus up` "
+                            "prints as 'gateway'); the service's Dask address is internal to it, not a client door")
         self.service = service
         # this connection's id, sent with every low-level op: a session's ops are one MLflow run
         self.session = check_session(session) if session is not None else uuid.uuid4().hex
-        self.transport = None  # HttpTransport when talking to the gateway
-        self._client = None
-        self._predictor = None
+        self.transport = HttpTransport(address, token=token, timeout=timeout, ca=str(ca) if ca else None)
         self._predicts: ThreadPoolExecutor | None = None
-        if address.startswith(("http://", "https://")):
-
-            self.transport = HttpTransport(address, token=token, timeout=timeout, ca=str(ca) if ca else None)
-        else:
-            from distributed import Client
-
-            probe_scheduler(address, min(timeout, 30), security)  # a dead address fails fast, not after minutes
-            self._client = Client(address, timeout=timeout, set_as_default=False, security=security)
 
     @classmethod
     def local(cls, root: PathLike | None = None, n_sim: int | None = None, dashboard_address: str | None = None,
@@ -79,7 +71,7 @@ class Nexus:
               overrides: Iterable[str] = (), service: Callable[[ServiceConfig], LocalService] | None = None,
               **fields: Any) -> Nexus:
         """Start the embedded default: a local Dask cluster running the Nexus service, and return a gateway
-        client holding the operator token (``nx.client``: the internal Dask connection).
+        client holding the operator token (``nx.service``: the started service, with its internal access).
 
         Settings: ``config`` (a :class:`ServiceConfig` or a TOML file, as ``nexus up --config``), then
         ``root`` and any ``ServiceConfig`` field as keyword arguments, then ``overrides`` (``"key.path=value"``,
@@ -110,9 +102,7 @@ class Nexus:
     def wait_ready(self, timeout: float = 300) -> dict[str, Any]:
         """Wait until the actor group, an inference engine and the tracker serve (and a restarted
         service has rediscovered its tenants)."""
-        if self.transport is not None and self.service is None:
-            return self.transport.call("nexus_wait_ready", timeout=timeout)
-        return self.internal("nexus_wait_ready", timeout=timeout)
+        return self.transport.wait_ready(timeout=min(timeout, 600.0))  # the gateway's longest wait
 
     def _wait_for_workers(self, n: int, timeout: float) -> None:
         deadline = time.time() + timeout
@@ -122,46 +112,14 @@ class Nexus:
             time.sleep(0.2)
 
     @property
-    def client(self):
-        """The Dask client: service-internal access (the process that started the service, tests)."""
-        if self._client is None:
-            if self.service is None:
-                raise Forbidden("no Dask access through the gateway: the gateway is the tenants' only door")
-            from distributed import Client
-
-
-            self._client = Client(self.service.address, timeout=60, set_as_default=False,
-                                  security=security(self.service.config))
-        return self._client
-
-    @property
     def tokens(self) -> dict[str, str]:
         """The tenant tokens this client holds (from create_tenant)."""
-        return dict(self.transport.tokens) if self.transport else {}
-
-    # -- plumbing --------------------------------------------------------------------------
-    def call(self, handler: str, **kwargs: Any) -> Any:
-        """A Nexus operation by its handler name: a gateway route, or the scheduler handler itself."""
-        if self.transport is not None:
-            return self.transport.call(handler, **kwargs)
-        kwargs.pop("owner", None)
-        return self.client.sync(getattr(self.client.scheduler, handler), **kwargs)
-
-    def internal(self, handler: str, **kwargs: Any) -> Any:
-        """A scheduler handler over the service-internal Dask connection (operators, tests)."""
-        return self.client.sync(getattr(self.client.scheduler, handler), **kwargs)
-
-    @property
-    def dashboard_link(self) -> str:
-        return self.client.dashboard_link
+        return dict(self.transport.tokens)
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        self.transport.close()
         if self._predicts is not None:
             self._predicts.shutdown(wait=False, cancel_futures=True)
-        if self._client is not None:
-            self._client.close()
         if self.service is not None:
             self.service.stop()
 
@@ -182,7 +140,7 @@ class Nexus:
             raw = sub.tenant
         else:
             raw = spec.model_dump() if isinstance(spec, TenantSpec) else dict(spec)
-        info = self.call("nexus_create_tenant", spec=raw)
+        info = self.transport.create_tenant(raw)
         return Tenant(self, info["tenant"], info)
 
     def submit(self, *files: PathLike, overrides: Iterable[str] = (), tenant: str | None = None) -> list[Job]:
@@ -194,7 +152,7 @@ class Nexus:
 
     def tenant(self, name: str, token: str | None = None) -> Tenant:
         """A handle on an existing tenant (``token``: its secret, when this client does not hold it yet)."""
-        if token is not None and self.transport is not None:
+        if token is not None:
             self.transport.tokens[name] = token
         for t in self.status(tenant=name)["tenants"]:
             if t["tenant"] == name:
@@ -204,8 +162,7 @@ class Nexus:
     def status(self, limit: int | None = None, cursor: str | None = None, tenant: str | None = None) -> dict[str, Any]:
         """One page of the service's status: at most ``limit`` tenants (by name) and jobs (newest first);
         ``status()["page"]["next_cursor"]`` gives the next page; ``tenant``: that tenant's view only."""
-        return self.call("nexus_status", **{k: v for k, v in (("limit", limit), ("cursor", cursor),
-                                                               ("tenant", tenant)) if v is not None})
+        return self.transport.status(limit, cursor, tenant)
 
     def pages(self, limit: int | None = None, tenant: str | None = None) -> Iterator[dict[str, Any]]:
         """Every page of the status, in order (``for page in nx.pages(): page["tenants"], page["jobs"]``)."""
@@ -221,88 +178,27 @@ class Nexus:
         return Job(self, job_id)
 
     def flush(self) -> None:
-        """Wait until tracking (MLflow) has written everything sent so far."""
-        self.call("nexus_flush")
+        """Wait until tracking (MLflow) has written everything sent so far (operator)."""
+        self.transport.flush()
 
-    def engine(self, index: int = 0):
-        """The ``index``-th serving inference engine (``engine(0).engine_stats().result()``)."""
+    def monitoring(self, since: float = 0.0) -> dict[str, Any]:
+        """The status page with every tenant's signals (spans, metering, weight sync) since ``since`` (operator)."""
+        return self.transport.monitoring(since)
 
-        engines = self.internal("nexus_engines")
-        if index >= len(engines):
-            raise NotFound(f"no inference engine {index}: {len(engines)} serve")
-        return EngineHandle(self.client, EngineEndpoint.from_dict(engines[index]))
-
-    def predictor(self):
-        """Action requests routed to each tenant's engine, re-routed when an engine drains or is lost."""
-        if self._predictor is None:
-
-            self._predictor = EngineClient(self.client)
-        return self._predictor
+    def tenant_log(self, name: str) -> dict[str, Any]:
+        """Every job of tenant ``name`` with its metric history, and its utilization spans."""
+        return self.transport.tenant_log(name)
 
     # -- lifecycle and elasticity --------------------------------------------------------------------
     def delete_tenant(self, name: str, keep_output: bool = True) -> dict[str, Any]:
         """Cancel the tenant's jobs, remove its slot, routes and queue entries; keep its output dir unless
         ``keep_output=False``."""
-        return self.call("nexus_delete_tenant", tenant=name, keep_output=keep_output)
+        return self.transport.delete_tenant(name, keep_output)
 
     def scale_inference(self, n: int) -> dict[str, Any]:
         """Grow or shrink the inference pool to ``n`` engines (synced before joining, drained before
         leaving; a scale-up that fails part way is rolled back). Returns the pool's view."""
-        return self.call("nexus_scale_inference", n=n)
-
-
-def probe_scheduler(address: str, timeout: float, security: Any = None) -> dict[str, Any]:
-    """Ask ``address`` who it is, with a hard deadline: a dead address, or a port that is not a Dask scheduler
-    (e.g. the dashboard's), fails within ``timeout`` seconds with :class:`Unavailable` instead of hanging."""
-    import asyncio
-
-    async def identity() -> dict[str, Any]:
-        from distributed.comm import connect
-
-        args = security.get_connection_args("client") if security is not None else {}
-        comm = await asyncio.wait_for(connect(address, timeout=timeout, **args), timeout)
-        try:
-            await comm.write({"op": "identity", "reply": True})
-            return await asyncio.wait_for(comm.read(), timeout)
-        finally:
-            comm.abort()
-
-    def probe() -> dict[str, Any]:
-        return asyncio.run(asyncio.wait_for(identity(), timeout + 1))
-
-    try:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # the usual case (scripts, the CLI): no event loop in this thread
-            ident = probe()
-        else:  # called from async code (e.g. a notebook): probe on a helper thread
-            ident = _on_daemon_thread(probe)
-    except (OSError, TimeoutError, ValueError) as e:
-        reason = "no answer" if isinstance(e, TimeoutError) else " ".join(str(e).split())
-        raise Unavailable(f"could not reach a Dask scheduler at {address} within {timeout:g} s ({reason})") from None
-    if not isinstance(ident, dict) or ident.get("type") != "Scheduler":
-        kind = ident.get("type") if isinstance(ident, dict) else type(ident).__name__
-        raise Unavailable(f"{address} is a {kind}, not a Dask scheduler")
-    return ident
-
-
-def _on_daemon_thread(fn):
-    import threading
-
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # handed to the caller
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True, name="nexus-probe")
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+        return self.transport.scale_inference(n)
 
 
 def _given(**kw: Any) -> dict[str, Any]:
@@ -371,27 +267,15 @@ class Job:
 
     def info(self) -> dict[str, Any]:
         """The service's full view of the job (spec, state, progress, result, error, metering)."""
-        return self.nexus.call("nexus_job", job_id=self.id, owner=self.tenant)
+        return self.nexus.transport.job(self.id, self.tenant)
 
     def progress(self) -> JobProgress:
         return JobProgress.from_info(self.info())
 
     def stream(self, poll_s: float = 0.5) -> Iterator[JobProgress]:
         """Yield a :class:`JobProgress` each time the job's state or progress changes, until it ends."""
-        if self.nexus.transport is not None:  # the gateway's stream sends a view at each change
-            for info in self.nexus.transport.stream(self.id, self.tenant, poll_s):
-                yield JobProgress.from_info(info)
-            return
-        last = None
-        while True:
-            p = self.progress()
-            key = (p.state, p.done, p.version, tuple(sorted(p.metrics.items())))
-            if key != last:
-                last = key
-                yield p
-            if p.finished:
-                return
-            time.sleep(poll_s)
+        for info in self.nexus.transport.stream(self.id, self.tenant, poll_s):  # a view at each change
+            yield JobProgress.from_info(info)
 
     def upload(self, episodes: rollouts.EpisodeBuffer | dict[str, Any]) -> dict[str, Any]:
         """Whole episodes of the tenant's own env for this RL job (``rollouts="external"``), see
@@ -402,7 +286,7 @@ class Job:
 
     def cancel(self) -> dict[str, Any]:
         """Stop the job and free everything it holds; returns its final info (state ``cancelled``)."""
-        return self.nexus.call("nexus_cancel", job_id=self.id, owner=self.tenant)
+        return self.nexus.transport.cancel(self.id, self.tenant)
 
     def follow(self, console: Any = None, poll_s: float = 0.5) -> dict[str, Any]:
         """Wait for the job with a progress bar (steps, updates or episodes); returns its result."""
@@ -421,7 +305,7 @@ class Job:
         deadline = None if timeout is None else time.time() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.time())
-            info = self.nexus.call("nexus_wait", job_id=self.id, timeout=min(left or 30.0, 30.0), owner=self.tenant)
+            info = self.nexus.transport.wait(self.id, min(left or 30.0, 30.0), self.tenant)
             if info["state"] == "done":
                 return info["result"]
             if info["state"] in TERMINAL:
@@ -464,7 +348,7 @@ class Tenant:
             raw = sub.jobs[0]
         else:
             raw = job.model_dump() if not isinstance(job, dict) else job
-        return Job(self.nexus, self.nexus.call("nexus_submit", tenant=self.name, job=raw), self.name)
+        return Job(self.nexus, self.nexus.transport.submit(self.name, raw), self.name)
 
     def sft(self, **kw: Any) -> Job:
         return self.submit(SFTJob(**kw))
@@ -496,24 +380,12 @@ class Tenant:
         return fut
 
     def _batch_op(self, verb: str, batch: dict[str, Any], loss: str = "sft") -> NexusFuture[dict[str, Any]]:
-        if self.nexus.transport is not None:  # to the gateway, which sends it to the actor worker directly
-            return NexusFuture.run(self._ops, self.nexus.call, "nexus_op", tenant=self.name, verb=verb, batch=batch,
-                                   loss=loss, session=self.nexus.session)
+        body = {"batch": batch, "loss": loss} if verb == "forward_backward" else {"batch": batch}
+        return self._op(verb, body)  # to the gateway, which sends it to the actor worker directly
 
-        def run() -> dict[str, Any]:
-            client = self.nexus.client
-            name = f"nexus-op-{self.name}-{uuid.uuid4().hex[:12]}"
-            # a list, so the whole dict is one datum under a fresh key (a dict would scatter per key)
-            (fut,) = client.scatter([batch], direct=False, hash=False)
-            client.publish_dataset(fut, name=name)
-            try:
-                return self.nexus.call("nexus_op", tenant=self.name, verb=verb, data=name, loss=loss,
-                                       session=self.nexus.session)
-            finally:
-                if name in client.list_datasets():
-                    client.unpublish_dataset(name)
-
-        return NexusFuture.run(self._ops, run)
+    def _op(self, verb: str, body: dict[str, Any] | None = None) -> NexusFuture[dict[str, Any]]:
+        """A low-level op, in order behind this tenant's earlier ones."""
+        return NexusFuture.run(self._ops, self.nexus.transport.op, self.name, verb, self.nexus.session, body)
 
     def optim_step(self, adam: AdamParams | dict[str, Any] | None = None) -> NexusFuture[dict[str, Any]]:
         """Apply the accumulated gradients; ``adam``: this step's Adam settings (Tinker's ``AdamParams``:
@@ -525,25 +397,24 @@ class Tenant:
             except ValidationError as e:
                 raise SpecError(f"adam: {describe_errors(e.errors(), root='adam')}") from None
             extra["adam"] = params.model_dump(exclude_none=True)
-        return NexusFuture.run(self._ops, self.nexus.call, "nexus_op", tenant=self.name, verb="optim_step",
-                               session=self.nexus.session, **extra)
+        return self._op("optim_step", extra or None)
 
     def save_state(self, name: str) -> NexusFuture[dict[str, Any]]:
         """Save the training state (head, adapter and optimizer state) as ``name`` (replacing one of that name);
         not a policy version. In order with the training calls."""
-        return NexusFuture.run(self._ops, self.nexus.call, "nexus_op", tenant=self.name, verb="save_state",
-                               name=name, session=self.nexus.session)
+        return self._op("save_state", {"name": name})
 
     def load_state(self, name: str) -> NexusFuture[dict[str, Any]]:
         """Back to the training state saved as ``name``: weights, adapter and optimizer state. The version does not
         move back; ``save_weights()`` publishes the loaded weights as a new version."""
-        return NexusFuture.run(self._ops, self.nexus.call, "nexus_op", tenant=self.name, verb="load_state",
-                               name=name, session=self.nexus.session)
+        return self._op("load_state", {"name": name})
 
     def save_weights(self) -> NexusFuture[int]:
         """Publish the current head as a new policy version; the future gives the version."""
-        return NexusFuture.run(self._ops, lambda: self.nexus.call("nexus_op", tenant=self.name, verb="save_weights",
-                                                                  session=self.nexus.session)["version"])
+        fut: NexusFuture[int] = NexusFuture()
+        self._op("save_weights").add_done_callback(
+            lambda f: fut.set_exception(f.exception()) if f.exception() else fut.set_result(f.result()["version"]))
+        return fut
 
     def export(self, version: int | None = None, path: str | Path | None = None, *,
                server_path: str | None = None) -> dict[str, Any]:
@@ -557,13 +428,10 @@ class Tenant:
         service's file system instead (tenant tokens: only inside their output dir). Returns the export's
         summary: ``path`` (on the service; through a tenant token relative to its output dir), ``relative_path``,
         ``version``, ``files`` and, when downloaded, ``local_path``."""
-        if self.nexus.transport is None:  # service-internal: the same file system, written in place
-            return self.nexus.call("nexus_export", tenant=self.name, version=version,
-                                   path=str(Path(server_path or path).resolve()) if (server_path or path) else None)
         local = None if path is None else Path(path).resolve()
         if local is not None and local.exists() and (not local.is_dir() or any(local.iterdir())):
             raise Conflict(f"export target {str(local)!r} exists and is not an empty directory")
-        info = self.nexus.call("nexus_export", tenant=self.name, version=version, path=server_path)
+        info = self.nexus.transport.export(self.name, version, server_path)
         if local is not None:
             if info.get("relative_path") is None:
                 raise Forbidden(f"the export at {info['path']!r} lies outside the tenant's output dir: "
@@ -602,15 +470,10 @@ class Tenant:
         drawn with ``seed + j``). Not ordered behind this tenant's training calls."""
         if deterministic and (seed is not None or n > 1):
             raise SpecError("seed and n > 1 draw samples: pass deterministic=False")
-        if self.nexus.transport is not None:
-            if self.nexus._predicts is None:
-                self.nexus._predicts = ThreadPoolExecutor(4, thread_name_prefix="nexus-predict")
-            return NexusFuture.run(self.nexus._predicts, self.nexus.transport.predict, self.name, obs, version,
-                                   deterministic, seed, n)
-        return NexusFuture.of(self.nexus.predictor().call("predict", self.name, obs, version, deterministic, None,
-                                                          request_id=uuid.uuid4().hex,
-                                                          **{k: v for k, v in (("seed", seed), ("n", n))
-                                                             if v not in (None, 1)}))
+        if self.nexus._predicts is None:
+            self.nexus._predicts = ThreadPoolExecutor(4, thread_name_prefix="nexus-predict")
+        return NexusFuture.run(self.nexus._predicts, self.nexus.transport.predict, self.name, obs, version,
+                               deterministic, seed, n)
 
     # -- the tenant's own algorithms: the service's simulators, the tenant's own envs -------------------------
     def env(self, env: str, seed: int = 0) -> service_envs.ServiceEnv:

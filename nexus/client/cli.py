@@ -69,8 +69,8 @@ def lock_free(root: str | Path) -> bool:
 
 
 def _connect(a: argparse.Namespace):
-    """The service's gateway as its operator (a ``tcp://``/``tls://`` --address: the service-internal Dask
-    connection, for operators on the service's machine)."""
+    """The service's gateway as its operator (the CLI speaks the HTTP API only; a ``tcp://`` --address is
+    refused with a hint to give the gateway URL)."""
 
     address, token, source = _gateway_address(a)
     ca = a.ca or (Path(a.root) / "tls" / "ca.pem" if address.startswith("https://") else None)
@@ -79,8 +79,7 @@ def _connect(a: argparse.Namespace):
     except Unavailable as e:
         raise Unavailable(f"{e} — is `nexus up` running? (looked in {source})") from None
     try:
-        if nx.transport is not None:
-            nx.transport.probe(a.timeout)  # reachable and the token accepted, within --timeout
+        nx.transport.probe(a.timeout)  # reachable and the token accepted, within --timeout
         return nx
     except BaseException as e:
         nx.close()
@@ -122,7 +121,7 @@ def _up(a: argparse.Namespace, start: Callable[[ServiceConfig], Nexus] | None = 
     start = start or (lambda c: Nexus.local(config=c))
     nx = start(cfg)
     try:
-        link = nx.dashboard_link
+        link = nx.service.dashboard_link
         uri = cfg.resolved_tracking_uri()
         gw = nx.service.gateway_url
         print(f"JoyNexus service up\n"
@@ -334,7 +333,7 @@ def _tenant_log(a: argparse.Namespace) -> dict[str, Any]:
     live, why = None, None
     try:
         with _connect(a) as nx:
-            live = nx.call("nexus_tenant_log", tenant=a.tenant)
+            live = nx.tenant_log(a.tenant)
     except Unavailable as e:
         why = str(e)
     except NexusError as e:  # the service does not know the tenant: its manifest may

@@ -52,7 +52,7 @@ def keep_up(nx, should_stop: Callable[[], bool], restart: Callable[[], Any], che
         if reason:
             print(f"global restart: {reason}", flush=True)
             try:
-                nx.client.close(timeout=5)
+                nx.service.close_client(timeout=5)
             finally:
                 nx.service.stop()
             nx = restart()

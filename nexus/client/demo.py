@@ -135,7 +135,7 @@ def run_demo(root: str = "runs/demo", sft_steps: int | None = None, rl_updates: 
     # ~20 % of the SFT tenant's actor time here (573 -> 466 actor-s for 1500 steps, measured in two demo
     # runs); the demo keeps one every 50 versions (an actor crash would redo up to 49 steps)
     with Nexus.local(root, checkpoint_every=DEMO_CHECKPOINT_EVERY) as nx:
-        link = nx.dashboard_link
+        link = nx.service.dashboard_link
         console.print(f"Dask dashboard: {link}   Nexus page: {link.replace('/status', '/nexus')}")
         tenants = {name: nx.create_tenant(sub.tenant) for name, sub in subs.items()}
         console.print(f"tenants created from {configs}: {', '.join(tenants)} ({time.time() - t0:.0f} s)")
@@ -165,7 +165,7 @@ def run_demo(root: str = "runs/demo", sft_steps: int | None = None, rl_updates: 
                until=lambda: all(a is not None for a in after.values()))
         nx.flush()
         infos = [j.info() for j in jobs]
-        logs = {name: nx.call("nexus_tenant_log", tenant=name) for name in tenants}
+        logs = {name: nx.tenant_log(name) for name in tenants}
         wall = time.time() - t0
         console.print(progress_table([JobProgress.from_info(i) for i in infos], f"JoyNexus demo — jobs ({wall:.0f} s)"))
         console.print(learned_table(logs))

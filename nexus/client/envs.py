@@ -5,8 +5,11 @@
 API with same-step autoreset. Each is one environment session on the service's simulator workers, opened
 through the tenant gateway: resets and steps are HTTP calls that the gateway forwards to the worker (a vector
 env's envs may be spread over several workers, ``limits.env_session_workers``, stepped at once).
-Observations are a ``Dict`` of ``state`` (float32 [P]) and ``image.<camera>`` (uint8 [H, W, 3]), the layout
-of the service's own catalog envs; actions a ``Box`` of the catalog's bounds. Close the env (or use it as a
+Observations are a ``Dict`` of ``state`` (float32 [P]) and, for envs with cameras, ``images`` (a ``Dict``
+camera -> uint8 [H, W, 3]):
+the one observation layout of the service (``nexus.inputs.check_observation``), so an observation goes as it
+is to ``tenant.predict_action(obs)`` or an exported policy's ``predict_action`` (the instruction, left out,
+defaults to the tenant's); actions a ``Box`` of the catalog's bounds. Close the env (or use it as a
 context manager) to give the simulators back; an idle session closes itself after the service's
 ``env_session_idle_s``. The simulator seconds are metered to the tenant.
 """
@@ -24,14 +27,13 @@ from gymnasium.vector.utils import batch_space
 
 from nexus.client.http import json_bytes
 from nexus.client.keepalive import KeepAlive, post_json
-from nexus.errors import NotSupported
 from nexus.inputs import decode_array
 
-IMAGE_PREFIX = "image."
 
-
-def _arrays(d: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {k: np.array(decode_array(v)) for k, v in d.items()}  # writable copies
+def _arrays(d: dict[str, Any]) -> dict[str, Any]:
+    """Wire arrays (nested: ``images`` is camera -> array) as writable numpy copies."""
+    return {k: _arrays(v) if isinstance(v, dict) and "b64" not in v else np.array(decode_array(v))
+            for k, v in d.items()}
 
 
 class EnvSession:
@@ -39,9 +41,6 @@ class EnvSession:
 
     def __init__(self, tenant, env: str, num_envs: int = 1, seed: int = 0, autoreset: bool = False) -> None:
         transport = tenant.nexus.transport
-        if transport is None:
-            raise NotSupported("environment sessions go through the tenant gateway: connect with "
-                               "Nexus('http://...', token=...) or Nexus.local()")
         self.transport, self.tenant = transport, tenant.name
         self.base = f"/v1/tenants/{quote(tenant.name, safe='')}/envs"
         self.info = transport.request("POST", self.base, tenant=self.tenant,
@@ -56,8 +55,9 @@ class EnvSession:
         """One env's observation and action spaces."""
         i = self.info
         obs: dict[str, spaces.Space] = {"state": spaces.Box(-np.inf, np.inf, (i["proprio_dim"],), np.float32)}
-        for c in i["cameras"]:
-            obs[f"{IMAGE_PREFIX}{c['name']}"] = spaces.Box(0, 255, (c["height"], c["width"], 3), np.uint8)
+        if i["cameras"]:  # a state-only env has no "images" (gymnasium refuses an empty Dict space)
+            obs["images"] = spaces.Dict({c["name"]: spaces.Box(0, 255, (c["height"], c["width"], 3), np.uint8)
+                                         for c in i["cameras"]})
         action = spaces.Box(np.asarray(i["action_low"], np.float32), np.asarray(i["action_high"], np.float32),
                             dtype=np.float32)
         return spaces.Dict(obs), action
@@ -88,8 +88,15 @@ class EnvSession:
         return self.transport.request("DELETE", f"{self.base}/{self.id}", tenant=self.tenant)
 
 
-def _row(obs: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
-    return {k: v[i] for k, v in obs.items()}
+def _row(obs: dict[str, Any], i: int) -> dict[str, Any]:
+    """Env ``i``'s observation of a batched one (``images`` nested)."""
+    return {k: _row(v, i) if isinstance(v, dict) else v[i] for k, v in obs.items()}
+
+
+def unbatch(obs: dict[str, Any]) -> list[dict[str, Any]]:
+    """A vector env's batched observation as one observation per env: each goes as it is to
+    ``tenant.predict_batch`` / ``predict_action`` or into a ``forward_backward`` batch."""
+    return [_row(obs, i) for i in range(len(obs["state"]))]
 
 
 class ServiceEnv(gym.Env):
@@ -157,8 +164,8 @@ class ServiceVectorEnv(VectorEnv):
             infos["_episode"] = done
         if "final" in out:
             final, mask = out["final"], out["final"]["mask"]
-            infos["final_obs"] = np.array([{k: v[i] for k, v in final.items() if k != "mask"} if mask[i] else None
-                                           for i in range(n)], dtype=object)
+            rows = {k: v for k, v in final.items() if k != "mask"}
+            infos["final_obs"] = np.array([_row(rows, i) if mask[i] else None for i in range(n)], dtype=object)
             infos["_final_obs"] = mask
         return out["obs"], out["reward"], out["terminated"], out["truncated"], infos
 

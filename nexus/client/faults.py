@@ -19,9 +19,10 @@ from typing import Any
 
 
 def worker_pids(nx) -> dict[str, int]:
-    """Worker name -> pid of its process (not its nanny)."""
-    info = nx.client.scheduler_info(n_workers=-1)["workers"]
-    pids = nx.client.run(os.getpid)
+    """Worker name -> pid of its process (not its nanny), through the internal access of the process that
+    started the service (``nx.service``)."""
+    info = nx.service.client.scheduler_info(n_workers=-1)["workers"]
+    pids = nx.service.client.run(os.getpid)
     return {str(info[a]["name"]): pid for a, pid in pids.items() if a in info}
 
 

@@ -6,8 +6,8 @@ tenant X carries X's token when it holds one (so it sees what X sees: paths rela
 status, which only reads, goes with the operator's token when the client holds it (``Nexus.local``, the CLI).
 Errors come back as the gateway's :class:`nexus.errors.NexusError` subclass with the gateway's message.
 
-:meth:`HttpTransport.call` maps the scheduler handler names the API used before the gateway
-(``nexus_submit``, ``nexus_job``, …) to routes, so the API keeps its shape over either transport.
+Each operation is one method mapped to one route (:meth:`HttpTransport.submit` is ``POST
+/v1/tenants/{tenant}/jobs``, …); the gateway is the client's only way into the service.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from nexus.errors import NexusError, NotSupported, Overloaded, Unavailable, error_class
+from nexus.errors import NexusError, Overloaded, Unavailable, error_class
 from nexus.features import Observation
 from nexus.gateway.auth import OPERATOR_PREFIX
 from nexus.inputs import encode_array
@@ -178,58 +178,69 @@ class HttpTransport:
             return Overloaded(message, Backoff.hint(r))
         return cls(message)
 
-    # -- the API's operations ----------------------------------------------------------------
-    def call(self, handler: str, **kw: Any) -> Any:
-        """One of the scheduler handler names of the Dask transport, over HTTP."""
-        t = kw.get("tenant")
-        if handler == "nexus_create_tenant":
-            info = self.request("POST", "/v1/tenants", json_body=kw["spec"], tenant=kw["spec"].get("name"))
-            if info.get("token"):
-                self.tokens[info["tenant"]] = info["token"]
-            return info
-        if handler == "nexus_status":
-            params = {k: kw[k] for k in ("limit", "cursor", "tenant") if kw.get(k) is not None}
-            return self.request("GET", "/v1/status", params=params or None, tenant=None if self.operator else t)
-        if handler == "nexus_submit":
-            return self.request("POST", f"/v1/tenants/{_q(t)}/jobs", json_body=kw["job"], tenant=t)["job"]
-        if handler == "nexus_job":
-            return self.request("GET", f"/v1/jobs/{_q(kw['job_id'])}", tenant=kw.get("owner"))
-        if handler == "nexus_wait":
-            timeout = kw.get("timeout")
-            return self.request("GET", f"/v1/jobs/{_q(kw['job_id'])}/result", tenant=kw.get("owner"),
-                                params={"timeout": 30.0 if timeout is None else min(float(timeout), 60.0)})
-        if handler == "nexus_op":
-            verb, session = kw["verb"], kw.get("session")
-            body = {"forward_backward": {"batch": kw.get("batch"), "loss": kw.get("loss", "sft")},
-                    "forward": {"batch": kw.get("batch")}, "save_state": {"name": kw.get("name")},
-                    "load_state": {"name": kw.get("name")},
-                    "optim_step": {"adam": kw["adam"]} if kw.get("adam") else None}.get(verb)
-            return self.request("POST", f"/v1/tenants/{_q(t)}/{_q(verb)}", tenant=t, session=session, json_body=body)
-        if handler == "nexus_tenant_log":
-            return self.request("GET", f"/v1/tenants/{_q(t)}/logs", tenant=t)
-        if handler == "nexus_monitoring":
-            return self.request("GET", "/v1/admin/monitoring", params={"since": kw.get("since", 0.0)})
-        if handler == "nexus_flush":
-            return self.request("POST", "/v1/admin/flush")["flushed"]
-        if handler == "nexus_cancel":
-            return self.request("POST", f"/v1/jobs/{_q(kw['job_id'])}/cancel", tenant=kw.get("owner"))
-        if handler == "nexus_delete_tenant":
-            out = self.request("DELETE", f"/v1/tenants/{_q(t)}", tenant=t,
-                               params={"purge": str(not kw.get("keep_output", True)).lower()})
-            self.tokens.pop(t, None)
-            return out
-        if handler == "nexus_scale_inference":
-            return self.request("POST", "/v1/admin/scale", json_body={"engines": kw.get("n", kw.get("engines"))})
-        if handler == "nexus_wait_ready":
-            return self.request("GET", "/v1/admin/ready", params={"timeout": kw.get("timeout", 60.0)})
-        if handler == "nexus_export":
-            opts = {k: v for k, v in kw.items() if k != "tenant"}
-            return self.request("POST", f"/v1/tenants/{_q(t)}/export", tenant=t, json_body=opts)
-        raise NotSupported(f"no gateway route for {handler!r}")
+    # -- the API's operations: one method per route ---------------------------------------------
+    def create_tenant(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/tenants``; keeps the new tenant's token."""
+        info = self.request("POST", "/v1/tenants", json_body=spec, tenant=spec.get("name"))
+        if info.get("token"):
+            self.tokens[info["tenant"]] = info["token"]
+        return info
+
+    def status(self, limit: int | None = None, cursor: str | None = None, tenant: str | None = None) -> dict[str, Any]:
+        """``GET /v1/status`` (with the operator's token when the client holds it, else the tenant's)."""
+        params = {k: v for k, v in (("limit", limit), ("cursor", cursor), ("tenant", tenant)) if v is not None}
+        return self.request("GET", "/v1/status", params=params or None, tenant=None if self.operator else tenant)
+
+    def submit(self, tenant: str, job: dict[str, Any]) -> str:
+        """``POST /v1/tenants/{tenant}/jobs`` -> the job id."""
+        return self.request("POST", f"/v1/tenants/{_q(tenant)}/jobs", json_body=job, tenant=tenant)["job"]
+
+    def job(self, job_id: str, owner: str | None = None) -> dict[str, Any]:
+        return self.request("GET", f"/v1/jobs/{_q(job_id)}", tenant=owner)
+
+    def wait(self, job_id: str, timeout: float | None = None, owner: str | None = None) -> dict[str, Any]:
+        """``GET /v1/jobs/{job}/result``: the job's view once it ended, or after ``timeout`` s (at most 60)."""
+        return self.request("GET", f"/v1/jobs/{_q(job_id)}/result", tenant=owner,
+                            params={"timeout": 30.0 if timeout is None else min(float(timeout), 60.0)})
+
+    def cancel(self, job_id: str, owner: str | None = None) -> dict[str, Any]:
+        return self.request("POST", f"/v1/jobs/{_q(job_id)}/cancel", tenant=owner)
+
+    def op(self, tenant: str, verb: str, session: str | None = None, body: dict[str, Any] | None = None) -> Any:
+        """``POST /v1/tenants/{tenant}/{verb}``: a low-level op (forward_backward, forward, optim_step,
+        save_state, load_state, save_weights) in the connection's ``session``."""
+        return self.request("POST", f"/v1/tenants/{_q(tenant)}/{_q(verb)}", tenant=tenant, session=session,
+                            json_body=body)
+
+    def tenant_log(self, tenant: str) -> dict[str, Any]:
+        return self.request("GET", f"/v1/tenants/{_q(tenant)}/logs", tenant=tenant)
+
+    def export(self, tenant: str, version: int | None = None, path: str | None = None) -> dict[str, Any]:
+        return self.request("POST", f"/v1/tenants/{_q(tenant)}/export", tenant=tenant,
+                            json_body={"version": version, "path": path})
+
+    def delete_tenant(self, tenant: str, keep_output: bool = True) -> dict[str, Any]:
+        out = self.request("DELETE", f"/v1/tenants/{_q(tenant)}", tenant=tenant,
+                           params={"purge": str(not keep_output).lower()})
+        self.tokens.pop(tenant, None)
+        return out
+
+    def monitoring(self, since: float = 0.0) -> dict[str, Any]:
+        """``GET /v1/admin/monitoring`` (operator): the status page with the tenants' signals since ``since``."""
+        return self.request("GET", "/v1/admin/monitoring", params={"since": since})
+
+    def flush(self) -> Any:
+        return self.request("POST", "/v1/admin/flush")["flushed"]
+
+    def scale_inference(self, engines: int) -> dict[str, Any]:
+        return self.request("POST", "/v1/admin/scale", json_body={"engines": engines})
+
+    def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
+        return self.request("GET", "/v1/admin/ready", params={"timeout": timeout})
 
     def forward_backward(self, tenant: str, batch: dict[str, Any], loss: str = "sft",
                          session: str | None = None) -> dict[str, Any]:
-        return self.call("nexus_op", tenant=tenant, verb="forward_backward", batch=batch, loss=loss, session=session)
+        return self.op(tenant, "forward_backward", session, {"batch": batch, "loss": loss})
 
     def predict(self, tenant: str, obs: Observation | dict[str, Any], version: int | None = None,
                 deterministic: bool = True, seed: int | None = None, n: int = 1) -> dict[str, Any]:

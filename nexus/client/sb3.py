@@ -4,7 +4,9 @@
   ``gymnasium.Env`` or its ``VecEnv``, not gymnasium's ``VectorEnv``): ``PPO("MultiInputPolicy",
   SB3VecEnv(tenant.vector_env("maniskill/pushcube-state", 8)))`` trains on the service's simulators.
   Episodes that end carry ``terminal_observation`` and ``TimeLimit.truncated`` in their info, as SB3's own
-  vector envs do (the service resets them in the same step).
+  vector envs do (the service resets them in the same step). SB3 takes no nested ``Dict``, so its
+  observations are the service's layout flattened (:func:`nexus.inputs.flat_observation`: ``state``,
+  ``images.<camera>``).
 * :func:`nexus.policy.ExportedPolicy.predict` — an exported policy acts where SB3 expects
   ``predict(obs) -> (action, state)`` (``evaluate_policy(policy, env)``).
 """
@@ -15,9 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from gymnasium import spaces
 from stable_baselines3.common.vec_env import VecEnv
 
 from nexus.client.envs import ServiceVectorEnv
+from nexus.inputs import flat_observation
 
 
 class SB3VecEnv(VecEnv):
@@ -25,7 +29,8 @@ class SB3VecEnv(VecEnv):
 
     def __init__(self, venv: ServiceVectorEnv) -> None:
         self.venv = venv
-        super().__init__(venv.num_envs, venv.single_observation_space, venv.single_action_space)
+        super().__init__(venv.num_envs, spaces.Dict(flat_observation(venv.single_observation_space.spaces)),
+                         venv.single_action_space)
         self._actions: np.ndarray | None = None
 
     def reset(self) -> dict[str, np.ndarray]:
@@ -33,21 +38,22 @@ class SB3VecEnv(VecEnv):
         obs, _ = self.venv.reset(seed=seeds)
         self._reset_seeds()
         self._reset_options()
-        return obs
+        return flat_observation(obs)
 
     def step_async(self, actions: np.ndarray) -> None:
         self._actions = np.asarray(actions, np.float32).reshape(self.num_envs, -1)
 
     def step_wait(self) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, list[dict[str, Any]]]:
         assert self._actions is not None, "step_async first"
-        obs, reward, terminated, truncated, infos = self.venv.step(self._actions)
+        nested, reward, terminated, truncated, infos = self.venv.step(self._actions)
+        obs = flat_observation(nested)
         self._actions = None
         dones = terminated | truncated
         out: list[dict[str, Any]] = [{"success": bool(s)} for s in infos["success"]]
         final = infos.get("final_obs")
         for i in np.flatnonzero(dones):
-            out[i]["terminal_observation"] = final[i] if final is not None and final[i] is not None else {
-                k: v[i] for k, v in obs.items()}
+            out[i]["terminal_observation"] = flat_observation(final[i]) if final is not None and \
+                final[i] is not None else {k: v[i] for k, v in obs.items()}
             out[i]["TimeLimit.truncated"] = bool(truncated[i] and not terminated[i])
             out[i]["episode"] = {"r": float(infos["episode"]["r"][i]), "l": int(infos["episode"]["l"][i])}
         return obs, reward.astype(np.float32), dones, out

@@ -70,9 +70,8 @@ class Rediscovery:
                                                        key=f"nexus-interrupted-{name}", retry_lost=True,
                                                        first_only=True)
                         interrupted.extend(marked)
-                    spec = dict(f["spec"])
                     if self.registry.find(name) is None:
-                        await self.lifecycle.create(spec)
+                        await self.lifecycle.create(self.lifecycle.read_back(dict(f["spec"])))
                     found_tenants.append(name)
                 except Exception as e:
                     errors[name] = f"{type(e).__name__}: {e}"

@@ -1,4 +1,4 @@
-"""Tenant lifecycle: create (validate, build the slot from durable state, register on every engine,
+"""Tenant lifecycle: create (from a validated spec: build the slot from durable state, register on every engine,
 route) and delete (cancel its jobs, drop its queue entries, routes, engine heads and slot, and keep
 or purge its output dir)."""
 
@@ -14,7 +14,7 @@ from nexus.control.tenants import TenantPhase, TenantState
 from nexus.errors import Conflict, NotFound
 from nexus.messages import SlotInfo
 from nexus.paths import resolve_output_dir
-from nexus.validation import check_new_tenant, check_tenant_limits, validate_tenant
+from nexus.validation import check_new_tenant, schema_of, validate_tenant
 
 if TYPE_CHECKING:
     from nexus.config import ServiceConfig, ServiceLimits
@@ -55,12 +55,18 @@ class TenantLifecycle:
         """A new scheduler: tenants created from now on get its admission defaults."""
         self.config = config
 
-    async def create(self, raw: dict[str, Any]) -> dict[str, Any]:
-        """Validate a tenant spec and build its slot; a tenant whose output dir holds state resumes it."""
-        spec, schema = validate_tenant(raw)
+    def read_back(self, raw: dict[str, Any]) -> TenantSpec:
+        """A spec read back from a tenant's files at rediscovery, validated as the gateway validates a new one
+        (the catalogs, the tenant's quotas): no gateway saw it in this service's life."""
+        spec, _ = validate_tenant(raw, self.config.limits_for(str(raw.get("name"))))
+        return spec
+
+    async def create(self, spec: TenantSpec) -> dict[str, Any]:
+        """Build a validated spec's slot (validated once, where it entered: the gateway for a new tenant,
+        :meth:`read_back` for one read back from its files); a tenant whose output dir holds state resumes it."""
+        schema = schema_of(spec)
         limits = self.config.limits_for(spec.name)
-        spec = with_admission_defaults(spec, limits)
-        check_tenant_limits(spec, limits)
+        spec = with_admission_defaults(spec, limits)  # capped at the quota
         existing = self.registry.find(spec.name)
         if existing is not None:
             if existing.phase == "deleting":

@@ -53,6 +53,7 @@ from nexus.control.tracking_link import TrackerLink
 from nexus.errors import NotFound, Unavailable
 from nexus.messages import OpWork, UpdateResult
 from nexus.paging import Page
+from nexus.spec import TenantSpec
 
 logger = logging.getLogger("nexus.master")
 
@@ -158,7 +159,8 @@ class Master:
 
     # -- handlers (names and argument shapes are the public RPC contract) ------------------------------------
     async def create_tenant(self, spec: dict[str, Any]) -> dict[str, Any]:
-        return await self.lifecycle.create(spec)
+        # the gateway validated the spec where it entered (catalogs, quotas): here it only becomes typed again
+        return await self.lifecycle.create(TenantSpec.model_validate(spec))
 
     async def submit(self, tenant: str, job: dict[str, Any]) -> str:
         return self.jobs.submit(tenant, job)

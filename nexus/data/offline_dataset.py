@@ -130,6 +130,15 @@ class OfflineDataset:
         """One :class:`Observation` per row of a batch (instruction: the row's LeRobot task, else the manifest's)."""
         return arrays_to_observations(arrays, self.schema)
 
+    def rows(self, arrays: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
+        """One observation per row in the service's one observation layout (:mod:`nexus.inputs`: ``state``,
+        ``images`` ``{camera: uint8 [H, W, 3]}`` where the dataset has cameras, ``instruction``): what
+        ``predict``, ``predict_batch``, a ``forward_backward`` batch and an export's ``predict_action`` take as
+        they are, and what an environment session answers. (The columns of :meth:`sample_batch` are the storage
+        layout of the trajectory files: ``state``, ``action``, ``image.<camera>``, ...)"""
+        return [{"state": o.state, **({"images": o.images} if o.images else {}), "instruction": o.instruction}
+                for o in self.observations(arrays)]
+
     def _take(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         out = {k: v[rows] for k, v in self._arrays.items()}
         if self._frames is not None:

@@ -17,7 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
 ERROR_SCHEMA = "ErrorBody"
-BEARER = "HTTPBearer"  # the scheme FastAPI names after nexus.gateway.app.bearer
+BEARER = "HTTPBearer"  # the scheme FastAPI names after nexus.gateway.routes.common.bearer
 
 
 class ErrorDetail(BaseModel):

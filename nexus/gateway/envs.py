@@ -9,7 +9,9 @@
 * ``POST /v1/jobs/{job}/episodes``: finished episodes of the tenant's own env or robot for its RL job with
   ``rollouts="external"`` (stored in the tenant's trajectory store, then trained on as one update's batch).
 
-Arrays travel in the wire form of :func:`nexus.inputs.encode_array` both ways (booleans as uint8).
+Arrays travel in the wire form of :func:`nexus.inputs.encode_array` both ways (booleans as uint8). Observations
+have the one layout of :mod:`nexus.inputs` (``state``, ``images``), so env i's row of a reset or step goes
+to ``predict`` as it is.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from typing import Annotated, Any
 
 import numpy as np
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
@@ -202,7 +204,8 @@ JSON_ANSWER = {200: {"content": {"application/json": {}}, "description": "arrays
 @router.post("/v1/tenants/{tenant}/envs/{session}/reset", responses=JSON_ANSWER)
 async def reset_env(tenant: str, session: str, who: Who, request: Request,
                     body: ResetBody | None = None) -> Response:
-    """Start new episodes (all envs, or those of ``mask``) -> ``obs`` (``state`` [N, P], ``image.<camera>``)."""
+    """Start new episodes (all envs, or those of ``mask``) -> ``obs`` (``state`` [N, P], ``images``
+    ``{camera: [N, H, W, 3]}``): the observation layout ``predict`` takes, batched over the envs."""
     who.may_act_on(tenant)
     body = body or ResetBody()
     envs = _envs(request)
@@ -309,9 +312,4 @@ async def recorded_view(backend, tenant: str, wanted: int | None, timeout: float
     return view
 
 
-def add_env_routes(app: FastAPI, backend) -> None:
-    app.state.envs = EnvBackend(backend)
-    app.include_router(router)
-
-
-__all__ = ["EnvBackend", "add_env_routes", "router", "store_episodes"]
+__all__ = ["EnvBackend", "router", "store_episodes"]

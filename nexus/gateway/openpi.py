@@ -71,7 +71,7 @@ from nexus.gateway.msgpack_arrays import MalformedFrame, pack, unpack
 from nexus.inputs import check_observation
 
 if TYPE_CHECKING:
-    from nexus.gateway.app import Gateway
+    from nexus.gateway.state import Gateway
 
 logger = logging.getLogger("nexus.gateway.openpi")
 

@@ -8,10 +8,11 @@ session closes. Resets and steps come from the gateway worker-to-worker (the
 observations never pass through the scheduler); every call runs on the host's one session thread, so the
 simulators of a process are stepped by one thread of sessions at a time.
 
-A step answers batched arrays (``state`` [N, P], ``image.<camera>`` [N, H, W, 3], reward, terminated,
-truncated, success); the catalog's episode length is authoritative (``truncated`` at the limit). With
-``autoreset`` (vector sessions) an env whose episode ended is reset in the same step: its answer is the new
-episode's first observation, and ``final`` holds the last one (gymnasium's same-step autoreset).
+A step answers batched arrays: ``obs`` (``state`` [N, P] and ``images`` ``{camera: [N, H, W, 3]}``), the one
+observation layout of :mod:`nexus.inputs` batched, reward, terminated, truncated, success; the catalog's
+episode length is authoritative (``truncated`` at the limit). With ``autoreset`` (vector sessions) an env whose
+episode ended is reset in the same step: its answer is the new episode's first observation, and ``final`` holds
+the last one (gymnasium's same-step autoreset).
 The time spent in resets and steps is metered to the tenant as simulator seconds.
 """
 
@@ -33,8 +34,6 @@ from nexus.errors import Conflict, NotFound, SpecError, Unavailable
 from nexus.features import Observation, TenantSchema
 from nexus.simulators.vector import LockstepEnvs
 
-IMAGE_PREFIX = "image."
-
 
 def spaces_of(entry: EnvEntry, low: np.ndarray, high: np.ndarray) -> dict[str, Any]:
     """What a client needs to build the gymnasium spaces (plain values)."""
@@ -45,11 +44,13 @@ def spaces_of(entry: EnvEntry, low: np.ndarray, high: np.ndarray) -> dict[str, A
             "action_low": [float(x) for x in low], "action_high": [float(x) for x in high]}
 
 
-def stack_observations(entry: EnvEntry, obs: list[Observation]) -> dict[str, np.ndarray]:
-    """``state`` [N, P] float32 and ``image.<camera>`` [N, H, W, 3] uint8."""
-    out = {"state": np.stack([np.asarray(o.state, np.float32) for o in obs])}
-    for c in entry.schema.cameras:
-        out[f"{IMAGE_PREFIX}{c.name}"] = np.stack([np.asarray(o.images[c.name], np.uint8) for o in obs])
+def stack_observations(entry: EnvEntry, obs: list[Observation]) -> dict[str, Any]:
+    """``state`` [N, P] float32 and ``images`` ``{camera: [N, H, W, 3] uint8}`` (envs with cameras): the one
+    observation layout (what ``predict`` takes, row by row), batched over the envs."""
+    out: dict[str, Any] = {"state": np.stack([np.asarray(o.state, np.float32) for o in obs])}
+    if entry.schema.cameras:  # no empty "images" (gymnasium refuses an empty Dict space)
+        out["images"] = {c.name: np.stack([np.asarray(o.images[c.name], np.uint8) for o in obs])
+                         for c in entry.schema.cameras}
     return out
 
 
