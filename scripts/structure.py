@@ -172,17 +172,10 @@ def violations(modules: dict[str, Module]) -> list[str]:
 def report() -> dict:
     modules = load()
     deferred = [f"{m.name}:{line} {target}" for m in modules.values() for target, line in m.deferred]
-    big = {
-        f"{m.name}.{cls}": n
-        for m in modules.values()
-        for cls, n in m.classes.items()
-        if n > (200 if layer(m.name) == "control" else 250)
-    }
     return {
         "layer_violations": violations(modules),
         "cycles": cycles(modules),
         "in_function_imports": sorted(deferred),
-        "classes_over_limit": dict(sorted(big.items(), key=lambda kv: -kv[1])),
         "largest_classes": dict(
             sorted(
                 ((f"{m.name}.{c}", n) for m in modules.values() for c, n in m.classes.items()),
@@ -211,7 +204,6 @@ def main() -> None:
     for c in r["cycles"]:
         print(f"  {' <-> '.join(c)}")
     print(f"in-function imports of nexus modules: {len(r['in_function_imports'])}")
-    print("classes over the limit (200 lines in control/, 250 elsewhere):", r["classes_over_limit"] or "none")
     print("largest classes:", ", ".join(f"{k} {v}" for k, v in r["largest_classes"].items()))
 
 
