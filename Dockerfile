@@ -32,7 +32,7 @@ RUN groupadd -g 1000 nexus && useradd -u 1000 -g 1000 -m -s /bin/bash nexus \
 USER 1000:1000
 VOLUME ["/nexus", "/scratch"]
 
-# the Dask scheduler, its dashboard (/health), the tenant gateway (nexus.deploy's defaults; the gateway's
+# the Dask scheduler, its dashboard (/health), the tenant gateway (nexus.deploy.hosts's defaults; the gateway's
 # port is the one the deployments pass with --port)
 EXPOSE 8786 8787 8000
 ENTRYPOINT ["nexus"]

@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from nexus import catalog
+from nexus.config import catalog
 from nexus.data.lerobot_format import write_lerobot
 from nexus.data.trajectory_store import columns_to_table, write_ipc
 from nexus.features import Observation, TenantSchema
-from nexus.services.environment import PolicyOutput, collect_episodes, episode_stats, make_env
+from nexus.sim.environment import PolicyOutput, collect_episodes, episode_stats, make_env
 
 FILE = "episodes-000.arrow"
 OPEN, CLOSE = 1.0, -1.0  # ManiSkill gripper convention (robosuite's is the opposite)
@@ -167,7 +167,7 @@ def write_manifest(path: Path, name: str, fmt: str, demo: Demo, schema: TenantSc
                    seed: int, extra: str = "") -> None:
     path.write_text(
         f"# {demo.summary},\n"
-        f"# recorded through nexus.services.environment (make_env + collect_episodes), {fmt} format.\n"
+        f"# recorded through nexus.sim.environment (make_env + collect_episodes), {fmt} format.\n"
         "# Regenerate: python datasets/generate_demos.py (see datasets/README.md).\n"
         f'name = "{name}"\nformat = "{fmt}"\npath = "{name}"\nenv = "{demo.env}"\n'
         'generator = "datasets/generate_demos.py"\n'

@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
-from nexus.catalog import env as catalog_env
 from nexus.client.grpc_robot import RobotClient, grpc_target
 from nexus.client.rollouts import EpisodeBuffer
-from nexus.simulators.vector import make_single
+from nexus.config.catalog import env as catalog_env
+from nexus.sim.vector import make_single
 
 
 def run(target: str, token: str, tenant: str, job: str | None, env_name: str, steps: int,

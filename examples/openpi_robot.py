@@ -24,9 +24,9 @@ from openpi_client.action_chunk_broker import ActionChunkBroker
 from openpi_client.base_policy import BasePolicy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-from nexus import catalog
+from nexus.config import catalog
 from nexus.features import Observation
-from nexus.simulators.maniskill import ManiSkillEnv
+from nexus.sim.maniskill import ManiSkillEnv
 
 ENV = "maniskill/pickcube-rgb"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from stable_baselines3 import PPO
 from stable_baselines3.common.evaluation import evaluate_policy
 
-import nexus.policy
+import nexus.export.policy
 from nexus.client.api import Nexus
 from nexus.client.sb3 import SB3VecEnv
 from nexus.spec import TenantSpec
@@ -38,7 +38,7 @@ def run(nx: Nexus, tenant: str = "sb3", timesteps: int = 4096, num_envs: int = 8
     # 2. the tenant's own service-trained policy, exported, acting through SB3's predict interface
     with tempfile.TemporaryDirectory() as tmp:
         t.export(None, Path(tmp) / "policy")
-        policy = nexus.policy.load(Path(tmp) / "policy")
+        policy = nexus.export.policy.load(Path(tmp) / "policy")
         with SB3VecEnv(t.vector_env(ENV, num_envs=2, seed=100)) as venv:
             exported_mean, _ = evaluate_policy(policy, venv, n_eval_episodes=eval_episodes)
     return {**out, "exported_policy_version": policy.version, "exported_mean_return": float(exported_mean)}

@@ -1,6 +1,6 @@
 """Tenant and job specifications (pydantic). No torch: validated inside the scheduler process.
 
-A spec is plain data; ``nexus.catalog`` checks it against the environment and dataset catalogs.
+A spec is plain data; ``nexus.config.catalog`` checks it against the environment and dataset catalogs.
 """
 
 from __future__ import annotations

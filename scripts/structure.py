@@ -20,20 +20,25 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "nexus"
 
 # tools apart from the service: they depend on nexus, and no production module (any layer, or the top level)
-# imports them (issue 51: the emulator plugs in through one seam, nexus.services.devices)
+# imports them (issue 51: the emulator plugs in through one seam, nexus.wire.devices)
 TOOLS: tuple[str, ...] = ("emulator",)
+# the worker side's roles: each runs in worker processes of its own resource (ACTOR, INFER, SIM) or hosts them
+ROLES: tuple[str, ...] = ("actor", "engine", "sim", "tracking", "worker")
 
-# layer -> the layers it must not import (the issue's rule 5)
+# layer -> the layers it must not import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "control": ("services", "model", "algorithms", *TOOLS),
-    "services": ("control", *TOOLS),
-    "data": ("control", "services", *TOOLS),
-    "model": ("control", "services", *TOOLS),
-    "algorithms": ("control", "services", *TOOLS),
-    "client": ("services", "control", *TOOLS),
-    "gateway": ("services", "control", *TOOLS),
-    "simulators": TOOLS,
-    "emulator": (),
+    "control": (*ROLES, "model", "algorithms", "export", "gateway", "client", *TOOLS),
+    **{role: ("control", "gateway", "client", *TOOLS) for role in ROLES},
+    "data": ("control", *ROLES, "gateway", "client", *TOOLS),
+    "model": ("control", *ROLES, "gateway", "client", *TOOLS),
+    "algorithms": ("control", *ROLES, "gateway", "client", *TOOLS),
+    "client": ("control", *ROLES, *TOOLS),
+    "gateway": ("control", *ROLES, "client", *TOOLS),
+    "config": ("control", *ROLES, "gateway", "client", *TOOLS),
+    "wire": ("control", *ROLES, "gateway", "client", *TOOLS),
+    "export": ("control", *ROLES, "gateway", "client", *TOOLS),
+    "deploy": ("control", *ROLES, "client", *TOOLS),
+    "emulator": (),  # a tool on top: it may use any layer (the client to start a service, the control plane's rules)
 }
 
 

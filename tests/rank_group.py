@@ -12,11 +12,11 @@ from typing import Any
 from distributed import Client, LocalCluster
 from distributed.comm import get_address_host
 
-from nexus.config import ServiceConfig
+from nexus.config.service import ServiceConfig
 from nexus.control import tasks
-from nexus.control.actor_placement import local_ranks
-from nexus.messages import Rendezvous
-from nexus.services.worker_plugin import slot_states
+from nexus.control.health.actor_placement import local_ranks
+from nexus.wire.messages import Rendezvous
+from nexus.worker.plugin import slot_states
 
 
 class RankGroup:

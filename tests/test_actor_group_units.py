@@ -10,9 +10,9 @@ import time
 import pytest
 from distributed import LocalCluster
 
-from nexus.control import actors as actors_module
-from nexus.control.actor_placement import local_ranks
-from nexus.control.actors import ActorGroup
+from nexus.control.health import actor_group as actors_module
+from nexus.control.health.actor_group import ActorGroup
+from nexus.control.health.actor_placement import local_ranks
 from nexus.control.runtime import DaskRuntime
 from nexus.control.tasks import TaskRef
 from nexus.errors import RoleLost

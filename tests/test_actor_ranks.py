@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from nexus import catalog
 from nexus.algorithms.ppo import PPOConfig
-from nexus.config import ServiceConfig
+from nexus.config import catalog
+from nexus.config.service import ServiceConfig
 from nexus.control import tasks
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.trajectory_store import columns_to_table, write_ipc
 from nexus.errors import SpecError
 from nexus.features import Observation
-from nexus.messages import BatchRef, OpWork, RLWork, SFTWork, TenantSetup, UpdateRequest
 from nexus.spec import LoraConfig, TenantSpec
+from nexus.wire.messages import BatchRef, OpWork, RLWork, SFTWork, TenantSetup, UpdateRequest
 from tests.rank_group import RankGroup
 
 pytestmark = pytest.mark.cluster

@@ -15,8 +15,8 @@ import pytest
 
 from nexus.client.api import Nexus
 from nexus.client.faults import kill_worker_while, wait_for
-from nexus.services.worker_plugin import slot_states
 from nexus.spec import TenantSpec
+from nexus.worker.plugin import slot_states
 
 pytestmark = pytest.mark.cluster
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nexus.config import ServiceConfig
+from nexus.config.service import ServiceConfig
 from nexus.features import CameraSpec, Observation, TenantSchema
 from nexus.model.backbone import BackboneConfig, SharedBackbone, check, compatible
 from nexus.model.backbone_features import BackboneFeatures

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from nexus import catalog
-from nexus.catalog import CatalogError
-from nexus.validation import SpecError, validate_tenant
+from nexus.config import catalog
+from nexus.config.catalog import CatalogError
+from nexus.config.validation import SpecError, validate_tenant
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,7 +148,8 @@ def test_bad_suite_files_are_reported(tmp_path, monkeypatch, body, match):
 
 
 def test_catalog_imports_no_simulator():
-    code = ("import sys, nexus.catalog, nexus.validation; nexus.catalog.envs(); nexus.catalog.datasets(); "
+    code = ("import sys, nexus.config.catalog, nexus.config.validation; "
+            "nexus.config.catalog.envs(); nexus.config.catalog.datasets(); "
             "bad = [m for m in ('mani_skill', 'sapien', 'robosuite', 'mujoco', 'torch') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

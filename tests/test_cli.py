@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from nexus.cluster import RootLock, lock_holder
 from nexus.data.output_dir import TenantOutputDir
+from nexus.deploy.local import RootLock, lock_holder
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ import pytest
 
 from nexus.client.api import Nexus
 from nexus.client.http import HttpTransport
-from nexus.config import ServiceConfig
+from nexus.config.service import ServiceConfig
 from nexus.errors import SpecError
 from nexus.features import Observation
 from nexus.gateway.app import create_app

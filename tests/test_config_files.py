@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from nexus.config import ServiceConfig, apply_overrides, load_service_config, load_submission, parse_override
+from nexus.config.service import ServiceConfig, apply_overrides, load_service_config, load_submission, parse_override
+from nexus.config.validation import validate_job, validate_tenant
 from nexus.errors import SpecError
 from nexus.spec import RLJob, SFTJob, TenantSpec
-from nexus.validation import validate_job, validate_tenant
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from nexus.config import ServiceConfig
+from nexus.config.service import ServiceConfig
 from nexus.errors import QUOTE_CHARS, SpecError, quote
 from nexus.gateway import contract
 from nexus.gateway.app import MAX_MESSAGE, create_app, error_body

@@ -10,20 +10,20 @@ import sys
 
 import pytest
 
-from nexus.config import DispatchSettings, HealthSettings, ServiceConfig
-from nexus.control.dispatcher import Dispatcher
-from nexus.control.engines import EnginePool, MemberState, PoolPolicy
-from nexus.control.health import HealthManager, RoleState
-from nexus.control.job_state import JobState, JobStatus
-from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
+from nexus.config.service import DispatchSettings, HealthSettings, ServiceConfig
+from nexus.control.dispatch.dispatcher import Dispatcher
+from nexus.control.dispatch.training_queue import TenantLimits, TrainingItem, TrainingQueue
+from nexus.control.health.engine_pool import EnginePool, MemberState, PoolPolicy
+from nexus.control.health.manager import HealthManager, RoleState
+from nexus.control.jobs.state import JobState, JobStatus
+from nexus.control.monitoring.tracking_link import TrackerLink
 from nexus.control.tasks import TaskRef
-from nexus.control.tenants import TenantPhase, TenantRegistry, TenantState
-from nexus.control.tracking_link import TrackerLink
+from nexus.control.tenants.registry import TenantPhase, TenantRegistry, TenantState
 from nexus.control.transitions import IllegalTransition
 from nexus.errors import Draining, NotFound, RoleLost, SpecError, Unavailable
 from nexus.features import TenantSchema
-from nexus.messages import EngineEndpoint, Heartbeat, TenantSetup
 from nexus.spec import SFTJob, TenantSpec
+from nexus.wire.messages import EngineEndpoint, Heartbeat, TenantSetup
 
 
 class Clock:
@@ -550,7 +550,7 @@ def test_tracker_link_resends_after_loss_and_reopens_runs_first():
 
 # -- task references and durable versions -------------------------------------------------------------------------
 def test_task_ref_pickles_by_path_and_resolves_on_call():
-    ref = TaskRef("nexus.messages:job_number")
+    ref = TaskRef("nexus.wire.messages:job_number")
     clone = pickle.loads(pickle.dumps(ref))
     assert clone == ref and clone("a-rl-12") == 12 and ref.__name__ == "job_number"
     with pytest.raises(ValueError):
@@ -561,7 +561,8 @@ def test_control_modules_import_no_service_module():
     import subprocess
 
     code = ("import sys, nexus.control.plugin, nexus.control.master; "
-            "print(sorted(m for m in sys.modules if m.startswith('nexus.services') or m == 'torch'))")
+            "roles = ('nexus.actor', 'nexus.engine', 'nexus.sim', 'nexus.tracking', 'nexus.worker'); "
+            "print(sorted(m for m in sys.modules if m.startswith(roles) or m == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -587,8 +588,8 @@ def test_weights_are_written_once_and_versions_listed_once(tmp_path):
 def test_request_check_names_the_problem():
     import numpy as np
 
+    from nexus.engine.request_check import check_request
     from nexus.features import CameraSpec, Observation
-    from nexus.services.request_check import check_request
 
     schema = TenantSchema(proprio_dim=3, action_dim=2, cameras=(CameraSpec("cam", 8, 8),))
     good = Observation(state=np.zeros(3, np.float32), images={"cam": np.zeros((8, 8, 3), np.uint8)})

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from nexus.client.cli import build_parser
-from nexus.config import ServiceConfig
+from nexus.config.service import ServiceConfig
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 OPERATOR_VARS = {"DASK_WORKER_NAME", "DASK_SCHEDULER_ADDRESS"}  # set by the Dask operator in its worker pods
@@ -264,8 +264,8 @@ def _containers() -> list[tuple[dict, dict, dict, object]]:
 
 
 def test_manifest_ports_are_the_ports_the_processes_listen_on():
-    from nexus import deploy
-    from nexus.config import ServiceConfig as _Cfg
+    from nexus.config.service import ServiceConfig as _Cfg
+    from nexus.deploy import hosts as deploy
 
     expose = _image_facts()["expose"]
     services = {d["metadata"]["name"]: d for d in _manifest() if d["kind"] == "Service"}

@@ -14,12 +14,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from nexus.client.api import Nexus
-from nexus.config import ServiceConfig
+from nexus.config.service import ServiceConfig
+from nexus.deploy.tls import security
 from nexus.gateway.app import create_app
 from nexus.gateway.auth import TokenStore, read_operator_token
 from nexus.gateway.backend import Backend
 from nexus.spec import TenantSpec
-from nexus.tls import security
 
 PUSH = "maniskill/pushcube-state"
 OFF_LOOPBACK = "192.0.2.10"  # TEST-NET-1: an address a deployed gateway could listen on

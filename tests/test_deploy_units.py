@@ -18,13 +18,13 @@ from pathlib import Path
 import click
 import pytest
 
-from nexus import deploy
-from nexus.cluster import RootLock
-from nexus.config import HealthSettings, ServiceConfig
-from nexus.control.health import HealthManager, RoleState
+from nexus.config.service import HealthSettings, ServiceConfig
+from nexus.control.health.manager import HealthManager, RoleState
+from nexus.deploy import hosts as deploy
+from nexus.deploy.local import RootLock
+from nexus.deploy.processes import ROLE_RESOURCES
+from nexus.deploy.tls import ensure_certificates, server_certificate
 from nexus.errors import Conflict, SpecError
-from nexus.processes import ROLE_RESOURCES
-from nexus.tls import ensure_certificates, server_certificate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_command_lines_are_what_dasks_own_cli_parses(tmp_path):
     for role in ROLE_RESOURCES:
         w = deploy.plan_worker(tmp_path / "root", role, host="10.9.0.2", name=f"{role}-x", wait_s=1)
         wp = dask_worker.main.make_context("worker", w.args[1:]).params
-        assert wp["resources"] == f"{ROLE_RESOURCES[role]}=1" and wp["preload"] == ("nexus.services.worker_plugin",)
+        assert wp["resources"] == f"{ROLE_RESOURCES[role]}=1" and wp["preload"] == ("nexus.worker.plugin",)
         assert wp["host"] == "10.9.0.2" and wp["tls_ca_file"] == str(tmp_path / "root" / "tls" / "ca.pem")
 
 

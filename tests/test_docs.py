@@ -28,7 +28,6 @@ import shlex
 import subprocess
 import sys
 import tomllib
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,9 +40,6 @@ FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.S | re.M)
 MARKER = re.compile(r"<!--\s*(run|run:\s*service-start|run:\s*service|illustrative:[^>]*)\s*-->\s*$")
 SHELL_OPERATORS = {"|", "||", "&&", ";", ">", ">>", "<", "&"}
 # module names of the package layout the docs are written in, aliased to today's module until it exists
-NEW_LAYOUT = {"nexus.export.policy": "nexus.policy"}
-
-
 @dataclass(frozen=True)
 class Block:
     page: str
@@ -224,22 +220,6 @@ def test_site_builds_strict_with_every_setting_policy_and_route(site):
     assert not missing_routes, f"routes missing from the HTTP reference: {missing_routes}"
 
 
-def _alias_new_layout() -> None:
-    """Let examples written in the new package layout import while the code is still in today's."""
-    for new, old in NEW_LAYOUT.items():
-        try:
-            importlib.import_module(new)
-            continue
-        except ModuleNotFoundError:
-            pass
-        module = importlib.import_module(old)
-        parent, _, leaf = new.rpartition(".")
-        if parent not in sys.modules:
-            sys.modules[parent] = types.ModuleType(parent)
-        setattr(sys.modules[parent], leaf, module)
-        sys.modules[new] = module
-
-
 def _run(block: Block, namespace: dict) -> None:
     exec(compile(block.code, block.where, "exec"), namespace)  # noqa: S102 - the docs' own examples
 
@@ -247,7 +227,6 @@ def _run(block: Block, namespace: dict) -> None:
 @pytest.mark.parametrize("block", [b for b in PYTHON if b.mark == "run"], ids=lambda b: b.where)
 def test_offline_example_runs(block, monkeypatch):
     monkeypatch.chdir(REPO)
-    _alias_new_layout()
     _run(block, {"__name__": "__docs__"})
 
 
@@ -257,7 +236,6 @@ def test_service_examples_run_against_one_embedded_service(tmp_path, monkeypatch
     start = next(b for b in PYTHON if b.mark == "run:service-start")
     assert len(service) >= 5
     monkeypatch.chdir(tmp_path)
-    _alias_new_layout()
     seed: dict = {"__name__": "__docs__"}
     _run(start, seed)
     nx = seed["nx"]

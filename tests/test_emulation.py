@@ -16,15 +16,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from nexus.config import ServiceConfig
-from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
+from nexus.config.service import ServiceConfig
+from nexus.control.dispatch.training_queue import TenantLimits, TrainingItem, TrainingQueue
+from nexus.deploy.processes import TRACKER_NICE
 from nexus.emulator.clock import DeviceClock
 from nexus.emulator.lanes import Lanes, lane_label
 from nexus.emulator.lent import LentDevices
 from nexus.emulator.piece import DevicePiece
 from nexus.emulator.settings import Calibration, DeviceCounts, EmulationSettings, ServiceTimes, load_calibration
 from nexus.errors import SpecError
-from nexus.processes import TRACKER_NICE
 
 EMU = {"calibration": "paper_gpu", "time_scale": 20, "devices": {"actor": 2, "inference": 2, "simulator": 4}}
 EMU10 = {**EMU, "time_scale": 10}
@@ -449,7 +449,7 @@ def test_an_emulated_engine_keeps_its_devices_clock_apart_from_the_hosts_time(tm
 
 def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_clock(tmp_path):
     from nexus.emulator.actor import UpdateTimeline
-    from nexus.messages import BatchRef
+    from nexus.wire.messages import BatchRef
 
     # a producer's host time (messaging, a late timer) is paid out of its next sleeps, less the 1/k of it a run at
     # the devices' speed would see too (k = 4 here); at k = 1 all of it is the run's own
@@ -487,7 +487,7 @@ def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_c
     assert BatchRef.from_dict({**parts[0].to_dict(), "ended_at": None}).ended_at == 0.0
     assert BatchRef.from_dict(BatchRef.joined(parts).to_dict()) == BatchRef.joined(parts)
     # a rollout task starts from the end of the batch or update that let it start, unless it waited for its place
-    from nexus.control.sim_slots import WAITED_S, ready_from
+    from nexus.control.dispatch.sim_share import WAITED_S, ready_from
 
     assert ready_from(100.0, 105.0, 105.0 + WAITED_S / 2) == 100.0  # granted at once: the host's dispatch is owed
     assert ready_from(100.0, 105.0, 107.0) == 107.0  # it waited 2 s for a simulator place: from the grant
@@ -511,7 +511,7 @@ def test_the_producers_owed_host_time_and_the_actors_timeline_keep_the_devices_c
 
 def test_an_emulated_engine_charges_each_forward_its_calibrated_time_one_after_the_other(tmp_path):
     from nexus.emulator.engine import EmulatedEngine
-    from nexus.services.inference_queue import Group
+    from nexus.engine.queue import Group
 
     async def charge() -> tuple[list, float]:
         eng = EmulatedEngine(ServiceConfig(root=str(tmp_path)), EmulationSettings.model_validate(EMU10))
@@ -552,8 +552,8 @@ def test_critical_order_puts_unblocking_work_first_then_the_longest_remaining_ch
 
 
 def test_a_tenants_simulator_work_left_is_its_rl_jobs_updates_left_at_their_metered_rate():
-    from nexus.control.adaptive import remaining_sim_s
-    from nexus.control.job_state import JobStatus
+    from nexus.control.dispatch.adaptive import remaining_sim_s
+    from nexus.control.jobs.state import JobStatus
 
     def job(job_id: str, kind: str, updates: int, done: int, state: JobStatus = JobStatus.RUNNING):
         return SimpleNamespace(job_id=job_id, state=state, spec=SimpleNamespace(kind=kind, updates=updates),
@@ -569,9 +569,9 @@ def test_a_tenants_simulator_work_left_is_its_rl_jobs_updates_left_at_their_mete
 
 
 def test_an_rl_batch_is_split_over_free_simulator_places_up_to_the_policy_and_one_wave_each():
-    from nexus.config import DataPathSettings
-    from nexus.control.flows import FlowContext
-    from nexus.control.sim_slots import SimSlots
+    from nexus.config.service import DataPathSettings
+    from nexus.control.dispatch.sim_share import SimSlots
+    from nexus.control.jobs.flows import FlowContext
 
     cap = [8]
     slots = SimSlots(lambda: cap[0])
@@ -614,7 +614,7 @@ def nx(tmp_path_factory):
 
 
 def _run(nx, policy: str) -> tuple[float, float, dict]:
-    from nexus.config import Scheduler
+    from nexus.config.service import Scheduler
 
     nx.service.internal("nexus_set_scheduler", scheduler=Scheduler.load(policy).model_dump())
     t0 = time.time()
@@ -646,7 +646,8 @@ def test_emulated_service_runs_the_real_plugin_and_accounts_per_device(nx):
         return type(p).__module__, type(p.master.queue).__module__, type(p.master.pool).__module__
 
     assert nx.service.client.run_on_scheduler(plugin_kind) == (
-        "nexus.control.plugin", "nexus.control.queues", "nexus.control.engines")  # no second scheduler
+        # no second scheduler
+        "nexus.control.plugin", "nexus.control.dispatch.training_queue", "nexus.control.health.engine_pool")
 
     def host_kind(dask_worker):
         p = dask_worker.plugins["nexus"]
@@ -656,7 +657,7 @@ def test_emulated_service_runs_the_real_plugin_and_accounts_per_device(nx):
     assert "EmulatedActorHost" in kinds and "['EmulatedEngine', 'EmulatedEngine']" in kinds
 
     def seam(dask_worker):  # each worker's devices are the emulator's, installed in the one seam by its preload
-        from nexus.services import devices
+        from nexus.wire import devices
 
         return type(devices.installed()).__module__
 
@@ -735,7 +736,7 @@ def test_the_isolated_policy_really_isolates_on_emulated_devices(nx):
 def test_the_elastic_policy_splits_an_rl_batch_over_simulators_and_keeps_its_episodes(nx):
     """One RL batch of 8 episodes (K = 4 envs a producer): one rollout task under ``priority``, two at once under
     ``elastic`` (on two of the 2-2-4 service's 4 simulator devices); the same episodes either way."""
-    from nexus.config import Scheduler
+    from nexus.config.service import Scheduler
 
     got = {}
     for pol in ("priority", "elastic"):
@@ -759,7 +760,7 @@ def test_the_trackers_own_worker_lost_mid_job_is_waited_for_and_the_jobs_run_kee
     from mlflow.tracking import MlflowClient
 
     from nexus.client.faults import kill_worker, wait_for
-    from nexus.control.supervisor import TRACKER_GRACE_S
+    from nexus.control.health.supervisor import TRACKER_GRACE_S
 
     def tracker() -> dict:
         return {r["role"]: r for r in nx.status()["roles"]}["tracker"]

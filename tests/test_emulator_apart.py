@@ -1,5 +1,5 @@
 """The emulator is a tool apart (issue 51): no production module imports ``nexus.emulator`` or names an emulator
-parameter — not even in a comment — and production plugs it in through one seam, ``nexus.services.devices``, whose
+parameter — not even in a comment — and production plugs it in through one seam, ``nexus.wire.devices``, whose
 default is the real devices. The project's check, which must print nothing, is
 
     grep -rlE 'emulat|ahead_s|lend_actor|lend_inference' nexus --include='*.py' \\
@@ -65,23 +65,23 @@ def test_the_checks_see_a_production_module_that_names_or_imports_the_emulator(s
     """They can fail: a throwaway package whose top-level module and control module reach into the emulator, and a
     service module whose comment names a lending setting."""
     pkg = tmp_path / "nexus"
-    for d in (pkg, pkg / "control", pkg / "services", pkg / "emulator"):
+    for d in (pkg, pkg / "config", pkg / "control", pkg / "control" / "jobs", pkg / "sim", pkg / "emulator"):
         d.mkdir(parents=True, exist_ok=True)
         (d / "__init__.py").write_text("")
     (pkg / "emulator" / "settings.py").write_text("lend_actor = False\n")
-    (pkg / "config.py").write_text("from nexus.emulator import settings\n")
-    (pkg / "control" / "flows.py").write_text("def f():\n    import nexus.emulator.settings\n")
-    (pkg / "services" / "sim_host.py").write_text("x = 1  # a device lent (lend_actor)\n")
-    assert naming_the_emulator(pkg) == ["nexus/config.py", "nexus/control/flows.py", "nexus/services/sim_host.py"]
+    (pkg / "config" / "service.py").write_text("from nexus.emulator import settings\n")
+    (pkg / "control" / "jobs" / "flows.py").write_text("def f():\n    import nexus.emulator.settings\n")
+    (pkg / "sim" / "host.py").write_text("x = 1  # a device lent (lend_actor)\n")
+    assert naming_the_emulator(pkg) == ["nexus/config/service.py", "nexus/control/jobs/flows.py", "nexus/sim/host.py"]
     monkeypatch.setattr(structure, "ROOT", tmp_path)
     monkeypatch.setattr(structure, "PACKAGE", pkg)
-    assert structure.violations(structure.load()) == ["nexus.config:1 imports nexus.emulator.settings",
-                                                      "nexus.control.flows:2 imports nexus.emulator.settings"]
+    assert structure.violations(structure.load()) == ["nexus.config.service:1 imports nexus.emulator.settings",
+                                                      "nexus.control.jobs.flows:2 imports nexus.emulator.settings"]
 
 
 def test_the_seam_defaults_to_the_real_devices_and_the_service_never_loads_the_emulator():
-    code = ("import sys, nexus.services.worker_plugin, nexus.services.engine_host, nexus.services.sim_tasks, "
-            "nexus.control.plugin, nexus.client.cli, nexus.cluster; from nexus.services import devices; "
+    code = ("import sys, nexus.worker.plugin, nexus.engine.host, nexus.sim.tasks, "
+            "nexus.control.plugin, nexus.client.cli, nexus.deploy.local; from nexus.wire import devices; "
             "print(type(devices.installed()).__name__, any(m.startswith('nexus.emulator') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert out.split() == ["RealDevices", "False"]

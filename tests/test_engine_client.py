@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from distributed import Client, LocalCluster
 
-from nexus.engine_client import CONNECT_TIMEOUT_S, PUSH_CONNECT_TIMEOUT_S, EngineSet
-from nexus.messages import EngineEndpoint
+from nexus.wire.engine_client import CONNECT_TIMEOUT_S, PUSH_CONNECT_TIMEOUT_S, EngineSet
+from nexus.wire.messages import EngineEndpoint
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_an_engine_calls_payload_and_reply_cross_a_tcp_comm_packed_whole():
 
     import numpy as np
 
-    from nexus.engine_client import INLINE_MAX_BYTES, call_engine, pack, unpack
+    from nexus.wire.engine_client import INLINE_MAX_BYTES, call_engine, pack, unpack
     from tests.dask_servers import loopback_servers
 
     seen: list[type] = []

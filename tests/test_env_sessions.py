@@ -27,8 +27,8 @@ import pytest
 from nexus.client.api import Nexus
 from nexus.client.rollouts import EpisodeBuffer
 from nexus.errors import Conflict, LimitExceeded, NotFound, SpecError
-from nexus.inputs import encode_array
 from nexus.spec import TenantSpec
+from nexus.wire.inputs import encode_array
 
 pytestmark = pytest.mark.cluster
 
@@ -105,7 +105,7 @@ def test_vector_env_autoresets_at_the_episode_limit(svc):
 def test_an_env_observation_goes_as_it_is_to_predict_and_to_an_exported_policy(svc, tmp_path):
     """One observation layout: what an env session answers (a camera env here) is what ``predict`` (through the
     gateway), ``predict_batch`` and an exported policy's ``predict_action`` take, unconverted."""
-    import nexus.policy
+    import nexus.export.policy
     from nexus.client.envs import unbatch
 
     cam_env = "maniskill/pickcube-rgb"
@@ -124,7 +124,7 @@ def test_an_env_observation_goes_as_it_is_to_predict_and_to_an_exported_policy(s
         outs = t.predict_batch(unbatch(batch), deterministic=True).result()
         assert len(outs) == 2 and all(np.isfinite(o["action"]).all() for o in outs)
     t.export(None, tmp_path / "policy")
-    policy = nexus.policy.load(tmp_path / "policy")
+    policy = nexus.export.policy.load(tmp_path / "policy")
     np.testing.assert_allclose(policy.predict_action(obs)["action"], served["action"], atol=1e-4)
     with pytest.raises(SpecError, match="unknown field"):  # the old flat layout is refused, as by predict
         policy.predict_action({"state": obs["state"], "image.base_camera": obs["images"]["base_camera"]})
@@ -156,7 +156,7 @@ def test_a_vector_session_spread_over_two_workers_steps_like_one_on_one_worker(s
             v2.session.step(bad)
         # one shard gone (as after idling): the session is closed whole, not left half-stepping
         def close_shard(dask_worker, session: str, tenant: str) -> dict:  # local: sent to the worker by value
-            from nexus.services.worker_plugin import PLUGIN_NAME
+            from nexus.worker.plugin import PLUGIN_NAME
 
             return dask_worker.plugins[PLUGIN_NAME].sim.sessions.close(session, tenant)
 
@@ -223,7 +223,7 @@ def test_sb3_ppo_trains_on_a_service_vector_env_and_an_exported_policy_predicts(
     from stable_baselines3.common.evaluation import evaluate_policy
     from stable_baselines3.common.logger import Logger
 
-    import nexus.policy
+    import nexus.export.policy
     from nexus.client.sb3 import SB3VecEnv
 
     nx, t = svc["nx"], svc["t"]["b"]
@@ -237,7 +237,7 @@ def test_sb3_ppo_trains_on_a_service_vector_env_and_an_exported_policy_predicts(
         assert len(model.ep_info_buffer) >= 2, model.ep_info_buffer
         assert all(np.isfinite(e["r"]) and 1 <= e["l"] <= 50 for e in model.ep_info_buffer), model.ep_info_buffer
         t.export(None, tmp_path / "policy")
-        policy = nexus.policy.load(tmp_path / "policy")
+        policy = nexus.export.policy.load(tmp_path / "policy")
         obs = venv.reset()
         actions, state = policy.predict(obs)
         assert actions.shape == (2, 4) and state is None and np.abs(actions).max() <= 1.0

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from nexus.config import ServiceLimits
-from nexus.control.env_sessions import EnvSessions
+from nexus.config.service import ServiceLimits
 from nexus.control.runtime import WorkerInfo
-from nexus.control.tenants import TenantPhase, TenantRegistry, TenantState
+from nexus.control.tenants.env_sessions import EnvSessions
+from nexus.control.tenants.registry import TenantPhase, TenantRegistry, TenantState
 from nexus.errors import LimitExceeded, NotFound, SpecError, Unavailable
 from nexus.features import TenantSchema
 from nexus.spec import TenantSpec
@@ -178,7 +178,7 @@ def test_shard_answers_are_joined_in_env_order_with_final_rows_masked_where_no_e
     import numpy as np
 
     from nexus.gateway.env_shards import join_answers, split_reset, split_step
-    from nexus.inputs import decode_array, wire_json
+    from nexus.wire.inputs import decode_array, wire_json
 
     def answer(state, reward, ended):
         obs = {"state": state, "images": {"cam": np.full((len(state), 2, 2, 3), state[:, :1, None, None], np.uint8)}}
@@ -207,8 +207,8 @@ def test_shard_answers_are_joined_in_env_order_with_final_rows_masked_where_no_e
 def test_a_session_call_runs_on_the_workers_loop_only_when_short_and_alone():
     from types import SimpleNamespace
 
-    from nexus import catalog
-    from nexus.services.env_sessions import EnvSession
+    from nexus.config import catalog
+    from nexus.sim.env_sessions import EnvSession
 
     s = EnvSession("s", "a", catalog.env(PUSH), SimpleNamespace(num_envs=2), autoreset=True, idle_s=60, seed=0,
                    inline_s=0.05)
@@ -228,8 +228,8 @@ def test_a_step_with_actions_as_bytes_is_checked_like_an_array():
 
     import numpy as np
 
-    from nexus import catalog
-    from nexus.services.env_sessions import EnvSession
+    from nexus.config import catalog
+    from nexus.sim.env_sessions import EnvSession
 
     s = EnvSession("s", "a", catalog.env(PUSH), SimpleNamespace(num_envs=2), autoreset=True, idle_s=60, seed=0)
     with pytest.raises(SpecError, match="do not fill the shape"):

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from nexus import catalog
-from nexus.catalog import CatalogError
+from nexus.config import catalog
+from nexus.config.catalog import CatalogError
 from nexus.features import Observation
-from nexus.services.environment import (
+from nexus.sim.environment import (
     EnvSchemaError,
     PolicyOutput,
     SimEnv,
@@ -238,7 +238,7 @@ def test_refused_and_unknown_envs_raise_catalog_error():
 def test_a_task_whose_assets_are_missing_is_refused_at_run_time_without_a_prompt():
     """Even a task that slipped past the catalog never prompts or downloads: it is refused."""
     entry = dataclasses.replace(catalog.env("maniskill/pickcube-state"), env_id="PickSingleYCB-v1")
-    code = ("import dataclasses, sys\nfrom nexus import catalog\nfrom nexus.services.environment import make_env\n"
+    code = ("import dataclasses, sys\nfrom nexus.config import catalog\nfrom nexus.sim.environment import make_env\n"
             "e = dataclasses.replace(catalog.env('maniskill/pickcube-state'), env_id='PickSingleYCB-v1')\n"
             "try:\n    make_env(e, device='cpu')\nexcept catalog.CatalogError as err:\n    print('REFUSED', err)\n")
     # no stdin: a prompt would fail with EOFError instead of being answered
@@ -266,7 +266,7 @@ def test_schema_mismatch_is_reported(name, wrong, match):
 
 
 def test_importing_the_service_does_not_import_the_simulator():
-    code = ("import sys, nexus.services.environment, nexus.data.trajectory_store, nexus.data.offline_dataset, "
+    code = ("import sys, nexus.sim.environment, nexus.data.trajectory_store, nexus.data.offline_dataset, "
             "nexus.data.lerobot_format; "
             "bad = [m for m in ('mani_skill', 'sapien', 'robosuite', 'mujoco', 'torch') if m in sys.modules]; "
             "assert not bad, bad")

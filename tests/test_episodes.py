@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from nexus.episodes import check_episodes, newest_version
 from nexus.errors import LimitExceeded, SpecError
 from nexus.features import CameraSpec, TenantSchema
 from nexus.gateway import envs
 from nexus.gateway.envs import recorded_view
+from nexus.wire.episodes import check_episodes, newest_version
 
 SCHEMA = TenantSchema(proprio_dim=2, action_dim=1)
 

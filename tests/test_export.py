@@ -1,7 +1,7 @@
-"""Exported policies: the worker-side export of a tenant output dir's version, ``nexus.policy.load`` without a
+"""Exported policies: the worker-side export of a tenant output dir's version, ``nexus.export.policy.load`` without a
 service, ``init_from``, the MLflow pyfunc wrapper (``mlflow models predict``), backbone checkpoint dirs.
 
-No cluster: the real actor-side tasks (``nexus.services.actor_tasks`` on an ``ActorHost``) and a real
+No cluster: the real actor-side tasks (``nexus.actor.tasks`` on an ``ActorHost``) and a real
 ``InferenceEngine`` run in this process (the engine's coroutines driven synchronously, as the actor proxy would).
 """
 
@@ -22,19 +22,20 @@ import numpy as np
 import pytest
 import torch
 
-from nexus import catalog
-from nexus import policy as exported
-from nexus.config import ServiceConfig
+from nexus.actor import ops
+from nexus.actor import tasks as actor_tasks
+from nexus.actor.export import export_version
+from nexus.actor.host import ActorHost
+from nexus.config import catalog
+from nexus.config.service import ServiceConfig
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.trajectory_store import arrays_to_observations
+from nexus.engine.engine import InferenceEngine, _Request
+from nexus.engine.host import EngineHost
 from nexus.errors import Conflict, NotFound, SpecError
-from nexus.messages import OpWork, SFTWork, SlotInfo, TenantSetup, UpdateRequest
-from nexus.services import actor_tasks, ops
-from nexus.services.actor_host import ActorHost
-from nexus.services.engine_host import EngineHost
-from nexus.services.export import export_version
-from nexus.services.inference import InferenceEngine, _Request
+from nexus.export import policy as exported
 from nexus.spec import LoraConfig, TenantSpec
+from nexus.wire.messages import OpWork, SFTWork, SlotInfo, TenantSetup, UpdateRequest
 from tests.checkpoints import save_hf_checkpoint
 
 torch.set_num_threads(1)
@@ -308,7 +309,7 @@ def test_mlflow_pyfunc_model_and_mlflow_models_predict(svc, tmp_path):
     """The directory as an MLflow model: ``mlflow.pyfunc.load_model`` and the ``mlflow models predict`` CLI."""
     import mlflow
 
-    from nexus.services.model_registry import save_policy_model
+    from nexus.export.mlflow_model import save_policy_model
 
     service, engine, outs = svc
     d = export_version(service, setup(LORA, outs[LORA.name]), STEPS, str(tmp_path / "p"))["path"]

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from nexus.actor.tenant_slot import TenantSlot
 from nexus.algorithms.grpo import GRPOConfig, group_advantages, grpo_loss
 from nexus.algorithms.sft import ActionChunks, sft_loss
+from nexus.config.validation import SpecError, validate_job
 from nexus.features import TenantSchema
 from nexus.model.backbone import BackboneConfig
 from nexus.model.backbone_features import BackboneFeatures
@@ -16,9 +18,7 @@ from nexus.model.framework import VLAFramework
 from nexus.model.policy import TenantPolicy
 from nexus.model.preprocessor import TenantPreprocessor
 from nexus.model.synthetic_tenants import CALVIN_LIKE, LIBERO_LIKE, SyntheticTenant
-from nexus.services.tenant_slot import TenantSlot
 from nexus.spec import TenantSpec
-from nexus.validation import SpecError, validate_job
 
 torch.set_num_threads(1)
 
@@ -318,7 +318,7 @@ def test_rl_is_refused_for_flow_families_and_chunks():
 
 def test_inference_engine_serves_every_family(tiny_backbone, tiny_paligemma, tmp_path):
     """``InferenceEngine._forward``: mixed families and backbones in one group; chunks -> first action."""
-    from nexus.services.inference import InferenceEngine, _Request
+    from nexus.engine.engine import InferenceEngine, _Request
 
     engine = InferenceEngine({"root": str(tmp_path)})
     fw = engine.heads.framework = VLAFramework(tiny_backbone, tiny_paligemma)
@@ -380,11 +380,11 @@ def test_grpo_group_advantages_and_loss(framework):
 
 def test_service_sft_update_trains_a_chunked_flow_tenant(tmp_path):
     """``actor_tasks.update_sft`` on the recorded PickCube demos: π expert, chunk 4, held-out error."""
-    from nexus import catalog
-    from nexus.config import ServiceConfig
-    from nexus.messages import SFTWork
-    from nexus.services.actor_host import ActorHost
-    from nexus.services.actor_tasks import update_sft
+    from nexus.actor.host import ActorHost
+    from nexus.actor.tasks import update_sft
+    from nexus.config import catalog
+    from nexus.config.service import ServiceConfig
+    from nexus.wire.messages import SFTWork
 
     cfg = ServiceConfig(root=str(tmp_path), backbone={"family": "paligemma", "size": "tiny", "image_size": 64})
     svc = ActorHost(cfg)

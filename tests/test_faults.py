@@ -197,7 +197,7 @@ def test_kill_a_sim_worker_holding_a_shard_of_an_environment_session(nx):
     wait_for(lambda: not nx.service.internal("nexus_env_sessions", tenant="fa"), 60, 0.5, "the session dropped")
 
     def sessions_here(dask_worker) -> int:  # local: sent to the worker by value
-        from nexus.services.worker_plugin import PLUGIN_NAME
+        from nexus.worker.plugin import PLUGIN_NAME
 
         return len(dask_worker.plugins[PLUGIN_NAME].sim.sessions.sessions)
 

@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from nexus.client.api import Nexus, Tenant
 from nexus.errors import Conflict, Forbidden, LimitExceeded, NotFound, SpecError, Unauthorized
 from nexus.features import Observation
-from nexus.inputs import encode_array
 from nexus.spec import TenantSpec
+from nexus.wire.inputs import encode_array
 
 pytestmark = pytest.mark.cluster
 
@@ -100,7 +100,7 @@ def _wire_batch(n: int = 2, **over) -> dict:
 def snapshot(env) -> dict:
     """Tenants, versions, jobs, slots (actor), live heads (inference) and tokens — bg excepted, whose RL
     job runs meanwhile."""
-    from nexus.services.worker_plugin import slot_states
+    from nexus.worker.plugin import slot_states
 
     nx = env["nx"]
     st_ = nx.status()

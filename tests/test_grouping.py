@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from nexus.config import ServiceConfig
+from nexus.config.service import ServiceConfig
+from nexus.engine.batching import GroupBatcher
+from nexus.engine.engine import InferenceEngine
 from nexus.features import CameraSpec, Observation, TenantSchema
 from nexus.model.policy import TenantPolicy
-from nexus.services.batching import GroupBatcher
-from nexus.services.inference import InferenceEngine
 from nexus.spec import TenantSpec
 
 torch.set_num_threads(1)

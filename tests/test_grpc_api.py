@@ -42,8 +42,8 @@ from nexus.errors import (
 )
 from nexus.gateway.grpc_api import SERVICE, status_of, to_array, to_tensor
 from nexus.gateway.proto import nexus_robot_pb2 as pb
-from nexus.inputs import encode_array
 from nexus.spec import TenantSpec
+from nexus.wire.inputs import encode_array
 
 REPO = Path(__file__).resolve().parent.parent
 PUSH = "maniskill/pushcube-state"
@@ -359,12 +359,12 @@ def test_the_listener_serves_tls_with_the_gateways_certificate(tmp_path):
     token check), a client without TLS gets no answer at all."""
     import asyncio
 
-    from nexus.config import ServiceConfig
+    from nexus.config.service import ServiceConfig
+    from nexus.deploy.tls import ensure_certificates, server_certificate
     from nexus.gateway import grpc_api
     from nexus.gateway.app import Gateway
     from nexus.gateway.auth import TokenStore
     from nexus.gateway.backend import Backend
-    from nexus.tls import ensure_certificates, server_certificate
 
     config = ServiceConfig(root=str(tmp_path))
     ensure_certificates(config.tls_dir)

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from nexus import catalog
 from nexus.algorithms.grpo import GRPOConfig, batch_advantages, group_advantages, process_advantages
-from nexus.config import ServiceConfig, ServiceLimits
+from nexus.config import catalog
+from nexus.config.service import ServiceConfig, ServiceLimits
+from nexus.config.validation import validate_job
 from nexus.errors import LimitExceeded, NotFound, SpecError
-from nexus.services.environment import LockstepEnvs, PolicyClient, PolicyOutput, collect_waves, make_env
+from nexus.sim.environment import LockstepEnvs, PolicyClient, PolicyOutput, collect_waves, make_env
 from nexus.spec import RLJob, TenantSpec
-from nexus.validation import validate_job
 
 torch.set_num_threads(1)
 PUSH = "maniskill/pushcube-state"
@@ -84,9 +84,9 @@ def test_a_group_of_episodes_starts_from_one_reset_seed():
 @pytest.fixture(scope="module")
 def actor(tmp_path_factory):
     """An actor rank in this process (tiny Qwen3-VL backbone) with one heads-only PushCube tenant."""
-    from nexus.messages import TenantSetup
-    from nexus.services.actor_host import ActorHost
-    from nexus.services.actor_tasks import init_tenant
+    from nexus.actor.host import ActorHost
+    from nexus.actor.tasks import init_tenant
+    from nexus.wire.messages import TenantSetup
 
     cfg = ServiceConfig(root=str(tmp_path_factory.mktemp("grpo")))
     host = ActorHost(cfg)
@@ -114,8 +114,8 @@ def _stored_batch(setup, episodes: int = 4, steps: int = 6):
 
 
 def test_grpo_update_trains_the_head_not_the_critic_with_a_kl_to_the_stored_reference(actor):
-    from nexus.messages import GRPOWork
-    from nexus.services.actor_tasks import UPDATES
+    from nexus.actor.tasks import UPDATES
+    from nexus.wire.messages import GRPOWork
 
     host, setup = actor
     slot = host.slots["g"]

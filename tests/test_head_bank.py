@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from nexus.config import ServiceConfig
+from nexus.config.service import ServiceConfig
+from nexus.config.validation import validate_tenant
+from nexus.engine.engine import InferenceEngine, _Request
 from nexus.features import Observation
 from nexus.model.head_bank import HeadBank, head_shape
 from nexus.model.policy import TenantPolicy
-from nexus.services.inference import InferenceEngine, _Request
 from nexus.spec import TenantSpec
-from nexus.validation import validate_tenant
 
 FEAT = 64  # the tiny Qwen3-VL's width
 

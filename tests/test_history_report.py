@@ -8,10 +8,10 @@ import pytest
 
 from nexus.client.api import JobProgress
 from nexus.client.report import format_log, manifest_log, merge_logs, write_report
-from nexus.control import dashboard
+from nexus.control.monitoring import dashboard
 from nexus.data.output_dir import TenantOutputDir
-from nexus.history import by_kind, curves_figure, kind_of, panels, per_version, plot_curves, pyplot
-from nexus.services.tracking import metric_name
+from nexus.tracking.tracker import metric_name
+from nexus.wire.history import by_kind, curves_figure, kind_of, panels, per_version, plot_curves, pyplot
 
 
 def _rl_history() -> list[dict]:
@@ -145,7 +145,7 @@ def test_page_data_jobs_roles_timeline_and_legend(view):
     assert jobs["metric"] == ["success_rate 0.25", "loss 0.5"] and jobs["elapsed_s"] == [3.0, 10.0]
     roles = dashboard.roles_columns(view["status"])
     assert list(zip(roles["role"], roles["worker"], strict=True)) == [("actor", "actor-0"), ("simulator", "sim-0")]
-    # the health manager's own list (status()["roles"], nexus.control.health), when present, is shown as it is
+    # the health manager's own list (status()["roles"], nexus.control.health.manager), when present, is shown as it is
     health = dashboard.roles_columns({"roles": [
         {"role": "engine/0", "kind": "engine", "worker": "infer-0", "state": "restarting", "restarts": 2,
          "restart_budget_left": 3, "since_heartbeat_s": 3.14159, "reason": "no heartbeat for 61 s"},

@@ -1,4 +1,4 @@
-"""nexus.inputs: every malformed observation or batch is a SpecError naming field, expected and actual;
+"""nexus.wire.inputs: every malformed observation or batch is a SpecError naming field, expected and actual;
 good data comes back normalized (float32 state and actions, uint8 images). No torch, no cluster."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from nexus.errors import SpecError
 from nexus.features import CameraSpec, Observation, TenantSchema
-from nexus.inputs import check_batch, check_observation, decode_array, encode_array
+from nexus.wire.inputs import check_batch, check_observation, decode_array, encode_array
 
 STATE = TenantSchema(proprio_dim=3, action_dim=2)
 RGB = TenantSchema(proprio_dim=2, action_dim=2, cameras=(CameraSpec("front", 4, 5),))
@@ -22,7 +22,7 @@ def _obs(**kw):
 
 
 def test_importable_without_torch():
-    code = "import sys, nexus.inputs; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, nexus.wire.inputs; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

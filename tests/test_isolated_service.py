@@ -65,7 +65,7 @@ def test_isolated_tenants_never_overlap_and_accounting_holds(nx):
 
 
 def test_a_scheduler_switched_on_the_idle_service_moves_t_and_b_to_the_engines(nx):
-    from nexus.config import Scheduler
+    from nexus.config.service import Scheduler
 
     engine = nx.service.engine()
     first = nx.service.internal("nexus_scheduling")["scheduler"]

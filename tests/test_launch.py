@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from nexus.client.api import Nexus
+from nexus.config.validation import validate_tenant
 from nexus.errors import Conflict
 from nexus.gateway.auth import read_gateway_url, read_operator_token
-from nexus.validation import validate_tenant
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[1]

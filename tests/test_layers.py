@@ -40,27 +40,27 @@ def test_in_function_imports_of_project_modules_stay_few(structure):
 
 
 def test_the_checker_sees_a_cycle_and_a_layer_violation(structure, tmp_path, monkeypatch):
-    """The rules can fail: a throwaway package with a type-only cycle and a control -> services import."""
+    """The rules can fail: a throwaway package with a type-only cycle and a control -> actor import."""
     pkg = tmp_path / "nexus"
     (pkg / "control").mkdir(parents=True)
-    (pkg / "services").mkdir()
-    for d in (pkg, pkg / "control", pkg / "services"):
+    (pkg / "actor").mkdir()
+    for d in (pkg, pkg / "control", pkg / "actor"):
         (d / "__init__.py").write_text("")
-    (pkg / "control" / "a.py").write_text("from nexus.services import b\n")
-    (pkg / "services" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                           "    from nexus.services import c\n")
-    (pkg / "services" / "c.py").write_text("def f():\n    from nexus.services import b\n")
+    (pkg / "control" / "a.py").write_text("from nexus.actor import b\n")
+    (pkg / "actor" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                           "    from nexus.actor import c\n")
+    (pkg / "actor" / "c.py").write_text("def f():\n    from nexus.actor import b\n")
     monkeypatch.setattr(structure, "ROOT", tmp_path)
     monkeypatch.setattr(structure, "PACKAGE", pkg)
     modules = structure.load()
-    assert structure.violations(modules) == ["nexus.control.a:1 imports nexus.services.b"]
-    assert structure.cycles(modules) == [["nexus.services.b", "nexus.services.c"]]
-    assert structure.report()["in_function_imports"] == ["nexus.services.c:2 nexus.services.b"]
+    assert structure.violations(modules) == ["nexus.control.a:1 imports nexus.actor.b"]
+    assert structure.cycles(modules) == [["nexus.actor.b", "nexus.actor.c"]]
+    assert structure.report()["in_function_imports"] == ["nexus.actor.c:2 nexus.actor.b"]
 
 
 def test_algorithm_configs_and_the_contract_import_no_torch():
     """The control plane validates jobs against the algorithms' configs; the scheduler never imports torch."""
-    code = ("import sys, nexus.spec, nexus.validation, nexus.messages, nexus.inputs, nexus.algorithms.ppo, "
-            "nexus.algorithms.grpo; print('torch' in sys.modules)")
+    code = ("import sys, nexus.spec, nexus.config.validation, nexus.wire.messages, nexus.wire.inputs, "
+            "nexus.algorithms.ppo, nexus.algorithms.grpo; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nexus import catalog
-from nexus.catalog import DatasetEntry
+from nexus.config import catalog
+from nexus.config.catalog import DatasetEntry
 from nexus.data.lerobot_format import LeRobotDataset, LeRobotFormatError, camera_feature, write_lerobot
 from nexus.data.offline_dataset import OfflineDataset
 from nexus.features import CameraSpec, TenantSchema

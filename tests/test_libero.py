@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from nexus import catalog
-from nexus.catalog import CatalogError
-from nexus.services.environment import make_env
-from nexus.simulators import libero as lb
-from nexus.validation import validate_tenant
+from nexus.config import catalog
+from nexus.config.catalog import CatalogError
+from nexus.config.validation import validate_tenant
+from nexus.sim import libero as lb
+from nexus.sim.environment import make_env
 
 torch.set_num_threads(1)
 
@@ -41,7 +41,7 @@ def test_each_task_is_named_by_index_or_name_and_carries_the_benchmarks_instruct
     assert [e.name for e in catalog.suite_tasks("libero/spatial/3")] == [f"libero/spatial/{i}" for i in range(10)]
     with pytest.raises(CatalogError, match="unknown env"):
         catalog.env("libero/spatial/10")
-    # the committed catalog is what the benchmark gives (python -m nexus.simulators.libero)
+    # the committed catalog is what the benchmark gives (python -m nexus.sim.libero)
     committed = (catalog.catalog_root() / "envs" / "libero.toml").read_text()
     assert lb.catalog_toml().strip() in committed
 

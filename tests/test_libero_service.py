@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from nexus import catalog
 from nexus.client.api import Nexus
+from nexus.config import catalog
 from nexus.errors import SpecError
 from nexus.spec import TenantSpec
 
@@ -31,8 +31,8 @@ def root(tmp_path_factory):
     """A catalog root: the shipped one, libero/spatial's limit cut, plus two LIBERO LeRobot datasets recorded from
     the LIBERO env (random actions), one per layout."""
     from nexus.data.lerobot_format import write_lerobot
-    from nexus.services.environment import collect_episodes, make_env
-    from nexus.simulators.base import PolicyOutput
+    from nexus.sim.base import PolicyOutput
+    from nexus.sim.environment import collect_episodes, make_env
 
     root = tmp_path_factory.mktemp("catalog")
     shutil.copytree(REPO / "envs", root / "envs")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from nexus.actor.tenant_slot import TenantSlot, grouped_forward_backward
 from nexus.algorithms.sft import sft_loss
 from nexus.features import CameraSpec, Observation, TenantSchema
 from nexus.model.backbone_features import DeferredFeatures
@@ -17,7 +18,6 @@ from nexus.model.lora import target_regex
 from nexus.model.policy import TenantPolicy
 from nexus.model.preprocessor import TenantPreprocessor
 from nexus.model.synthetic_tenants import CALVIN_LIKE, LIBERO_LIKE, SyntheticTenant
-from nexus.services.tenant_slot import TenantSlot, grouped_forward_backward
 from nexus.spec import LoraConfig, TenantSpec
 
 torch.set_num_threads(1)
@@ -281,7 +281,7 @@ def test_adapted_features_follow_the_adapter_and_select_rows(tiny_backbone):
 
 def test_inference_engine_serves_live_and_pinned_adapters_in_one_group(tiny_backbone, tmp_path):
     """``InferenceEngine._forward``: a pinned version's adapter next to the live one and a plain tenant."""
-    from nexus.services.inference import InferenceEngine, _Request
+    from nexus.engine.engine import InferenceEngine, _Request
 
     bb = tiny_backbone
     engine = InferenceEngine({"root": str(tmp_path)})

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nexus import catalog
 from nexus.client.api import Nexus
+from nexus.config import catalog
 from nexus.data.offline_dataset import OfflineDataset
 from nexus.data.trajectory_store import arrays_to_observations
 from nexus.errors import Conflict, Forbidden, NotFound
@@ -93,7 +93,7 @@ def test_every_engine_of_the_pool_serves_the_adapter(nx, trained):
 def test_export_round_trip_api_and_cli(nx, trained, tmp_path, capsys):
     """``tenant.export`` and ``nexus export`` write the directory; loaded without the service it answers
     what the service answers."""
-    import nexus.policy
+    import nexus.export.policy
     from nexus.client.cli import main
 
     lora, plain, _ = trained
@@ -123,7 +123,7 @@ def test_export_round_trip_api_and_cli(nx, trained, tmp_path, capsys):
     for tenant, path in ((lora, tmp_path / "api"), (plain, tmp_path / "plain")):
         if tenant is plain:
             tenant.export(STEPS, path)
-        policy = nexus.policy.load(path)  # its own backbone, from the checkpoint the manifest names
+        policy = nexus.export.policy.load(path)  # its own backbone, from the checkpoint the manifest names
         assert policy.backbone.cfg.local_path == nx.status()["config"]["backbone"]["local_path"]
         got = np.stack([o["action"] for o in policy.predict_actions(obs)])
         np.testing.assert_allclose(got, service_actions(tenant, obs), atol=1e-5)

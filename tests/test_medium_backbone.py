@@ -16,18 +16,18 @@ import json
 import numpy as np
 import torch
 
-from nexus import catalog
-from nexus import policy as exported
-from nexus.config import ServiceConfig
+from nexus.actor import tasks as actor_tasks
+from nexus.actor.export import export_version
+from nexus.actor.host import ActorHost
+from nexus.config import catalog
+from nexus.config.service import ServiceConfig
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.trajectory_store import arrays_to_observations
-from nexus.messages import SFTWork, TenantSetup, UpdateRequest
+from nexus.engine.engine import InferenceEngine, _Request
+from nexus.export import policy as exported
 from nexus.model.backbone import BackboneConfig, SharedBackbone
-from nexus.services import actor_tasks
-from nexus.services.actor_host import ActorHost
-from nexus.services.export import export_version
-from nexus.services.inference import InferenceEngine, _Request
 from nexus.spec import LoraConfig, TenantSpec
+from nexus.wire.messages import SFTWork, TenantSetup, UpdateRequest
 from tests.checkpoints import save_hf_checkpoint
 from tests.test_export import SyncEngine
 

@@ -127,7 +127,7 @@ def test_cli_status_logs_and_report(run, tmp_path, capsys):
 
 
 def test_nexus_page_renders_live_tenants_in_headless_chromium(run):
-    from nexus.control.dashboard import GROUPED_LABEL
+    from nexus.control.monitoring.dashboard import GROUPED_LABEL
     from tests.browser import screenshot_when
 
     nx, jobs, _ = run

@@ -1,4 +1,4 @@
-"""Low-level ops grouped in one MLflow run per client session (``nexus.control.op_runs``), without a cluster:
+"""Low-level ops grouped in one MLflow run per client session (``nexus.control.jobs.op_runs``), without a cluster:
 session ids, the per-session run bookkeeping and idle closing on a fake clock, through a real TrackerLink into
 a real Tracker on a sqlite MLflow store (and a tracker restart in between)."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from nexus.control.op_runs import OpRuns
-from nexus.control.tracking_link import TrackerLink
+from nexus.control.jobs.op_runs import OpRuns
+from nexus.control.monitoring.tracking_link import TrackerLink
 from nexus.errors import SpecError
-from nexus.services.tracking import Tracker
 from nexus.spec import DEFAULT_SESSION, check_session
+from nexus.tracking.tracker import Tracker
 
 
 class Clock:
@@ -149,7 +149,7 @@ def test_gateway_refuses_a_bad_session_header_before_anything_runs(tmp_path):
     even connected here: no service behind it) is never asked."""
     from fastapi.testclient import TestClient
 
-    from nexus.config import ServiceConfig
+    from nexus.config.service import ServiceConfig
     from nexus.gateway.app import create_app
     from nexus.gateway.auth import TokenStore
     from nexus.gateway.backend import Backend

@@ -26,8 +26,8 @@ from websockets.sync.client import connect
 
 from nexus.client.api import Nexus
 from nexus.gateway.openpi import openpi_address
-from nexus.inputs import encode_array
 from nexus.spec import TenantSpec
+from nexus.wire.inputs import encode_array
 
 pytestmark = pytest.mark.cluster
 

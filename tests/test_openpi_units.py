@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from openpi_client import msgpack_numpy
 
+from nexus.engine.batching import GroupBatcher
+from nexus.engine.queue import Group, InferenceQueue
 from nexus.errors import SpecError
 from nexus.features import CameraSpec, TenantSchema
 from nexus.gateway.msgpack_arrays import MalformedFrame, pack, unpack
 from nexus.gateway.openpi import api_key, check_keys, default_keys, to_observation
-from nexus.services.batching import GroupBatcher
-from nexus.services.inference_queue import Group, InferenceQueue
 
 SCHEMA = TenantSchema(proprio_dim=3, action_dim=2, cameras=(CameraSpec("front", 4, 5), CameraSpec("wrist", 4, 5),
                                                           CameraSpec("side", 4, 5)), instruction="do it")
@@ -128,7 +128,7 @@ def test_inference_queue_never_holds_a_request_past_its_deadline():
 
 
 def test_predict_group_goes_out_in_one_call_rerouted_together_all_or_none_admitted():
-    from nexus.config import QosSettings
+    from nexus.config.service import QosSettings
     from nexus.errors import Overloaded
     from nexus.gateway.serving import PredictServer
     from tests.test_qos_units import Engines

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from nexus.config import ServiceConfig
+from nexus.config.service import ServiceConfig
+from nexus.engine.engine import InferenceEngine, _Request
 from nexus.features import CameraSpec, Observation, TenantSchema
 from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.framework import VLAFramework
 from nexus.model.policy import TenantPolicy
 from nexus.model.prefix_cache import PrefixCache
-from nexus.services.inference import InferenceEngine, _Request
 from nexus.spec import LoraConfig, TenantSpec
 
 STATE = TenantSchema(proprio_dim=9, action_dim=4, instruction="push the cube to the goal")

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from nexus import catalog
-from nexus.config import ServiceConfig
+from nexus.config import catalog
+from nexus.config.service import ServiceConfig
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.trajectory_store import batch_metadata, read_ipc, table_arrays
 from nexus.features import Observation
-from nexus.services import rollout
-from nexus.services.environment import (
+from nexus.sim import rollout
+from nexus.sim.environment import (
     ActionReply,
     LockstepEnvs,
     PolicyOutput,
@@ -100,8 +100,8 @@ def test_producer_mode_follows_the_data_path_and_the_catalog():
 def test_prewarm_builds_the_envs_a_rollout_then_checks_out():
     """A worker's pool (a SimHost's, as the SIM task gets it): after prewarm, a producer of the same K and waves
     gets the envs that were built ahead, none new."""
-    from nexus.services import sim_tasks
-    from nexus.services.sim_host import SimHost
+    from nexus.sim import tasks as sim_tasks
+    from nexus.sim.host import SimHost
 
     name = "maniskill/pushcube-state"
     entry = catalog.env(name)
@@ -153,10 +153,10 @@ class LoopEngine:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """Engine + actor service of one config (tiny Qwen3-VL), tenant slots for a camera env."""
-    from nexus.messages import TenantSetup
-    from nexus.services.actor_host import ActorHost
-    from nexus.services.actor_tasks import init_tenant
-    from nexus.services.inference import InferenceEngine
+    from nexus.actor.host import ActorHost
+    from nexus.actor.tasks import init_tenant
+    from nexus.engine.engine import InferenceEngine
+    from nexus.wire.messages import TenantSetup
 
     root = tmp_path_factory.mktemp("stack")
     cfg = ServiceConfig(root=str(root), infer_max_wait_s=0.05)
@@ -174,9 +174,9 @@ def stack(tmp_path_factory):
 
 
 def test_cached_features_give_the_same_ppo_update(stack):
-    from nexus.messages import RLWork
-    from nexus.services.actor_tasks import update_rl
-    from nexus.services.sim_host import EnvPool
+    from nexus.actor.tasks import update_rl
+    from nexus.sim.host import EnvPool
+    from nexus.wire.messages import RLWork
 
     cfg, engine, svc, specs, schema = stack
     out = TenantOutputDir(str(cfg.tenants_dir / "cached"))
@@ -266,10 +266,10 @@ def test_feature_column_round_trips_and_plain_readers_drop_it(tmp_path):
 
 def test_a_lora_tenant_recomputes_features_through_its_adapter(stack):
     """Stored rollout features bypass the adapter (and its gradient): a LoRA tenant's update never reads them."""
+    from nexus.actor.tasks import init_tenant
     from nexus.data.trajectory_store import TrajectoryStore
-    from nexus.messages import TenantSetup
-    from nexus.services.actor_tasks import init_tenant
     from nexus.spec import LoraConfig
+    from nexus.wire.messages import TenantSetup
 
     cfg, engine, svc, specs, schema = stack
     spec = TenantSpec(name="adapted", env="maniskill/pickcube-rgb", seed=3, hidden_dim=64, lora=LoraConfig(rank=4))

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from nexus import catalog
 from nexus.algorithms.ppo import PPOConfig
-from nexus.config import ServiceConfig
+from nexus.config import catalog
+from nexus.config.service import ServiceConfig
+from nexus.config.validation import validate_tenant
+from nexus.export.policy import proprio_normalization
 from nexus.features import TenantSchema
 from nexus.model.policy import TenantPolicy
 from nexus.model.proprio_norm import CLIP, MIN_VAR, RunningProprio
-from nexus.policy import proprio_normalization
 from nexus.spec import TenantSpec
-from nexus.validation import validate_tenant
 
 torch.set_num_threads(1)
 PUSH = "maniskill/pushcube-state"
@@ -78,9 +78,9 @@ def test_the_statistics_travel_with_the_weights_and_tanh_tenants_keep_their_stat
 @pytest.fixture(scope="module")
 def actor(tmp_path_factory):
     """An actor rank in this process (tiny Qwen3-VL backbone) with one heads-only PushCube tenant, running norm."""
-    from nexus.messages import TenantSetup
-    from nexus.services.actor_host import ActorHost
-    from nexus.services.actor_tasks import init_tenant
+    from nexus.actor.host import ActorHost
+    from nexus.actor.tasks import init_tenant
+    from nexus.wire.messages import TenantSetup
 
     cfg = ServiceConfig(root=str(tmp_path_factory.mktemp("norm")))
     host = ActorHost(cfg)
@@ -92,9 +92,9 @@ def actor(tmp_path_factory):
 
 
 def test_an_update_scores_its_batch_with_the_statistics_it_was_collected_under_then_folds_it_in(actor):
+    from nexus.actor.tasks import UPDATES
     from nexus.data.trajectory_store import TrajectoryStore, read_batch, table_arrays
-    from nexus.messages import RLWork
-    from nexus.services.actor_tasks import UPDATES
+    from nexus.wire.messages import RLWork
 
     host, setup = actor
     slot = host.slots["r"]
@@ -129,11 +129,11 @@ def test_an_update_scores_its_batch_with_the_statistics_it_was_collected_under_t
 
 def test_sft_steps_fold_in_their_batches_states(tmp_path):
     """An SFT tenant's statistics settle on its dataset's states (RL after SFT reads the scale SFT trained at)."""
-    from nexus.messages import SFTWork
+    from nexus.actor.host import ActorHost
+    from nexus.actor.tasks import update_sft
+    from nexus.actor.tenant_slot import TenantSlot
     from nexus.model.preprocessor import TenantPreprocessor
-    from nexus.services.actor_host import ActorHost
-    from nexus.services.actor_tasks import update_sft
-    from nexus.services.tenant_slot import TenantSlot
+    from nexus.wire.messages import SFTWork
 
     host = ActorHost(ServiceConfig(root=str(tmp_path)))
     schema = catalog.dataset("pickcube-scripted").schema

@@ -24,10 +24,10 @@ from nexus.client.api import Nexus
 from nexus.client.faults import wait_for
 from nexus.client.http import HttpTransport
 from nexus.features import Observation
-from nexus.inputs import encode_array
-from nexus.qos import HOPS, parse_server_timing
-from nexus.services.worker_plugin import producer_jobs
 from nexus.spec import TenantSpec
+from nexus.wire.inputs import encode_array
+from nexus.wire.qos import HOPS, parse_server_timing
+from nexus.worker.plugin import producer_jobs
 
 pytestmark = pytest.mark.cluster
 

@@ -12,19 +12,19 @@ import numpy as np
 import pytest
 
 from nexus.client.http import Backoff
-from nexus.config import QosSettings
-from nexus.control.predict_latency import PredictLatency
-from nexus.control.sim_slots import SimSlots
+from nexus.config.service import QosSettings
+from nexus.control.dispatch.sim_share import SimSlots
+from nexus.control.monitoring.predict_latency import PredictLatency
+from nexus.deploy.gc_tuning import GcPauses
+from nexus.deploy.gc_tuning import apply as apply_gc
 from nexus.errors import Draining, NotFound, Overloaded, SpecError, Unavailable
 from nexus.gateway.__main__ import listen_socket
 from nexus.gateway.fair_share import FairShare
 from nexus.gateway.fast_predict import PredictFastPath, json_body
 from nexus.gateway.serving import Budgets, EngineLane, Pending, PredictServer
-from nexus.gc_tuning import GcPauses
-from nexus.gc_tuning import apply as apply_gc
-from nexus.messages import EngineEndpoint
-from nexus.qos import BUCKETS_S, LatencyHistogram, parse_server_timing, server_timing
-from nexus.services.sim_host import SimHost
+from nexus.sim.host import SimHost
+from nexus.wire.messages import EngineEndpoint
+from nexus.wire.qos import BUCKETS_S, LatencyHistogram, parse_server_timing, server_timing
 
 
 def test_gateway_connections_have_no_nagle_delay():
@@ -444,7 +444,7 @@ def test_backoff_doubles_from_the_hint_is_capped_and_jittered():
 
 
 def test_nexus_page_latency_table_rows():
-    from nexus.control.dashboard import LATENCY_COLUMNS, latency_columns
+    from nexus.control.monitoring.dashboard import LATENCY_COLUMNS, latency_columns
 
     lat = PredictLatency()
     h = LatencyHistogram()
@@ -466,12 +466,12 @@ def test_engine_predict_many_gates_each_request_alone_and_runs_the_rest_as_one_g
     import numpy as np
     import torch
 
-    from nexus.config import ServiceConfig
+    from nexus.config.service import ServiceConfig
+    from nexus.config.validation import validate_tenant
+    from nexus.engine.host import EngineHost
     from nexus.features import Observation
     from nexus.model.policy import TenantPolicy
-    from nexus.services.engine_host import EngineHost
     from nexus.spec import TenantSpec
-    from nexus.validation import validate_tenant
 
     torch.set_num_threads(1)
     host = EngineHost("engine-0.1", ServiceConfig(root=str(tmp_path), infer_max_batch=2), deque(maxlen=100))
@@ -512,7 +512,7 @@ def test_engine_predict_many_gates_each_request_alone_and_runs_the_rest_as_one_g
 
 
 def test_engine_groups_take_tenants_in_turn():
-    from nexus.services.batching import GroupBatcher
+    from nexus.engine.batching import GroupBatcher
 
     b = GroupBatcher(max_wait_s=1.0, max_batch=4)
     for k in range(4):

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nexus.control.queues import AdmissionError, TenantLimits, TrainingItem, TrainingQueue
-from nexus.services.batching import GroupBatcher
+from nexus.control.dispatch.training_queue import AdmissionError, TenantLimits, TrainingItem, TrainingQueue
+from nexus.engine.batching import GroupBatcher
 
 
 def _queue(**limits: TenantLimits) -> TrainingQueue:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from nexus.config import ServiceConfig
+from nexus.config.service import ServiceConfig
 from nexus.data.output_dir import TenantOutputDir, mark_evaluation, unmark_evaluation
 from nexus.errors import NotFound
 
@@ -146,6 +146,6 @@ def test_job_history_goes_to_its_own_file(tmp_path):
     out.add_job({"job": "t-sft-1", "t_submit": 12.5, "state": "done", "history": history})
     rec = out.read()["jobs"][0]
     assert "history" not in rec and rec["history_file"] == "jobs/t-sft-1.json"
-    full = json.loads((out.path / rec["history_file"]).read_text())  # the job's record file (nexus.services.recovery)
+    full = json.loads((out.path / rec["history_file"]).read_text())  # the job's record file
     assert full["history"] == history and full["state"] == "done"
     assert out.job_records() == [full]

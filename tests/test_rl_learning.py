@@ -117,7 +117,7 @@ def replay(t, version: int, seeds: list[int]) -> tuple[list[float], list[bool]]:
 def test_an_evaluation_reports_what_its_policy_scores(nx, learned):
     """An evaluation job's success rate and mean return are those of the policy it evaluates, known here by
     replaying that version on the evaluation's own episode seeds (``7_000_003 * (1 + tenant seed) + i``,
-    nexus.control.flows)."""
+    nexus.control.jobs.flows)."""
     t, version = nx.tenant("learner"), learned["after"]["version"]
     first = 7_000_003 * (1 + SEED)
     # one episode: one simulator task whose rows reach the engine one at a time, as the replay's do: the same

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from nexus import catalog
-from nexus.services.environment import make_env
-from nexus.simulators.robosuite import quat_to_axisangle
+from nexus.config import catalog
+from nexus.sim.environment import make_env
+from nexus.sim.robosuite import quat_to_axisangle
 
 torch.set_num_threads(1)
 

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from nexus.client.api import Nexus
-from nexus.control.decisions import DecisionTimes
-from nexus.control.routing import Routing
+from nexus.control.dispatch.decisions import DecisionTimes
+from nexus.control.dispatch.routing import Routing
 from nexus.errors import SpecError
 from nexus.features import Observation
-from nexus.paging import MAX_LIMIT, Page
 from nexus.spec import TenantSpec
+from nexus.wire.paging import MAX_LIMIT, Page
 
 PUSH = "maniskill/pushcube-state"
 
@@ -183,7 +183,7 @@ def test_status_pages_through_the_gateway(svc):
 
 
 def _slots(nx) -> dict:
-    from nexus.services.worker_plugin import slot_states
+    from nexus.worker.plugin import slot_states
 
     actor = next(w["address"] for w in nx.status()["workers"] if "ACTOR" in w["resources"])
     return nx.service.client.run(slot_states, workers=[actor])[actor]

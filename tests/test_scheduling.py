@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from nexus import scheduling
-from nexus.config import Scheduler, ServiceConfig, ServiceLimits
-from nexus.control.admission import Admission
-from nexus.control.lifecycle import with_admission_defaults
-from nexus.control.monitoring import MonitoringState, Span, accounting
-from nexus.control.queues import TenantLimits, TrainingItem, TrainingQueue
+from nexus.config import scheduling
+from nexus.config.service import Scheduler, ServiceConfig, ServiceLimits
+from nexus.control.dispatch.admission import Admission
+from nexus.control.dispatch.training_queue import TenantLimits, TrainingItem, TrainingQueue
+from nexus.control.monitoring.state import MonitoringState, Span, accounting
+from nexus.control.tenants.lifecycle import with_admission_defaults
 from nexus.errors import SpecError
 from nexus.spec import TenantSpec
 

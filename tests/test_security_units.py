@@ -9,7 +9,16 @@ import stat
 
 import pytest
 
-from nexus.config import ServiceConfig, ServiceLimits
+from nexus.config.paths import confine, private_write_bytes, resolve_output_dir
+from nexus.config.service import ServiceConfig, ServiceLimits
+from nexus.config.validation import (
+    SIM_SEED_RANGE,
+    check_eval_version,
+    check_job_limits,
+    check_new_tenant,
+    validate_job,
+    validate_tenant,
+)
 from nexus.errors import (
     Conflict,
     Forbidden,
@@ -22,16 +31,7 @@ from nexus.errors import (
     error_class,
 )
 from nexus.gateway.auth import TokenStore, read_operator_token
-from nexus.paths import confine, private_write_bytes, resolve_output_dir
 from nexus.spec import EvalJob, RLJob, SFTJob, TenantSpec
-from nexus.validation import (
-    SIM_SEED_RANGE,
-    check_eval_version,
-    check_job_limits,
-    check_new_tenant,
-    validate_job,
-    validate_tenant,
-)
 
 PUSH = {"name": "a", "env": "maniskill/pushcube-state"}
 
@@ -40,7 +40,7 @@ def test_gateway_and_validation_import_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, nexus.gateway.app, nexus.gateway.__main__, nexus.control.plugin, nexus.inputs; "
+    code = ("import sys, nexus.gateway.app, nexus.gateway.__main__, nexus.control.plugin, nexus.wire.inputs; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "NEXUS_SERVICE_CONFIG": "/nonexistent"})
 
@@ -214,7 +214,7 @@ def test_every_error_class_has_a_status_and_survives_by_name():
 def test_certificates_generated_private_and_verifiable(tmp_path):
     import ssl
 
-    from nexus.tls import ensure_certificates, security
+    from nexus.deploy.tls import ensure_certificates, security
 
     files = ensure_certificates(tmp_path / "tls")
     for p in (files.key, files.cert, files.ca, tmp_path / "tls" / "ca.key"):
@@ -232,9 +232,9 @@ def test_certificates_generated_private_and_verifiable(tmp_path):
 def test_slot_estimate_counts_real_parameters_without_allocating(family, hidden):
     import torch
 
+    from nexus.actor.slots import ACTOR_BYTES_PER_PARAM, slot_bytes
     from nexus.features import TenantSchema
     from nexus.model.policy import TenantPolicy
-    from nexus.services.slots import ACTOR_BYTES_PER_PARAM, slot_bytes
 
     spec = TenantSpec(name="a", env="maniskill/pushcube-state", action_head=family, hidden_dim=hidden)
     schema = TenantSchema(35, 4)
@@ -248,10 +248,10 @@ def test_slot_estimate_counts_real_parameters_without_allocating(family, hidden)
 
 
 def test_slot_estimate_counts_the_lora_adapter():
+    from nexus.actor.slots import ACTOR_BYTES_PER_PARAM, slot_bytes
     from nexus.features import TenantSchema
     from nexus.model.backbone import BackboneConfig, SharedBackbone
     from nexus.model.policy import TenantPolicy
-    from nexus.services.slots import ACTOR_BYTES_PER_PARAM, slot_bytes
     from nexus.spec import LoraConfig
 
     bb = SharedBackbone(BackboneConfig(size="tiny", image_size=64))

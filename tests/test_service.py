@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from nexus.client.api import Nexus
-from nexus.config import ServiceConfig
-from nexus.dask_streams import PROMPT_S
+from nexus.config.service import ServiceConfig
+from nexus.config.validation import SpecError
 from nexus.features import Observation
 from nexus.spec import TenantSpec
-from nexus.validation import SpecError
+from nexus.wire.dask_streams import PROMPT_S
 
 pytestmark = pytest.mark.cluster
 
@@ -211,7 +211,7 @@ def test_eval_creates_no_training_queue_entries(nx):
 
 
 def test_low_level_api_futures(nx):
-    from nexus import catalog
+    from nexus.config import catalog
     from nexus.data.offline_dataset import OfflineDataset
 
     t = nx.create_tenant(TenantSpec(name="tinker", dataset="pickcube-scripted", action_dim=4, seed=9))
@@ -265,8 +265,8 @@ def test_low_level_ops_one_mlflow_run_per_client_connection(nx, tmp_path):
     import httpx
     from mlflow.tracking import MlflowClient
 
-    from nexus import catalog
     from nexus.client.api import Tenant
+    from nexus.config import catalog
     from nexus.data.offline_dataset import OfflineDataset
     from nexus.spec import SESSION_HEADER
 
@@ -336,7 +336,7 @@ def test_low_level_ops_one_mlflow_run_per_client_connection(nx, tmp_path):
 def test_mlflow_one_run_per_job(nx):
     from mlflow.tracking import MlflowClient
 
-    from nexus.services.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
+    from nexus.tracking.tracker import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
 
     # jobs of its own (with those the module's other tests left, if they ran): it runs alone too
     sft = nx.create_tenant(TenantSpec(name="runs-sft", dataset="pickcube-scripted", env="maniskill/pickcube-state",

@@ -12,9 +12,9 @@ import pytest
 
 from nexus.client.api import Nexus
 from nexus.client.faults import kill_service, wait_for
-from nexus.config import ServiceConfig
-from nexus.messages import job_number
+from nexus.config.service import ServiceConfig
 from nexus.spec import TenantSpec
+from nexus.wire.messages import job_number
 
 pytestmark = pytest.mark.cluster
 

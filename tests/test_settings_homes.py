@@ -15,8 +15,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from nexus import config, scheduling
-from nexus.config import Scheduler, ServiceConfig
+from nexus.config import scheduling
+from nexus.config import service as config
+from nexus.config.service import Scheduler, ServiceConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # sections owned elsewhere whose fields' descriptions are not this walk's business (the emulated devices'

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from nexus.actor.tenant_slot import TenantSlot, ensure_distributed
 from nexus.algorithms.ppo import ppo_loss
 from nexus.algorithms.sft import sft_loss
 from nexus.features import CameraSpec, Observation, TenantSchema
 from nexus.model.backbone import BackboneConfig
 from nexus.model.policy import TenantPolicy
 from nexus.model.preprocessor import TenantPreprocessor
-from nexus.services.tenant_slot import TenantSlot, ensure_distributed
 from nexus.spec import PPOConfig, TenantSpec
 
 torch.set_num_threads(1)
@@ -170,7 +170,7 @@ def test_fp32_master_is_a_view_of_the_weights_and_updates_are_unchanged(tiny_bac
     """ZeRO's fp32 master partition shares the weights' storage (no duplicate per tenant), its buckets are the
     slot's size, no per-parameter links into the master are kept and equal engines share one parsed config;
     every update, a checkpoint's restore included, equals a plain DeepSpeed engine (the master its own copy)."""
-    import nexus.services.tenant_slot as tenant_slot
+    import nexus.actor.tenant_slot as tenant_slot
 
     shared = TenantSlot(spec("lean", 8), SCHEMA_A, tiny_backbone.hidden_size)
     twin = TenantSlot(spec("lean", 8), SCHEMA_A, tiny_backbone.hidden_size)

@@ -64,7 +64,7 @@ def test_dask_without_the_certificate_is_refused(nx):
 
 def test_restart_keeps_certificates_and_tokens_and_the_owner_resumes(nx):
     """Same root, new processes: the CA and tokens persist; only the tenant's token re-creates it."""
-    from nexus.cluster import LocalService
+    from nexus.deploy.local import LocalService
     from nexus.errors import Conflict
 
     cert = (nx.service.config.tls_dir / "service.pem").read_bytes()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from nexus.control.tracking_link import TrackerLink
-from nexus.services.tracker_host import TrackerHost
+from nexus.control.monitoring.tracking_link import TrackerLink
+from nexus.tracking.host import TrackerHost
 
 
 def _row(job: str, step: int, kind: str = "train", **metrics: float) -> list:

@@ -4,7 +4,7 @@ start/end times are kept. A real sqlite MLflow store; no cluster."""
 
 from __future__ import annotations
 
-from nexus.services.tracking import Tracker
+from nexus.tracking.tracker import Tracker
 
 
 def test_a_new_tracker_continues_a_run_without_repeating_steps(tmp_path):

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from nexus import catalog
-from nexus.catalog import DatasetEntry
+from nexus.config import catalog
+from nexus.config.catalog import DatasetEntry
 from nexus.data.offline_dataset import DatasetMissingError, OfflineDataset
 from nexus.data.trajectory_store import (
     BatchRef,
@@ -30,7 +30,7 @@ from nexus.data.trajectory_store import (
     write_ipc,
 )
 from nexus.features import CameraSpec, TenantSchema
-from nexus.inputs import check_observation
+from nexus.wire.inputs import check_observation
 
 torch.set_num_threads(1)
 
@@ -196,7 +196,7 @@ def test_a_batch_split_over_rollout_tasks_reads_as_one(tmp_path):
 
 
 def test_collected_rollout_round_trips(tmp_path):
-    from nexus.services.environment import PolicyOutput, collect_episodes, make_env
+    from nexus.sim.environment import PolicyOutput, collect_episodes, make_env
 
     entry = catalog.env("maniskill/pushcube-state")
     env = make_env(entry, seed=0)

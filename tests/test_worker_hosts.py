@@ -10,8 +10,8 @@ from distributed import Client, LocalCluster
 from nexus.control.runtime import DaskRuntime
 from nexus.control.tasks import TaskRef
 from nexus.errors import Draining, NotFound, Unavailable
-from nexus.services.sim_host import SimHost
-from nexus.services.worker_plugin import NexusWorkerPlugin
+from nexus.sim.host import SimHost
+from nexus.worker.plugin import NexusWorkerPlugin
 
 
 def host_kind(host, tag: str) -> tuple[str, int, str]:
@@ -38,7 +38,7 @@ def test_a_role_task_gets_its_workers_host(client):
     assert sim[0] == "SimHost" and sim[2] == "a" and again[1] == sim[1]  # one host per worker process
     plugin = client.submit(TaskRef("tests.test_worker_hosts:host_kind", "plugin"), "c", pure=False).result()
     assert plugin[0] == NexusWorkerPlugin.__name__
-    plain = client.submit(TaskRef("nexus.messages:job_number"), "t-rl-7", pure=False).result()
+    plain = client.submit(TaskRef("nexus.wire.messages:job_number"), "t-rl-7", pure=False).result()
     assert plain == 7  # no role: the arguments only
 
 

@@ -24,7 +24,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-SETTINGS = ("nexus.config.service:ServiceConfig", "nexus.config:ServiceConfig")  # the service's settings (pydantic)
+SETTINGS = ("nexus.config.service:ServiceConfig",)  # the service's settings (pydantic)
 
 CONFIG_MARK = "<!-- nexus:config-reference -->"
 POLICIES_MARK = "<!-- nexus:scheduling-policies -->"

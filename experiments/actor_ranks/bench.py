@@ -58,9 +58,9 @@ def rl_batch(path: Path, rows: int, seed: int):
     """A stored camera batch of whole 16-step episodes, laid out as a rollout stores it (no cached features)."""
     import numpy as np
 
-    from nexus import catalog
+    from nexus.config import catalog
     from nexus.data.trajectory_store import columns_to_table, write_ipc
-    from nexus.messages import BatchRef
+    from nexus.wire.messages import BatchRef
 
     schema = catalog.env(ENV).schema
     rng = np.random.default_rng(seed)
@@ -101,12 +101,12 @@ def main() -> None:
 
     import torch
 
-    from nexus import catalog
     from nexus.algorithms.ppo import PPOConfig
-    from nexus.config import ServiceConfig
+    from nexus.config import catalog
+    from nexus.config.service import ServiceConfig
     from nexus.control import tasks
     from nexus.data.output_dir import TenantOutputDir
-    from nexus.messages import RLWork, SFTWork, TenantSetup, UpdateRequest
+    from nexus.wire.messages import RLWork, SFTWork, TenantSetup, UpdateRequest
     from tests.rank_group import RankGroup
 
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:

@@ -1,7 +1,7 @@
 """How many SFT steps does the demo's SFT tenant need before its evaluation shows real success?
 
 Trains one action-module family on ``datasets/pickcube-scripted`` in one process through the actor's own
-update function (``nexus.services.actor_tasks.update_sft``, as ``experiments/rl_learning/sft_families.py``
+update function (``nexus.actor.tasks.update_sft``, as ``experiments/rl_learning/sft_families.py``
 does) and, at each checkpoint step, runs deterministic closed-loop episodes of ``maniskill/pickcube-state``
 (the demo's eval env, terminate-on-success as in the catalog). Prints a table (steps, SFT wall time,
 held-out action MSE, success) and writes JSON next to this file. Used to choose the demo's head and budget.
@@ -44,13 +44,13 @@ def main() -> None:
     import torch
     from sft_families import rollout
 
-    from nexus.config import ServiceConfig
-    from nexus.messages import SFTWork
+    from nexus.actor.host import ActorHost
+    from nexus.actor.tasks import update_sft
+    from nexus.actor.tenant_slot import TenantSlot
+    from nexus.config.service import ServiceConfig
     from nexus.model.preprocessor import TenantPreprocessor
-    from nexus.services.actor_host import ActorHost
-    from nexus.services.actor_tasks import update_sft
-    from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import TenantSpec
+    from nexus.wire.messages import SFTWork
 
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="nexus-sft-budget-"))

@@ -3,7 +3,7 @@
 Both sides run SB3's PPO (``MultiInputPolicy``, the same settings and seed) on N envs of the same catalog env
 (default ``maniskill/pushcube-state``, state observations):
 
-- in-process: ``DummyVecEnv`` of N catalog envs in this process (``nexus.simulators.vector.gym_env``: the
+- in-process: ``DummyVecEnv`` of N catalog envs in this process (``nexus.sim.vector.gym_env``: the
   ManiSkill env as a ``gymnasium.Env`` with the catalog's time limit);
 - service: ``SB3VecEnv(ServiceVectorEnv(tenant, env, N))`` — one environment session of N envs on a simulator
   worker of a local service (``Nexus.local``), every vector step one HTTP call to the gateway, which forwards
@@ -112,10 +112,10 @@ def main() -> None:
     import torch
     from stable_baselines3.common.vec_env import DummyVecEnv
 
-    from nexus import catalog
     from nexus.client.api import Nexus
     from nexus.client.sb3 import SB3VecEnv
-    from nexus.simulators.vector import gym_env
+    from nexus.config import catalog
+    from nexus.sim.vector import gym_env
     from nexus.spec import TenantSpec
 
     torch.set_num_threads(1)

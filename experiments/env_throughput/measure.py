@@ -1,6 +1,6 @@
 """Steps per second of every catalog env (state and camera, per simulator), as the service runs them.
 
-Each env is built with ``nexus.services.environment.make_env`` (catalog settings, schema check), reset,
+Each env is built with ``nexus.sim.environment.make_env`` (catalog settings, schema check), reset,
 then stepped with uniform random actions in [-1, 1] (episodes reset at their end, as a rollout does).
 Env creation and the first reset are timed separately. Envs with ``num_envs > 1`` report both vector
 steps/s and env-steps/s. Prints a table and writes JSON (absolute CPU figures: compare within one run).
@@ -23,8 +23,8 @@ import numpy as np
 
 
 def measure(name: str, steps: int, device: str) -> dict:
-    from nexus import catalog
-    from nexus.services.environment import make_env
+    from nexus.config import catalog
+    from nexus.sim.environment import make_env
 
     entry = catalog.env(name)
     t0 = time.perf_counter()
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from nexus import catalog
+    from nexus.config import catalog
 
     names = args.envs or sorted(catalog.envs())
     rows = []

@@ -56,11 +56,11 @@ class FamilyBench:
     """One backbone and ``max_tenants`` tenant slots of one family; times grouped vs serial calls."""
 
     def __init__(self, family: str, device: str, max_tenants: int, hidden_dim: int, size: str | None = None) -> None:
+        from nexus.actor.tenant_slot import TenantSlot
         from nexus.model.backbone import BackboneConfig, SharedBackbone
         from nexus.model.framework import VLAFramework
         from nexus.model.preprocessor import TenantPreprocessor
         from nexus.model.synthetic_tenants import SyntheticTenant, tenant_schemas
-        from nexus.services.tenant_slot import TenantSlot
         from nexus.spec import TenantSpec
 
         self.family, self.device = family, device

@@ -8,7 +8,7 @@ observations per tenant):
 - inference, grouped: ``VLAFramework.group_act`` over every tenant's requests: one backbone forward,
   each row under its tenant's adapter (S-LoRA / Punica style: the base matmuls shared, each adapter's
   low-rank product on its own rows), each tenant's head on its rows; serial: one call per tenant.
-- training step, grouped: ``nexus.services.tenant_slot.grouped_forward_backward`` (one grouped forward
+- training step, grouped: ``nexus.actor.tenant_slot.grouped_forward_backward`` (one grouped forward
   and one backbone backward for all tenants' adapters, each tenant's loss and gradients through its own
   engine) + each slot's optimizer step; serial: per tenant, its own forward (through its adapter, with
   autograd for LoRA) and step. Heads-only tenants train on frozen (no-grad) features in both modes.
@@ -20,7 +20,7 @@ per slot created, measured.
 
 SFT held-out error: ``--sft-dataset`` (default ``robosuite-lift-scripted``: LIBERO-schema Panda Lift with
 agent-view + wrist cameras, so the backbone's features matter) through the actor's own update function
-(``nexus.services.actor_tasks.update_sft``), heads only vs LoRA at each rank, same seed and batches;
+(``nexus.actor.tasks.update_sft``), heads only vs LoRA at each rank, same seed and batches;
 held-out action MSE of the deterministic action on the dataset's episode-level held-out split.
 
     python experiments/lora/bench.py                  # CPU, one torch thread
@@ -72,10 +72,10 @@ class Setup:
     def __init__(self, backbone, n: int, rank: int, args) -> None:
         import torch
 
+        from nexus.actor.tenant_slot import TenantSlot
         from nexus.model.framework import VLAFramework
         from nexus.model.preprocessor import TenantPreprocessor
         from nexus.model.synthetic_tenants import SyntheticTenant, tenant_schemas
-        from nexus.services.tenant_slot import TenantSlot
         from nexus.spec import TenantSpec
 
         self.device, self.framework, self.slots, self.data = args.device, VLAFramework(backbone), [], {}
@@ -103,8 +103,8 @@ class Setup:
         sync(self.device)
 
     def train_grouped(self) -> None:
+        from nexus.actor.tenant_slot import grouped_forward_backward
         from nexus.algorithms.sft import sft_loss
-        from nexus.services.tenant_slot import grouped_forward_backward
 
         work = [(s, self.data[s.name][0], lambda p, f, pr, a=self.data[s.name][1]: sft_loss(p, f, pr, a))
                 for s in self.slots]
@@ -218,13 +218,13 @@ def sft(args) -> list[dict]:
     import numpy as np
     import torch
 
-    from nexus.config import ServiceConfig
-    from nexus.messages import SFTWork
+    from nexus.actor.host import ActorHost
+    from nexus.actor.tasks import update_sft
+    from nexus.actor.tenant_slot import TenantSlot
+    from nexus.config.service import ServiceConfig
     from nexus.model.preprocessor import TenantPreprocessor
-    from nexus.services.actor_host import ActorHost
-    from nexus.services.actor_tasks import update_sft
-    from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import TenantSpec
+    from nexus.wire.messages import SFTWork
 
     work = Path(tempfile.mkdtemp(prefix="nexus-lora-sft-"))
     cfg = ServiceConfig(root=str(work), backbone={"family": "qwen3vl", "device": args.device,

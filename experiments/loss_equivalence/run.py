@@ -33,11 +33,11 @@ TENANTS = (("libero-a", "libero", 0), ("libero-b", "libero", 1), ("calvin-a", "c
 
 def build(args):
     """Backbone + two identical sets of slots (grouped, serial), each with its framework registration."""
+    from nexus.actor.tenant_slot import TenantSlot
     from nexus.model.backbone import BackboneConfig, SharedBackbone
     from nexus.model.framework import VLAFramework
     from nexus.model.preprocessor import TenantPreprocessor
     from nexus.model.synthetic_tenants import CALVIN_LIKE, LIBERO_LIKE, SyntheticTenant
-    from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import TenantSpec
 
     cfg = BackboneConfig(family="paligemma", size=args.size, image_size=args.image_size, dtype=args.dtype,

@@ -21,7 +21,7 @@ records (``nexus_accounting``: spans per slot): device time = allocated slots x 
 busy / allocated, the simulator's busy time split into stepping vs waiting for actions. Efficiency =
 isolated / multi device time (= makespan ratio: both modes hold the same slots the whole time); also
 against an isolated baseline charged only the slots each job used (``partition_device_s``). Before the
-rounds every RL tenant's envs are built on every SIM worker (``nexus.services.sim_tasks.prewarm``), so no measured run
+rounds every RL tenant's envs are built on every SIM worker (``nexus.sim.tasks.prewarm``), so no measured run
 pays env construction; each run also records the CPU time of every process of the service, by role
 (``LocalService.cpu_seconds``): on a machine of few cores the shared runs are CPU-bound.
 
@@ -239,7 +239,7 @@ def main() -> None:
     TENANTS.update(scale_workload(args.tenants))
 
     from nexus.client.api import Nexus
-    from nexus.config import Scheduler
+    from nexus.config.service import Scheduler
     from nexus.spec import TenantSpec
 
     policies = {n: Scheduler.load(n).model_dump() for n in ["isolated", *args.policies.split(",")]}

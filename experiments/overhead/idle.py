@@ -1,5 +1,5 @@
 """CPU an idle service costs: the embedded deployment with the service's Dask settings
-(``nexus.config.DASK_DEFAULTS``) vs Dask's own defaults, side by side in one run.
+(``nexus.config.service.DASK_DEFAULTS``) vs Dask's own defaults, side by side in one run.
 
 One ``Nexus.local`` service (scheduler, 2 SIM workers, actor, inference engine, gateway, their nannies)
 per setting and round, no tenant; after a settling pause, the CPU time (user + system) of every process
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--each", action="store_true", help="also Dask's defaults with one service setting each")
     ap.add_argument("--out", default=str(HERE / "results.json"))
     args = ap.parse_args()
-    from nexus.config import DASK_DEFAULTS
+    from nexus.config.service import DASK_DEFAULTS
 
     settings = {"service": {}, "dask defaults": DASK_OWN}
     if args.each:

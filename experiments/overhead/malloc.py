@@ -1,6 +1,6 @@
 """CPU that Dask's worker environment costs: ``MALLOC_TRIM_THRESHOLD_=65536``, which Dask's nanny sets for
 every worker process it spawns (``distributed.nanny.pre-spawn-environ``), vs glibc's own adaptive
-thresholds (the service unsets it: ``nexus.config.DASK_DEFAULTS``), side by side in one run.
+thresholds (the service unsets it: ``nexus.config.service.DASK_DEFAULTS``), side by side in one run.
 
 Two workloads of the service's workers, each in a fresh process per setting and round, run in a
 thread as a Dask worker runs its tasks:
@@ -56,8 +56,8 @@ def child(workload: str, steps: int) -> None:
     def render_setup():
         import numpy as np
 
-        from nexus import catalog
-        from nexus.services.environment import make_env
+        from nexus.config import catalog
+        from nexus.sim.environment import make_env
 
         entry = catalog.env("maniskill/pickcube-rgb")
         envs = [make_env(entry, seed=j, num_envs=1) for j in range(4)]

@@ -1,5 +1,5 @@
 """CPU the MLflow tracking of a busy service costs: the control plane's tracker link and the tracker host
-(``nexus.control.tracking_link.TrackerLink`` → ``nexus.services.worker_plugin.TrackerHost``, a real
+(``nexus.control.monitoring.tracking_link.TrackerLink`` → ``nexus.worker.plugin.TrackerHost``, a real
 sqlite MLflow store) fed the metric rows of a 1 SFT + 3 RL workload at a fixed rate, with the link
 sending at once (``linger_s = 0``: every call its own message and store write when the tracker keeps up,
 as before batching) vs letting calls gather, side by side in one run, settings alternating over rounds.
@@ -33,8 +33,8 @@ RL_ROW = {"return": 1.0, "success_rate": 0.5, "episodes": 8.0, "env_steps": 256.
 
 
 async def stream(linger_s: float, args) -> dict[str, float]:
-    from nexus.control.tracking_link import TrackerLink
-    from nexus.services.tracker_host import TrackerHost
+    from nexus.control.monitoring.tracking_link import TrackerLink
+    from nexus.tracking.host import TrackerHost
 
     host = TrackerHost({"root": str(Path(tempfile.mkdtemp(prefix="nexus-track-")) / "service")})
     sends: list[int] = []

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nexus.config import Scheduler, nest
+from nexus.config.service import Scheduler, nest
 from nexus.spec import TenantSpec
 
 

@@ -35,8 +35,8 @@ def main() -> None:
     ap.add_argument("--eps", type=float, nargs="+", default=[1e-7, 1e-6, 1e-5])
     args = ap.parse_args()
 
-    from nexus import catalog
-    from nexus.services.environment import PolicyOutput, collect_episodes, make_env
+    from nexus.config import catalog
+    from nexus.sim.environment import PolicyOutput, collect_episodes, make_env
 
     spec = importlib.util.spec_from_file_location("generate_demos", REPO / "datasets" / "generate_demos.py")
     gen = importlib.util.module_from_spec(spec)

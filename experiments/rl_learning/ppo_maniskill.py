@@ -4,7 +4,7 @@ One process drives the service's own pieces directly (no Dask cluster): the Envi
 (``make_env`` with ``num_envs`` sub-environments in their own processes, ``collect_episodes``), the
 shared frozen backbone + the tenant's preprocessor and policy (``VLAFramework.group_act``: one grouped
 backbone forward per vector step), the tenant's DeepSpeed slot and the actor's update function
-(``nexus.services.actor_tasks.update_rl``: GAE + clipped PPO on a batch read back from the tenant's
+(``nexus.actor.tasks.update_rl``: GAE + clipped PPO on a batch read back from the tenant's
 Arrow trajectory store). Each update: ``--episodes`` fresh episodes of the current policy, then PPO.
 Every ``--eval-every`` updates: deterministic episodes on held-out seeds (success rate = success at any
 step of the episode, return). Episodes run their full length (``--terminate-on-success`` restores the
@@ -39,7 +39,7 @@ class Policy:
         self.framework, self.tenant, self.deterministic, self.version = framework, tenant, deterministic, version
 
     def batch(self, observations: list) -> list:
-        from nexus.services.environment import PolicyOutput
+        from nexus.sim.environment import PolicyOutput
 
         outs = self.framework.group_act([(self.tenant, o) for o in observations], self.deterministic)
         return [PolicyOutput(action=o["raw_action"], logprob=o["logprob"], value=o["value"], version=self.version)
@@ -78,16 +78,16 @@ def main() -> None:
 
     import torch
 
-    from nexus import catalog
-    from nexus.config import ServiceConfig
+    from nexus.actor.host import ActorHost
+    from nexus.actor.tasks import update_rl
+    from nexus.actor.tenant_slot import TenantSlot
+    from nexus.config import catalog
+    from nexus.config.service import ServiceConfig
     from nexus.data.trajectory_store import TrajectoryStore
-    from nexus.messages import RLWork
     from nexus.model.preprocessor import TenantPreprocessor
-    from nexus.services.actor_host import ActorHost
-    from nexus.services.actor_tasks import update_rl
-    from nexus.services.environment import collect_episodes, episode_stats, make_env
-    from nexus.services.tenant_slot import TenantSlot
+    from nexus.sim.environment import collect_episodes, episode_stats, make_env
     from nexus.spec import PPOConfig, TenantSpec
+    from nexus.wire.messages import RLWork
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)

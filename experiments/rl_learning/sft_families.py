@@ -3,7 +3,7 @@
 Each family (OFT, GR00T, π) is trained on ``datasets/pickcube-scripted`` (scripted PickCube expert,
 state observations, 4-dim end-effector actions; ``nexus.data.offline_dataset.OfflineDataset`` with its
 episode-level held-out split) through the actor's own update function, in one process:
-``nexus.services.actor_tasks.update_sft`` on an ``ActorHost`` whose backbone is the family's
+``nexus.actor.tasks.update_sft`` on an ``ActorHost`` whose backbone is the family's
 (Qwen3-VL for OFT / GR00T, PaliGemma for π), with the tenant's DeepSpeed slot. Targets are action chunks
 (``--chunk`` steps, padded with the episode's last action). Held-out error is the MSE of the
 deterministic action chunk (Gaussian mean; flow integrated from zero noise) against the demonstrations.
@@ -36,13 +36,13 @@ def train_family(family: str, args) -> dict:
     import numpy as np
     import torch
 
-    from nexus.config import ServiceConfig
-    from nexus.messages import SFTWork
+    from nexus.actor.host import ActorHost
+    from nexus.actor.tasks import update_sft
+    from nexus.actor.tenant_slot import TenantSlot
+    from nexus.config.service import ServiceConfig
     from nexus.model.preprocessor import TenantPreprocessor
-    from nexus.services.actor_host import ActorHost
-    from nexus.services.actor_tasks import update_sft
-    from nexus.services.tenant_slot import TenantSlot
     from nexus.spec import TenantSpec
+    from nexus.wire.messages import SFTWork
 
     work = Path(tempfile.mkdtemp(prefix=f"nexus-sft-{family}-"))
     cfg = ServiceConfig(root=str(work), backbone={"family": BACKBONE[family], "size": "tiny"})
@@ -85,8 +85,8 @@ def train_family(family: str, args) -> dict:
 
 def rollout(svc, name: str, args) -> dict:
     """Deterministic episodes in the dataset's env: the first action of each predicted chunk is executed."""
-    from nexus import catalog
-    from nexus.services.environment import PolicyOutput, collect_episodes, episode_stats, make_env
+    from nexus.config import catalog
+    from nexus.sim.environment import PolicyOutput, collect_episodes, episode_stats, make_env
 
     entry = catalog.env(catalog.dataset(args.dataset).env)
     env = make_env(entry, seed=0, num_envs=min(4, args.env_episodes))
@@ -110,8 +110,8 @@ def baselines(args) -> dict:
     """Held-out MSE of trivial predictors: all zeros, and the train split's mean action chunk."""
     import numpy as np
 
-    from nexus import catalog
     from nexus.algorithms.sft import ActionChunks
+    from nexus.config import catalog
     from nexus.data.offline_dataset import OfflineDataset
 
     ds = OfflineDataset(catalog.dataset(args.dataset))

@@ -24,8 +24,8 @@ import numpy as np
 
 from nexus.client.api import Nexus
 from nexus.client.grpc_robot import RobotClient, grpc_target
-from nexus.inputs import encode_array
 from nexus.spec import TenantSpec
+from nexus.wire.inputs import encode_array
 
 HERE = Path(__file__).resolve().parent
 

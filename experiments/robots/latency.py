@@ -20,12 +20,12 @@ import numpy as np
 import torch
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-import nexus.policy
+import nexus.export.policy
 from nexus.client.api import Nexus
 from nexus.features import Observation
 from nexus.gateway.openpi import openpi_address
-from nexus.inputs import encode_array
 from nexus.spec import TenantSpec
+from nexus.wire.inputs import encode_array
 
 ENV = "maniskill/pickcube-rgb"  # one 64 px camera + 29-dim state
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as root, Nexus.local(root, n_sim=1) as nx:
         t = nx.create_tenant(TenantSpec(name="robot", env=ENV, chunk=a.chunk, seed=1))
         export = t.export(None, Path(root) / "export")
-        local = nexus.policy.load(export["local_path"])
+        local = nexus.export.policy.load(export["local_path"])
         host, port = openpi_address(nx.service.config.gateway_dir).removeprefix("ws://").rsplit(":", 1)
         robot = WebsocketClientPolicy(host, int(port), api_key=t.token)
         http = httpx.Client(base_url=nx.service.gateway_url, timeout=60,

@@ -51,11 +51,11 @@ def pct(xs: list[float], q: float) -> float:
 
 def rss(nx, resource: str, trim: bool = True) -> float:
     """RSS (MiB) of the worker process holding ``resource``; ``trim``: after a garbage collection and glibc's
-    ``malloc_trim`` there (``nexus.services.slots.release_memory``), so that what the process holds is measured,
+    ``malloc_trim`` there (``nexus.actor.slots.release_memory``), so that what the process holds is measured,
     not the freed pages of transient buffers glibc keeps in its arenas until it is asked."""
     import psutil
 
-    from nexus.services.slots import release_memory
+    from nexus.actor.slots import release_memory
 
     pids = nx.service.client.run(os.getpid)
     workers = nx.service.client.scheduler_info()["workers"]
@@ -79,7 +79,7 @@ def backbone_mib(cfg) -> float:
 def observation() -> dict:
     import numpy as np
 
-    from nexus.inputs import encode_array
+    from nexus.wire.inputs import encode_array
 
     return {"state": encode_array(np.linspace(-1, 1, 35).astype(np.float32))}
 

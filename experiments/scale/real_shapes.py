@@ -6,7 +6,7 @@ Presets: ``medium`` (the largest one the CPU tests run) and the architectures of
 PaliGemma-3B (``nexus/model/qwen3vl.py``, ``paligemma.py``; random weights, never downloaded). Nothing is
 allocated: every model and every tenant policy is built under ``torch.device("meta")``.
 
-Per tenant (the service's own accounting, ``nexus.services.slots.slot_bytes``): its trainable parameters (LoRA
+Per tenant (the service's own accounting, ``nexus.actor.slots.slot_bytes``): its trainable parameters (LoRA
 adapter on the decoder's q/v projections, the OFT action head and the value head at the default width 256,
 LIBERO's 8-D state and 7-D actions), each taking 28 bytes on the actor at its peak.
 
@@ -23,11 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from nexus.actor.slots import ACTOR_BYTES_PER_PARAM, slot_bytes  # noqa: E402
 from nexus.features import TenantSchema  # noqa: E402
 from nexus.model.lora import lora_shapes  # noqa: E402
 from nexus.model.policy import TenantPolicy  # noqa: E402
 from nexus.model.shapes import count_backbone, meta_model  # noqa: E402
-from nexus.services.slots import ACTOR_BYTES_PER_PARAM, slot_bytes  # noqa: E402
 from nexus.spec import LoraConfig, TenantSpec  # noqa: E402
 
 OUT = Path(__file__).with_name("results.json")  # its "real_shapes" section; bench.py keeps it
@@ -36,7 +36,7 @@ PRESETS = [("qwen3vl", "medium"), ("qwen3vl", "2b"), ("qwen3vl", "4b"), ("palige
 DEVICE_BYTES = 80 * 2**30  # one 80 GiB accelerator (H100 / A100 80 GB)
 SAMPLE = dict(n_images=2, image_size=224, text_tokens=16)  # two cameras at 224 px, a short instruction
 SCHEMA = TenantSchema(8, 7)  # LIBERO's common recipe: 8-D state, 7-D actions
-# the actor's bytes per trainable parameter at its peak (nexus/services/slots.py: ACTOR_BYTES_PER_PARAM)
+# the actor's bytes per trainable parameter at its peak (nexus/actor/slots.py: ACTOR_BYTES_PER_PARAM)
 PER_PARAM = {"fp32 weights": 4, "gradients": 4, "AdamW moments (2)": 8, "ZeRO gradient buffers": 4,
              "weight export copies (transient)": 8}
 

@@ -13,7 +13,7 @@ engine). Measured per slot, after building all of them and again after one SFT s
   ``--tracemalloc`` measures the Python heap's share of it (slow).
 
 Each variant runs in a fresh process of its own, one after the other: ``before`` (ZeRO's defaults: the fp32
-master its own copy, 5e8-element gradient buckets), then each cut of ``nexus.services.zero_memory`` added in turn,
+master its own copy, 5e8-element gradient buckets), then each cut of ``nexus.actor.zero_memory`` added in turn,
 up to ``now`` (the service's slots). The rest is split into what glibc's malloc holds beyond the tensors (C++
 objects: tensor and autograd structures, hooks; large Python objects) and the remainder (Python's small-object
 arenas, page slack), and the Python objects are attributed to their owners (engine config, ZeRO optimizer,
@@ -111,10 +111,10 @@ def bare_path(args, tmp: str):
     import numpy as np
     import torch
 
+    from nexus.actor.tenant_slot import TenantSlot
     from nexus.algorithms.sft import sft_loss
+    from nexus.config.validation import validate_tenant
     from nexus.model.backbone import BackboneConfig, SharedBackbone
-    from nexus.services.tenant_slot import TenantSlot
-    from nexus.validation import validate_tenant
 
     feat_dim = SharedBackbone(BackboneConfig()).hidden_size  # the service's default
     _, schema = validate_tenant({"name": "probe", "env": ENV})
@@ -144,14 +144,14 @@ def actor_path(args, tmp: str):
     through the backbone + ``optim_step``, and ``publish`` (checkpoint + weights file, no inference push)."""
     import numpy as np
 
-    from nexus.config import ServiceConfig
+    from nexus.actor.host import ActorHost
+    from nexus.actor.ops import forward_backward
+    from nexus.actor.slots import build_slot
+    from nexus.config.service import ServiceConfig
+    from nexus.config.validation import validate_tenant
     from nexus.data.output_dir import TenantOutputDir
     from nexus.features import Observation
-    from nexus.messages import SyncRule, TenantSetup
-    from nexus.services.actor_host import ActorHost
-    from nexus.services.ops import forward_backward
-    from nexus.services.slots import build_slot
-    from nexus.validation import validate_tenant
+    from nexus.wire.messages import SyncRule, TenantSetup
 
     actor = ActorHost(ServiceConfig(root=os.path.join(tmp, "service")))
     rng = np.random.default_rng(0)
@@ -192,9 +192,9 @@ def as_variant(variant: str) -> None:
     cuts left out."""
     import torch
 
-    import nexus.services.tenant_slot as tenant_slot
+    import nexus.actor.tenant_slot as tenant_slot
+    from nexus.actor import zero_memory
     from nexus.model import layers
-    from nexus.services import zero_memory
 
     if variant == "now":
         return

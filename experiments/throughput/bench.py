@@ -56,10 +56,10 @@ class PlainLoop:
     def __init__(self, args, backbone_cfg, spec, ppo) -> None:
         import torch
 
-        from nexus import catalog
+        from nexus.config import catalog
         from nexus.model.backbone import SharedBackbone
         from nexus.model.preprocessor import TenantPreprocessor
-        from nexus.services.environment import LockstepEnvs, make_env
+        from nexus.sim.environment import LockstepEnvs, make_env
 
         self.args, self.spec, self.ppo = args, spec, ppo
         self.device = torch.device(args.device)
@@ -87,7 +87,7 @@ class PlainLoop:
         import numpy as np
         import torch
 
-        from nexus.services.environment import step_slots
+        from nexus.sim.environment import step_slots
 
         policy.eval()
         limit = self.entry.max_episode_steps

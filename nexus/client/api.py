@@ -4,7 +4,8 @@
 ``nexus.client.http``): the only way the client reaches the service. ``Nexus.local()`` starts a service and
 hands back a gateway client holding the operator token and, as tenants are created, their tokens; the
 service-internal Dask connection belongs to the process that started it (``nx.service``, a
-:class:`~nexus.cluster.LocalService`: ``nx.service.internal(handler)``, ``nx.service.client``), never to the client.
+:class:`~nexus.deploy.local.LocalService`: ``nx.service.internal(handler)``, ``nx.service.client``), never to the
+client.
 
 High level: connect to a service (or start a local one), create a tenant from a spec, submit an
 SFT / RL / Eval job, stream its progress, wait for its result.
@@ -18,7 +19,7 @@ actions). Each ``Nexus`` instance is a session (``nx.session``, a uuid
 unless given): the service groups its low-level ops in one MLflow run.
 
 Everything can come from files too: ``Nexus.local(config="service.toml")``, ``nx.submit("tenant.toml",
-"job.toml")``, ``nx.create_tenant("tenant.toml")``, ``tenant.submit("job.toml")`` (see ``nexus.config``).
+"job.toml")``, ``nx.create_tenant("tenant.toml")``, ``tenant.submit("job.toml")`` (see ``nexus.config.service``).
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ from nexus.client import envs as service_envs
 from nexus.client import rollouts
 from nexus.client.futures import NexusFuture
 from nexus.client.http import HttpTransport
-from nexus.cluster import LocalService
-from nexus.config import ServiceConfig, load_service_config, load_submission, read_toml
-from nexus.data import policy_files as policy_format
+from nexus.config.service import ServiceConfig, load_service_config, load_submission, read_toml
+from nexus.deploy.local import LocalService
 from nexus.errors import Conflict, Forbidden, JobFailed, NotFound, SpecError, describe_errors, quote
+from nexus.export import files as policy_format
 from nexus.features import Observation
-from nexus.history import JOB_COUNTERS, JOB_HEADLINE
 from nexus.spec import AdamParams, EvalJob, RLJob, SFTJob, TenantSpec, check_session
+from nexus.wire.history import JOB_COUNTERS, JOB_HEADLINE
 
 PathLike = str | Path
 TERMINAL = ("done", "failed", "cancelled")
@@ -365,7 +366,7 @@ class Tenant:
 
         ``batch``: ``observations`` (list of :class:`Observation`), ``actions`` [N, A]; for
         ``loss="ppo"`` also ``logprobs``, ``advantages``, ``returns`` [N] and optional ``ppo``
-        (``loss="grpo"``: see ``nexus.services.ops.forward_backward`` and ``nexus.inputs.check_batch`` for its fields)
+        (``loss="grpo"``: see ``nexus.actor.ops.forward_backward`` and ``nexus.wire.inputs.check_batch`` for its fields)
         (a PPOConfig dict). The batch goes to a worker directly; the scheduler sees its name only.
         """
         return self._batch_op("forward_backward", batch, loss)
@@ -420,7 +421,7 @@ class Tenant:
                server_path: str | None = None) -> dict[str, Any]:
         """Export policy version ``version`` (None: the current one) as a self-contained directory: head and
         adapter weights in safetensors, the backbone reference, preprocessor config, normalization stats and
-        a JSON manifest. ``nexus.policy.load(dir)`` runs it without a service.
+        a JSON manifest. ``nexus.export.policy.load(dir)`` runs it without a service.
 
         The service writes it into the tenant's output dir (``exports/vNNNNNN/``, kept there; the
         gateway serves its files). ``path``: a local directory (missing or empty) to download it into,

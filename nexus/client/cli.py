@@ -2,7 +2,7 @@
 
 Service: ``up`` (a long-running local service, from ``--config service.toml`` and ``--set`` overrides),
 ``down``, ``status`` (with the roles' health), ``scale-inference``; over several hosts: ``scheduler``,
-``gateway``, ``worker --role sim|actor|infer`` (one root on shared storage, :mod:`nexus.deploy`). Work:
+``gateway``, ``worker --role sim|actor|infer`` (one root on shared storage, :mod:`nexus.deploy.hosts`). Work:
 ``submit`` (tenant and job TOML files), ``list`` (jobs and their progress), ``cancel``, ``delete``, ``logs``
 (a tenant's metric history, from the service and the tenant's manifest), ``report`` (PNG plots), ``export``
 (a tenant's policy version as a self-contained directory). ``demo`` runs the four-tenant demo.
@@ -32,11 +32,11 @@ from nexus.client.cli_control import add_commands, keep_up, roles_table
 from nexus.client.cli_deploy import add_commands as add_deploy_commands
 from nexus.client.demo import run_demo
 from nexus.client.report import format_log, manifest_log, merge_logs, write_report
-from nexus.cluster import lock_holder
-from nexus.config import ServiceConfig, load_service_config, load_submission
+from nexus.config.service import ServiceConfig, load_service_config, load_submission
+from nexus.config.validation import validate_job, validate_tenant
+from nexus.deploy.local import lock_holder
 from nexus.errors import NexusError, NotFound, Unavailable
 from nexus.gateway.auth import read_gateway_url, read_operator_token
-from nexus.validation import validate_job, validate_tenant
 
 DEFAULT_ROOT = "runs/service"
 EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 1, 2, 3, 130
@@ -454,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=_report)
 
     e = sub.add_parser("export", parents=[common], help="write a tenant's policy version as a self-contained "
-                                                        "directory (load it with nexus.policy.load, no service)")
+                                                        "directory (load it with nexus.export.policy.load, no service)")
     e.add_argument("tenant")
     e.add_argument("--version", type=int, default=None, help="policy version (default: current)")
     e.add_argument("--out", default=None, help="local directory to download it into (must not exist or be "

@@ -1,4 +1,4 @@
-"""``nexus scheduler``, ``nexus gateway``, ``nexus worker``: one service over several hosts (:mod:`nexus.deploy`).
+"""``nexus scheduler``, ``nexus gateway``, ``nexus worker``: one service over several hosts (:mod:`nexus.deploy.hosts`).
 
 Every host points at the same service root on shared storage; each command becomes the process it
 starts, so a cluster manager (systemd, Kubernetes, SLURM) supervises the real program.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nexus import deploy
-from nexus.config import load_service_config
-from nexus.processes import ROLE_RESOURCES
+from nexus.config.service import load_service_config
+from nexus.deploy import hosts as deploy
+from nexus.deploy.processes import ROLE_RESOURCES
 
 
 def _scheduler(a: argparse.Namespace) -> int:

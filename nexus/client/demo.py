@@ -23,9 +23,9 @@ from rich.live import Live
 from rich.table import Table
 
 from nexus.client.api import Job, JobProgress, Nexus
-from nexus.config import load_submission
+from nexus.config.service import load_submission
 from nexus.errors import LimitExceeded
-from nexus.history import by_kind, per_version
+from nexus.wire.history import by_kind, per_version
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "demo"
 DEMO_CHECKPOINT_EVERY = 50

@@ -7,7 +7,7 @@ through the tenant gateway: resets and steps are HTTP calls that the gateway for
 env's envs may be spread over several workers, ``limits.env_session_workers``, stepped at once).
 Observations are a ``Dict`` of ``state`` (float32 [P]) and, for envs with cameras, ``images`` (a ``Dict``
 camera -> uint8 [H, W, 3]):
-the one observation layout of the service (``nexus.inputs.check_observation``), so an observation goes as it
+the one observation layout of the service (``nexus.wire.inputs.check_observation``), so an observation goes as it
 is to ``tenant.predict_action(obs)`` or an exported policy's ``predict_action`` (the instruction, left out,
 defaults to the tenant's); actions a ``Box`` of the catalog's bounds. Close the env (or use it as a
 context manager) to give the simulators back; an idle session closes itself after the service's
@@ -27,7 +27,7 @@ from gymnasium.vector.utils import batch_space
 
 from nexus.client.http import json_bytes
 from nexus.client.keepalive import KeepAlive, post_json
-from nexus.inputs import decode_array
+from nexus.wire.inputs import decode_array
 
 
 def _arrays(d: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,7 @@
 * :func:`kill_worker_while` — the same, at a moment a condition holds with the worker frozen (a kill
   "mid-update" that cannot land between two updates);
 * :func:`worker_of_role` — the worker currently hosting a role (``engine/0``, ``actor/0``, ``tracker``);
-* :func:`kill_service` — SIGKILL every process of a :class:`nexus.cluster.LocalService` at once (a host
+* :func:`kill_service` — SIGKILL every process of a :class:`nexus.deploy.local.LocalService` at once (a host
   crash): scheduler, nannies and workers.
 """
 

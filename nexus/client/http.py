@@ -24,8 +24,8 @@ import numpy as np
 from nexus.errors import NexusError, Overloaded, Unavailable, error_class
 from nexus.features import Observation
 from nexus.gateway.auth import OPERATOR_PREFIX
-from nexus.inputs import encode_array
 from nexus.spec import SESSION_HEADER
+from nexus.wire.inputs import encode_array
 
 
 def _wire(x: Any) -> Any:

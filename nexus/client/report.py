@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nexus.history import KINDS, LABELS, by_kind, plot_curves
+from nexus.wire.history import KINDS, LABELS, by_kind, plot_curves
 
 LANE_ORDER = ("actor", "inference", "simulator")
 

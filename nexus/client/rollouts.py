@@ -18,7 +18,7 @@ import numpy as np
 
 from nexus.errors import SpecError
 from nexus.features import Observation
-from nexus.inputs import decode_array
+from nexus.wire.inputs import decode_array
 
 
 def _transport(tenant):
@@ -71,7 +71,7 @@ class EpisodeBuffer:
         self.episodes += other.episodes
 
     def columns(self) -> dict[str, Any]:
-        """The upload's per-step columns (``nexus.episodes``)."""
+        """The upload's per-step columns (``nexus.wire.episodes``)."""
         if not self.rows:
             raise SpecError("no steps recorded")
         cols: dict[str, Any] = {k: np.stack([r[k] for r in self.rows]) for k in ("state", "action")}

@@ -5,9 +5,9 @@
   SB3VecEnv(tenant.vector_env("maniskill/pushcube-state", 8)))`` trains on the service's simulators.
   Episodes that end carry ``terminal_observation`` and ``TimeLimit.truncated`` in their info, as SB3's own
   vector envs do (the service resets them in the same step). SB3 takes no nested ``Dict``, so its
-  observations are the service's layout flattened (:func:`nexus.inputs.flat_observation`: ``state``,
+  observations are the service's layout flattened (:func:`nexus.wire.inputs.flat_observation`: ``state``,
   ``images.<camera>``).
-* :func:`nexus.policy.ExportedPolicy.predict` — an exported policy acts where SB3 expects
+* :func:`nexus.export.policy.ExportedPolicy.predict` — an exported policy acts where SB3 expects
   ``predict(obs) -> (action, state)`` (``evaluate_policy(policy, env)``).
 """
 
@@ -21,7 +21,7 @@ from gymnasium import spaces
 from stable_baselines3.common.vec_env import VecEnv
 
 from nexus.client.envs import ServiceVectorEnv
-from nexus.inputs import flat_observation
+from nexus.wire.inputs import flat_observation
 
 
 class SB3VecEnv(VecEnv):

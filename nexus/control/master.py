@@ -3,19 +3,19 @@
 ===================  ==============================================================================
 part                 module
 ===================  ==============================================================================
-tenant registry      :mod:`nexus.control.tenants` (+ lifecycle: :mod:`nexus.control.lifecycle`)
-jobs and flows       :mod:`nexus.control.jobs` (records: :mod:`nexus.control.job_state`),
-                     :mod:`nexus.control.flows`
-training queue       :mod:`nexus.control.queues` + dispatcher :mod:`nexus.control.dispatcher`
-actor group          :mod:`nexus.control.actors` (N ranks)
-inference pool       :mod:`nexus.control.engines` (M engines: :mod:`~nexus.control.membership`,
-                     :mod:`~nexus.control.routing`; on the cluster: :mod:`~nexus.control.engine_ops`)
-health + restarts    :mod:`nexus.control.health`, :mod:`nexus.control.supervisor` (rediscovery at boot:
-                     :mod:`nexus.control.discovery`)
-tracking             :mod:`nexus.control.tracking_link` (the tracker itself runs on a worker)
-low-level ops        :mod:`nexus.control.low_level` (their MLflow runs: :mod:`nexus.control.op_runs`)
-scheduler            :mod:`nexus.control.policy_control` (view, switch), accounting
-                     :mod:`nexus.control.accounting`, status view :mod:`nexus.control.status`
+tenant registry      :mod:`nexus.control.tenants.registry` (+ lifecycle: :mod:`nexus.control.tenants.lifecycle`)
+jobs and flows       :mod:`nexus.control.jobs.manager` (records: :mod:`nexus.control.jobs.state`),
+                     :mod:`nexus.control.jobs.flows`
+training queue       :mod:`nexus.control.dispatch.training_queue` + dispatcher :mod:`nexus.control.dispatch.dispatcher`
+actor group          :mod:`nexus.control.health.actor_group` (N ranks)
+inference pool       :mod:`nexus.control.health.engine_pool` (M engines: :mod:`~nexus.control.health.membership`,
+                     :mod:`~nexus.control.dispatch.routing`; on the cluster: :mod:`~nexus.control.health.engine_ops`)
+health + restarts    :mod:`nexus.control.health.manager`, :mod:`nexus.control.health.supervisor` (rediscovery at boot:
+                     :mod:`nexus.control.tenants.discovery`)
+tracking             :mod:`nexus.control.monitoring.tracking_link` (the tracker itself runs on a worker)
+low-level ops        :mod:`nexus.control.jobs.low_level` (their MLflow runs: :mod:`nexus.control.jobs.op_runs`)
+scheduler            :mod:`nexus.control.dispatch.scheduler` (view, switch), accounting
+                     :mod:`nexus.control.monitoring.accounting`, status view :mod:`nexus.control.monitoring.status`
 Dask                 :mod:`nexus.control.runtime`, tasks by import path :mod:`nexus.control.tasks`
 ===================  ==============================================================================
 
@@ -28,32 +28,33 @@ import asyncio
 import logging
 from typing import Any
 
-from nexus.config import ServiceConfig
-from nexus.control import flows, status
-from nexus.control.accounting import ServiceAccounting
-from nexus.control.actors import ActorGroup
-from nexus.control.adaptive import LoadRouting
-from nexus.control.dispatcher import Dispatcher
-from nexus.control.engine_ops import DaskEngineOps
-from nexus.control.engines import EnginePool
-from nexus.control.exports import export_version
-from nexus.control.health import HealthManager
-from nexus.control.jobs import JobManager
-from nexus.control.lifecycle import TenantLifecycle
-from nexus.control.low_level import LowLevelOps
-from nexus.control.monitoring import MonitoringState
-from nexus.control.offload import SlotOffload
-from nexus.control.op_runs import OpRuns
-from nexus.control.policy_control import SchedulerControl
-from nexus.control.queues import TrainingItem, TrainingQueue
+from nexus.config.service import ServiceConfig
+from nexus.control.dispatch.adaptive import LoadRouting
+from nexus.control.dispatch.dispatcher import Dispatcher
+from nexus.control.dispatch.scheduler import SchedulerControl
+from nexus.control.dispatch.training_queue import TrainingItem, TrainingQueue
+from nexus.control.health.actor_group import ActorGroup
+from nexus.control.health.engine_ops import DaskEngineOps
+from nexus.control.health.engine_pool import EnginePool
+from nexus.control.health.manager import HealthManager
+from nexus.control.health.supervisor import Supervisor
+from nexus.control.jobs import flows
+from nexus.control.jobs.exports import export_version
+from nexus.control.jobs.low_level import LowLevelOps
+from nexus.control.jobs.manager import JobManager
+from nexus.control.jobs.op_runs import OpRuns
+from nexus.control.monitoring import status
+from nexus.control.monitoring.accounting import ServiceAccounting
+from nexus.control.monitoring.state import MonitoringState
+from nexus.control.monitoring.tracking_link import TrackerLink
 from nexus.control.runtime import DaskRuntime
-from nexus.control.supervisor import Supervisor
-from nexus.control.tenants import TenantPhase, TenantRegistry
-from nexus.control.tracking_link import TrackerLink
+from nexus.control.tenants.lifecycle import TenantLifecycle
+from nexus.control.tenants.offload import SlotOffload
+from nexus.control.tenants.registry import TenantPhase, TenantRegistry
 from nexus.errors import NotFound, Unavailable
-from nexus.messages import OpWork, UpdateResult
-from nexus.paging import Page
 from nexus.spec import TenantSpec
+from nexus.wire.messages import OpWork, UpdateResult
+from nexus.wire.paging import Page
 
 logger = logging.getLogger("nexus.master")
 
@@ -148,7 +149,7 @@ class Master:
         self.scheduler.log_event(f"nexus-{topic}", msg)
 
     async def _sample_forever(self, period_s: float = 1.0) -> None:
-        """Control signals over time (:func:`nexus.control.status.control_signals`); idle op sessions end."""
+        """Control signals over time (:func:`nexus.control.monitoring.status.control_signals`); idle op sessions end."""
         while True:
             self.monitoring.sample(status.control_signals(self.parts))
             self.op_runs.close_idle()
@@ -172,7 +173,7 @@ class Master:
         return await self.jobs.wait(job_id, timeout)
 
     def status(self, limit: int | None = None, cursor: str | None = None, tenant: str | None = None) -> dict[str, Any]:
-        """One page of the status (:mod:`nexus.paging`); ``tenant``: that tenant's view only."""
+        """One page of the status (:mod:`nexus.wire.paging`); ``tenant``: that tenant's view only."""
         return status.build(self.parts, Page.parse(limit, cursor, tenant))
 
     def monitoring_view(self, since: float = 0.0, limit: int | None = None,
@@ -187,7 +188,8 @@ class Master:
 
     async def op(self, tenant: str, verb: str, data: str | None = None, loss: str = "sft",
                  session: str | None = None, **options: Any) -> dict[str, Any]:
-        """Low-level, Tinker-style operations, ordered through the training queue (:mod:`nexus.control.low_level`)."""
+        """Low-level, Tinker-style operations, ordered through the training queue
+        (:mod:`nexus.control.jobs.low_level`)."""
         return await self.ops.run(tenant, verb, data, loss, session, **options)
 
     async def end_sessions(self, timeout: float = 10.0) -> dict[str, Any]:
@@ -211,7 +213,7 @@ class Master:
         return self.schedulers.view()
 
     async def set_scheduler(self, scheduler: dict[str, Any]) -> dict[str, Any]:
-        """Apply a scheduler (a ``nexus.config.Scheduler`` as a dict) to a running, idle service; its T and B
+        """Apply a scheduler (a ``nexus.config.service.Scheduler`` as a dict) to a running, idle service; its T and B
         go to every serving engine too (benchmarks compare schedulers on one cluster)."""
         return await self.schedulers.switch(scheduler)
 
@@ -246,7 +248,7 @@ class Master:
         return [m.endpoint.to_dict() for m in self.pool.serving()]
 
     async def export(self, tenant: str, path: str | None = None, version: int | None = None) -> dict[str, Any]:
-        """Write a tenant's policy version as a self-contained directory (:mod:`nexus.control.exports`)."""
+        """Write a tenant's policy version as a self-contained directory (:mod:`nexus.control.jobs.exports`)."""
         return await export_version(self.registry, self.actors, tenant, path, version)
 
     async def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:

@@ -15,15 +15,15 @@ import click
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
-from nexus.config import ServiceConfig
-from nexus.control import dashboard
-from nexus.control.env_sessions import EnvSessions
+from nexus.config.service import ServiceConfig
 from nexus.control.master import Master
-from nexus.control.monitoring import TOPIC, PrometheusCollector
-from nexus.control.predict_latency import PredictLatency
-from nexus.dask_streams import send_promptly
+from nexus.control.monitoring import dashboard
+from nexus.control.monitoring.predict_latency import PredictLatency
+from nexus.control.monitoring.state import TOPIC, PrometheusCollector
+from nexus.control.tenants.env_sessions import EnvSessions
 from nexus.errors import SpecError
-from nexus.messages import HEALTH_TOPIC
+from nexus.wire.dask_streams import send_promptly
+from nexus.wire.messages import HEALTH_TOPIC
 
 logger = logging.getLogger("nexus.scheduler")
 

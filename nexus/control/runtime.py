@@ -1,7 +1,7 @@
 """The control plane's one door to Dask: tasks by import path, worker RPC, worker lookup.
 
 Runs on the scheduler's event loop. Tasks are submitted through an asynchronous ``Client`` created
-in that loop; calls to the roles hosted by workers (:mod:`nexus.services.worker_plugin`) go through
+in that loop; calls to the roles hosted by workers (:mod:`nexus.worker.plugin`) go through
 the scheduler's own connection pool as plain msgpack messages (the scheduler never unpickles worker
 data). Nothing here blocks the loop.
 """
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nexus.control.tasks import TaskRef
-from nexus.dask_streams import send_promptly
+from nexus.deploy.tls import security
 from nexus.errors import Unavailable, from_reply
-from nexus.tls import security
+from nexus.wire.dask_streams import send_promptly
 
 if TYPE_CHECKING:
-    from nexus.config import ServiceConfig
+    from nexus.config.service import ServiceConfig
 
 logger = logging.getLogger("nexus.runtime")
 

@@ -3,7 +3,7 @@
 The scheduler never imports the service modules (they import torch, simulators, MLflow): a
 :class:`TaskRef` pickles as its path, and the worker resolves the function when it runs the task.
 A task of a role gets that role's host object as its first argument — the worker's state for the role
-(``nexus.services.worker_plugin.host_for``): the actor rank's slots, the simulator pool, or the plugin
+(``nexus.worker.plugin.host_for``): the actor rank's slots, the simulator pool, or the plugin
 itself for tasks that place a role.
 """
 
@@ -14,7 +14,7 @@ from importlib import import_module
 from typing import Any, Literal
 
 Role = Literal["plugin", "actor", "sim"]
-HOSTS = "nexus.services.worker_plugin"  # host_for(role): the calling worker's host of a role
+HOSTS = "nexus.worker.plugin"  # host_for(role): the calling worker's host of a role
 
 
 @dataclass(frozen=True)
@@ -42,15 +42,15 @@ class TaskRef:
         if self.role is None:
             return self.resolve()(*args, **kwargs)
         host = import_module(HOSTS).host_for(self.role)
-        # a host may run a task itself (a modelled actor rank: nexus.services.devices), same arguments
+        # a host may run a task itself (a modelled actor rank: nexus.wire.devices), same arguments
         fn = getattr(host, "tasks", {}).get(self.path) or self.resolve()
         return fn(host, *args, **kwargs)
 
 
-_A = "nexus.services.actor_tasks"
-_S = "nexus.services.sim_tasks"
+_A = "nexus.actor.tasks"
+_S = "nexus.sim.tasks"
 _D = "nexus.data.tenant_dirs"
-_W = "nexus.services.worker_plugin"
+_W = "nexus.worker.plugin"
 
 # actor ranks (resource ACTOR): tenant slots and their durable state
 OPEN_RENDEZVOUS = TaskRef(f"{_W}:open_rendezvous", "plugin")  # on rank 0's worker, before START_ACTOR

@@ -68,7 +68,7 @@ def write_lerobot(root: str | Path, columns: Mapping[str, np.ndarray], schema: T
                   overwrite: bool = False) -> Path:
     """Write trajectory columns (episodes contiguous) as a LeRobot dataset in ``layout``.
 
-    Columns as :func:`nexus.services.environment.collect_episodes` returns them (``state``,
+    Columns as :func:`nexus.sim.environment.collect_episodes` returns them (``state``,
     ``action``, ``image.<camera>``, ``episode``, ``step``, ``reward``, ``terminated``, ``truncated``,
     ``success``). Every episode gets the schema's instruction as its task. Cameras become videos
     (``codec`` h264 / av1 / hevc, yuv420p, a key frame every 2 frames as LeRobot does).

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from nexus.catalog import CatalogError, DatasetEntry
+from nexus.config.catalog import CatalogError, DatasetEntry
 from nexus.data.lerobot_format import DONE, REWARD, SUCCESS, TRUNCATED, LeRobotDataset, camera_feature
 from nexus.data.trajectory_store import (
     SUFFIX,
@@ -131,7 +131,7 @@ class OfflineDataset:
         return arrays_to_observations(arrays, self.schema)
 
     def rows(self, arrays: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
-        """One observation per row in the service's one observation layout (:mod:`nexus.inputs`: ``state``,
+        """One observation per row in the service's one observation layout (:mod:`nexus.wire.inputs`: ``state``,
         ``images`` ``{camera: uint8 [H, W, 3]}`` where the dataset has cameras, ``instruction``): what
         ``predict``, ``predict_batch``, a ``forward_backward`` batch and an export's ``predict_action`` take as
         they are, and what an environment session answers. (The columns of :meth:`sample_batch` are the storage

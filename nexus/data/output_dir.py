@@ -15,11 +15,11 @@ Layout::
                          version is protected from retention, and again with the results)
     jobs/<job>.json      one record per job: "running" from its start, its final state and its metric
                          ``history`` at its end (the manifest's record points at it: ``history_file``)
-    exports/vNNNNNN/     exported policy of a version (nexus.policy format): a finished training job's final
+    exports/vNNNNNN/     exported policy of a version (nexus.export.policy format): a finished training job's final
                          version, or one written on request (nexus_export without a path)
 
 Written only by workers (never by the scheduler process); every write is atomic (temp + rename), files
-are 0600 and dirs 0700 (``nexus.paths``). Old versions' weights and old checkpoints beyond the tenant's
+are 0600 and dirs 0700 (``nexus.config.paths``). Old versions' weights and old checkpoints beyond the tenant's
 quota (``ServiceLimits.max_versions_kept`` / ``max_checkpoints_kept``) are pruned, and the manifest says so.
 """
 
@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nexus.config.paths import FILE_MODE, private_mkdir, private_write_bytes
 from nexus.errors import NotFound
-from nexus.paths import FILE_MODE, private_mkdir, private_write_bytes
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nexus.data.output_dir import TenantOutputDir, atomic_write_bytes, unmark_evaluation
-from nexus.messages import job_number
+from nexus.wire.messages import job_number
 
 
 def job_seq(out: TenantOutputDir) -> int:

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 
 from nexus.features import CameraSpec, Observation, TenantSchema
-from nexus.messages import BatchRef
+from nexus.wire.messages import BatchRef
 
 __all__ = [
     "BatchRef",

@@ -1,4 +1,4 @@
-"""An emulated actor rank (:mod:`nexus.emulator`): the tasks of :mod:`nexus.services.actor_tasks` with the
+"""An emulated actor rank (:mod:`nexus.emulator`): the tasks of :mod:`nexus.actor.tasks` with the
 same names, arguments and results, but an update *takes* its calibrated time on the rank's device lanes
 instead of computing (no torch, no DeepSpeed: a slot is its version counter).
 
@@ -17,18 +17,18 @@ from typing import Any
 
 from distributed import get_worker
 
-from nexus.config import ServiceConfig
+from nexus.actor.slot_rebuild import rebuild_each
+from nexus.config.service import ServiceConfig
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.tenant_dirs import job_seq
 from nexus.emulator.clock import DeviceTimeline
 from nexus.emulator.lanes import Lanes, lane_label
 from nexus.emulator.lender import DeviceLender
 from nexus.emulator.settings import EmulationSettings
-from nexus.engine_client import EngineSet
 from nexus.errors import SpecError, Unavailable
-from nexus.messages import EngineEndpoint, OpWork, RLWork, SlotInfo, TenantSetup, UpdateRequest, UpdateResult
-from nexus.services.slot_rebuild import rebuild_each
-from nexus.signals import emit
+from nexus.wire.engine_client import EngineSet
+from nexus.wire.messages import EngineEndpoint, OpWork, RLWork, SlotInfo, TenantSetup, UpdateRequest, UpdateResult
+from nexus.wire.signals import emit
 
 TOKEN_WEIGHTS = b"emulated-head"  # what a weight-sync message carries instead of a head
 
@@ -86,7 +86,7 @@ class EmulatedActorHost:
     @property
     def tasks(self) -> dict[str, Any]:
         """``nexus.control.tasks`` paths this host runs itself."""
-        return {f"nexus.services.actor_tasks:{f.__name__}": f for f in (
+        return {f"nexus.actor.tasks:{f.__name__}": f for f in (
             init_tenant, rebuild_slots, run_update, finish_job, drop_tenant, offload_slots, export_version)}
 
 

@@ -19,15 +19,15 @@ from typing import Any
 import numpy as np
 from distributed import get_worker
 
-from nexus.config import ServiceConfig
+from nexus.config.service import ServiceConfig
 from nexus.emulator.clock import DeviceTimeline
 from nexus.emulator.lender import DeviceLender
 from nexus.emulator.settings import EmulationSettings
+from nexus.engine.engine import InferenceEngine
+from nexus.engine.head_versions import HeadVersions
+from nexus.engine.queue import Group
+from nexus.engine.stats import EngineMeter
 from nexus.features import TenantSchema
-from nexus.services.engine_stats import EngineMeter
-from nexus.services.head_versions import HeadVersions
-from nexus.services.inference import InferenceEngine
-from nexus.services.inference_queue import Group
 from nexus.spec import TenantSpec
 
 logger = logging.getLogger("nexus.engine")
@@ -35,7 +35,7 @@ SHARE_WEIGHT = 0.1  # the weight of the last forward in the device's share of it
 
 
 class EmulatedHeads(HeadVersions[None]):
-    """The :class:`~nexus.services.tenant_heads.TenantHeads` interface without weights."""
+    """The :class:`~nexus.engine.tenant_heads.TenantHeads` interface without weights."""
 
     def register(self, spec: TenantSpec, schema: TenantSchema, version: int, weights: bytes) -> None:
         self.specs[spec.name] = (spec, schema)

@@ -1,6 +1,6 @@
 """Device lanes of an emulated worker: one worker process holds ``n`` devices of its service (its Dask resource
 count), and each piece of work runs on lanes it holds until it ends, so every span is charged to one device
-(``<worker>#<lane>``, the slots :mod:`nexus.control.accounting` counts).
+(``<worker>#<lane>``, the slots :mod:`nexus.control.monitoring.accounting` counts).
 
 A lane may be shared by ``share`` holders (simulator devices running several producers): they hold it at once,
 but its device work runs one piece at a time, in the order the pieces arrived on the devices' clock
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 from nexus.emulator.lent import LentDevices
 from nexus.emulator.piece import DevicePiece
-from nexus.services.devices import slot_label
+from nexus.wire.devices import slot_label
 
 lane_label = slot_label  # a device's slot name: the worker's own when it holds one device, else <worker>#<lane>
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from distributed import get_worker
 
-from nexus.engine_client import on_loop
+from nexus.wire.engine_client import on_loop
 
 logger = logging.getLogger("nexus.lender")
 CALL_TIMEOUT_S = 5.0

@@ -1,7 +1,7 @@
 """The switch: an emulated local service. The service's own settings (``ServiceConfig``) stay as they are; the
 emulator's (:class:`~nexus.emulator.settings.EmulationSettings`) go to ``emulator.json`` in the service root, and
 every worker preloads :mod:`nexus.emulator.worker`, which installs the emulated devices in the service's one seam
-(:mod:`nexus.services.devices`). One worker per service holds all its devices (its Dask resource count and threads,
+(:mod:`nexus.wire.devices`). One worker per service holds all its devices (its Dask resource count and threads,
 and the ``DEVICES`` each is charged as)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from nexus.client.api import Nexus
-from nexus.cluster import LocalService
-from nexus.config import ServiceConfig
+from nexus.config.service import ServiceConfig
+from nexus.deploy.local import LocalService
 from nexus.emulator.settings import ENV, FILE, EmulationSettings
 from nexus.errors import SpecError, describe_errors
 

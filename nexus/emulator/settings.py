@@ -4,7 +4,7 @@ The emulator is a tool apart from the service (``nexus.emulator``: it depends on
 imports it). In an emulated service (:func:`nexus.emulator.service.local`, ``python -m nexus.emulator up --emulate
 CALIBRATION``) the three kinds of device work — an actor update, an inference forward, a simulator step — take the
 time a **calibration** says instead of computing anything. It plugs into the service through its one seam, a model
-of the workers' devices (:mod:`nexus.services.devices`), which every worker installs from its preload
+of the workers' devices (:mod:`nexus.wire.devices`), which every worker installs from its preload
 (:mod:`nexus.emulator.worker`) with these settings (``emulator.json`` in the service root, never in
 ``ServiceConfig``); everything around the device work is the real code: the
 scheduler plugin, the training queue with its in-flight caps and staleness drops, the inference queue

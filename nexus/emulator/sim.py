@@ -1,4 +1,4 @@
-"""An emulated rollout producer: what the task :func:`nexus.services.sim_tasks.run_rollout` runs on a worker whose
+"""An emulated rollout producer: what the task :func:`nexus.sim.tasks.run_rollout` runs on a worker whose
 devices the emulator models (:class:`nexus.emulator.worker.EmulatedDevices`).
 
 The producer holds one simulator lane of its worker for the whole task (as a real one holds its SIM
@@ -20,18 +20,18 @@ import uuid
 import numpy as np
 from distributed import get_worker
 
-from nexus import catalog
-from nexus.control.sim_slots import ready_from
+from nexus.config import catalog
+from nexus.control.dispatch.sim_share import ready_from
 from nexus.emulator.clock import DeviceClock
 from nexus.emulator.lanes import Lanes, lane_label
 from nexus.emulator.lent import LentDevices
 from nexus.emulator.settings import EmulationSettings, ServiceTimes
-from nexus.engine_client import EngineClient
 from nexus.features import Observation, TenantSchema
-from nexus.messages import BatchRef, RolloutRequest, RolloutResult
-from nexus.services.rollout import ProducerLink, producer_envs
-from nexus.services.sim_host import SimHost
-from nexus.signals import emit
+from nexus.sim.host import SimHost
+from nexus.sim.rollout import ProducerLink, producer_envs
+from nexus.wire.engine_client import EngineClient
+from nexus.wire.messages import BatchRef, RolloutRequest, RolloutResult
+from nexus.wire.signals import emit
 
 
 def sim_lanes(emu: EmulationSettings) -> Lanes:

@@ -1,5 +1,5 @@
 """The emulator's side of the seam on a worker: :class:`EmulatedDevices`, a model of the worker's devices
-(:class:`nexus.services.devices.DeviceModel`) whose work takes calibrated time, and the Dask preload that installs it
+(:class:`nexus.wire.devices.DeviceModel`) whose work takes calibrated time, and the Dask preload that installs it
 (``dask worker --preload nexus.emulator.worker``, after the service's own plugin; the settings are the file the
 environment variable ``NEXUS_EMULATOR`` names, ``emulator.json`` in the service root).
 
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from nexus.emulator.lent import LentDevices
 from nexus.emulator.settings import ENV, EmulationSettings
-from nexus.services import devices
+from nexus.wire import devices
 
 if TYPE_CHECKING:
-    from nexus.config import ServiceConfig
+    from nexus.config.service import ServiceConfig
     from nexus.emulator.engine import EmulatedEngine
     from nexus.emulator.lanes import Lanes
-    from nexus.messages import RolloutRequest, RolloutResult
-    from nexus.services.sim_host import SimHost
+    from nexus.sim.host import SimHost
+    from nexus.wire.messages import RolloutRequest, RolloutResult
 
 
 class EmulatedDevices:
@@ -36,7 +36,7 @@ class EmulatedDevices:
         self._lanes: Lanes | None = None  # a simulator worker's devices, made at its first rollout
         self._lock = threading.Lock()
 
-    # -- the seam (nexus.services.devices.DeviceModel) ---------------------------------------------
+    # -- the seam (nexus.wire.devices.DeviceModel) ---------------------------------------------
     # each role's module is imported when the worker first hosts the role (as the service's own roles are): the
     # preload stays light on every worker, the tracker's too
     def actor_host(self, config: ServiceConfig, rank: int, world_size: int, current: Any | None) -> Any | None:

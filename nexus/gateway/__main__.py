@@ -18,14 +18,14 @@ import socket
 import sys
 from pathlib import Path
 
-from nexus.config import ServiceConfig
+from nexus.config.paths import harden_process, private_write_bytes
+from nexus.config.service import ServiceConfig
+from nexus.deploy.gc_tuning import apply as apply_gc
+from nexus.deploy.gc_tuning import pauses as gc_pauses
+from nexus.deploy.tls import security
 from nexus.gateway.app import create_app
 from nexus.gateway.auth import TokenStore
 from nexus.gateway.backend import Backend
-from nexus.gc_tuning import apply as apply_gc
-from nexus.gc_tuning import pauses as gc_pauses
-from nexus.paths import harden_process, private_write_bytes
-from nexus.tls import security
 
 
 def listen_socket(bind: str, port: int) -> socket.socket:

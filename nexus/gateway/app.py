@@ -3,8 +3,8 @@
 Every call carries ``Authorization: Bearer <token>``. A tenant token reads and writes its own tenant
 only; the operator token may do everything, including the admin calls (all tenants' status,
 monitoring, scale, delete any tenant). Inputs are checked here first — specs and jobs by the same
-validation the scheduler runs (``nexus.validation``, with the tenant's quotas), observations
-and batches by ``nexus.inputs`` — so a bad request is refused before it reaches Dask, and every refusal
+validation the scheduler runs (``nexus.config.validation``, with the tenant's quotas), observations
+and batches by ``nexus.wire.inputs`` — so a bad request is refused before it reaches Dask, and every refusal
 is a :class:`nexus.errors.NexusError` answered with its ``http_status`` and a JSON body
 ``{"error": {"class", "code", "message"}}``; never a 500 for bad input.
 """
@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nexus.config import ServiceConfig
+from nexus.config.service import ServiceConfig
 from nexus.errors import NexusError, NotFound, SpecError, quote
 from nexus.gateway.auth import TokenStore
 from nexus.gateway.backend import Backend

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nexus.config.paths import private_mkdir, private_write_bytes
 from nexus.errors import Forbidden, Unauthorized, quote
-from nexus.paths import private_mkdir, private_write_bytes
 
 TENANT_PREFIX, OPERATOR_PREFIX = "nxt_", "nxo_"
 

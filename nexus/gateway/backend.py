@@ -16,9 +16,9 @@ import logging
 import uuid
 from typing import Any
 
-from nexus.engine_client import EngineClient, call_engine
 from nexus.errors import NexusError, NotFound, NotSupported, Unavailable, quote
-from nexus.messages import EngineEndpoint
+from nexus.wire.engine_client import EngineClient, call_engine
+from nexus.wire.messages import EngineEndpoint
 
 logger = logging.getLogger("nexus.gateway")
 

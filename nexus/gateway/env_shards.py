@@ -1,8 +1,8 @@
 """A sharded environment session's calls in the gateway: one call split by env over the session's shards
-(each a contiguous share of its envs on one simulator worker, :mod:`nexus.control.env_sessions`), and their
+(each a contiguous share of its envs on one simulator worker, :mod:`nexus.control.tenants.env_sessions`), and their
 answers joined back into the one answer the client expects.
 
-The workers answer in JSON with arrays in their wire form (:func:`nexus.inputs.encode_array`), every array's
+The workers answer in JSON with arrays in their wire form (:func:`nexus.wire.inputs.encode_array`), every array's
 first axis the envs; joining concatenates their bytes, so no array is decoded into numpy here.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from nexus.inputs import encode_array
+from nexus.wire.inputs import encode_array
 
 ARRAY_KEYS = frozenset({"dtype", "shape", "b64"})
 

@@ -9,8 +9,8 @@
 * ``POST /v1/jobs/{job}/episodes``: finished episodes of the tenant's own env or robot for its RL job with
   ``rollouts="external"`` (stored in the tenant's trajectory store, then trained on as one update's batch).
 
-Arrays travel in the wire form of :func:`nexus.inputs.encode_array` both ways (booleans as uint8). Observations
-have the one layout of :mod:`nexus.inputs` (``state``, ``images``), so env i's row of a reset or step goes
+Arrays travel in the wire form of :func:`nexus.wire.inputs.encode_array` both ways (booleans as uint8). Observations
+have the one layout of :mod:`nexus.wire.inputs` (``state``, ``images``), so env i's row of a reset or step goes
 to ``predict`` as it is.
 """
 
@@ -27,13 +27,13 @@ from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
-from nexus.episodes import check_episodes, newest_version
 from nexus.errors import NexusError, NotFound, SpecError, Unavailable
 from nexus.gateway.auth import Principal
 from nexus.gateway.contract import OVERLOADED_RESPONSE
 from nexus.gateway.env_shards import join_answers, split_reset, split_step
-from nexus.inputs import check_observation, decode_array, wire
-from nexus.sim_client import call_sim
+from nexus.wire.episodes import check_episodes, newest_version
+from nexus.wire.inputs import check_observation, decode_array, wire
+from nexus.wire.sim_client import call_sim
 
 logger = logging.getLogger("nexus.gateway.envs")
 
@@ -81,8 +81,9 @@ class PredictBatchBody(_Body):
 
 
 class EpisodesBody(_Body):
-    episodes: dict[str, Any] = Field(description="per-step columns (nexus.episodes): state, action, reward, logprob, "
-                                     "value, terminated, truncated, policy_version, optional success and images")
+    episodes: dict[str, Any] = Field(description="per-step columns (nexus.wire.episodes): state, action, reward, "
+                                     "logprob, value, terminated, truncated, policy_version, optional success and "
+                                     "images")
 
 
 class EnvBackend:

@@ -5,7 +5,7 @@
   observation, in order, with the policy version that acted and the queue / forward / total time. Each
   observation takes the HTTP predict's path (:meth:`nexus.gateway.serving.PredictServer.predict`: the same
   budgets, fair queues and gathered calls), so the robots of many tenants share grouped forwards with the HTTP
-  clients, and the same checks (:func:`nexus.inputs.check_observation`).
+  clients, and the same checks (:func:`nexus.wire.inputs.check_observation`).
 * ``UploadEpisodes``: a robot's finished episodes into its tenant's RL job with ``rollouts="external"``, through
   the HTTP upload's own path (:func:`nexus.gateway.envs.store_episodes`: the same checks, trajectory store,
   staleness rule and back-pressure).
@@ -65,7 +65,7 @@ from nexus.errors import (
 )
 from nexus.gateway.auth import Principal
 from nexus.gateway.proto import nexus_robot_pb2 as pb
-from nexus.inputs import MAX_ABS, MAX_ELEMENTS, WIRE_DTYPES, check_observation
+from nexus.wire.inputs import MAX_ABS, MAX_ELEMENTS, WIRE_DTYPES, check_observation
 
 logger = logging.getLogger("nexus.gateway.grpc")
 
@@ -129,7 +129,7 @@ EPISODE_TENSORS = ("state", "action", "reward", "logprob", "value", "terminated"
 
 
 def episode_columns(msg: pb.EpisodeUpload) -> dict[str, Any]:
-    """The upload's per-step columns as :func:`nexus.episodes.check_episodes` takes them (absent ones left out:
+    """The upload's per-step columns as :func:`nexus.wire.episodes.check_episodes` takes them (absent ones left out:
     it names what is missing)."""
     cols: dict[str, Any] = {k: to_array(getattr(msg, k), f"episodes.{k}") for k in EPISODE_TENSORS
                             if msg.HasField(k)}

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-MAX_ELEMENTS = 1 << 26  # one array of a frame (as nexus.inputs.MAX_ELEMENTS)
+MAX_ELEMENTS = 1 << 26  # one array of a frame (as nexus.wire.inputs.MAX_ELEMENTS)
 NUMERIC_KINDS = "biuf"  # bool, signed, unsigned, float: no objects, strings, records, dates or complex numbers
 _ARRAY_KEYS = {b"__ndarray__", b"data", b"dtype", b"shape"}
 _SCALAR_KEYS = {b"__npgeneric__", b"data", b"dtype"}

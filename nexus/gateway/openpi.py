@@ -25,7 +25,7 @@ Here, in the gateway process (:class:`OpenpiServer`, a ``websockets`` server on 
 * a frame refused for a budget or the fair share (HTTP's 429) is tried again after ``qos.retry_after_s`` for up
   to ``openpi.overload_wait_s`` before it is an error: a robot waits its turn, its connection stays.
 * a deadline: ``deadline_ms`` in a frame or ``?deadline_ms=`` per connection; the engine's group starts in time
-  for it (``nexus.services.batching``: "deadline").
+  for it (``nexus.engine.batching``: "deadline").
 * a batch frame ``{"batch": [obs, ...]}`` (at most ``openpi.max_batch``): one reply, ``actions``
   (n, horizon, action_dim), its observations queued together into one grouped forward.
 * a config frame ``{"config": {"version", "deadline_ms", "keys"}}`` changes the connection's settings and is
@@ -64,11 +64,11 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from nexus.config import OpenpiSettings
+from nexus.config.service import OpenpiSettings
 from nexus.errors import LimitExceeded, NexusError, NotFound, Overloaded, SpecError, Unauthorized, Unavailable
 from nexus.features import TenantSchema
 from nexus.gateway.msgpack_arrays import MalformedFrame, pack, unpack
-from nexus.inputs import check_observation
+from nexus.wire.inputs import check_observation
 
 if TYPE_CHECKING:
     from nexus.gateway.state import Gateway

@@ -10,8 +10,8 @@
   which joins the engine's inference queue at once and runs as one grouped forward. A lone request is sent
   at once: gathering never waits.
 * :class:`PredictServer`: the above per request, re-routing a request that an engine refused or lost
-  (``Draining``, a comm failure), timing its hops (:data:`nexus.qos.HOPS`) and counting each tenant's
-  latencies (:class:`nexus.qos.LatencyHistogram`), which :meth:`PredictServer.report_forever` sends to the
+  (``Draining``, a comm failure), timing its hops (:data:`nexus.wire.qos.HOPS`) and counting each tenant's
+  latencies (:class:`nexus.wire.qos.LatencyHistogram`), which :meth:`PredictServer.report_forever` sends to the
   control plane.
 """
 
@@ -26,13 +26,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from nexus.config import QosSettings
-from nexus.engine_client import retryable
+from nexus.config.service import QosSettings
+from nexus.deploy.gc_tuning import pauses as gc_pauses
 from nexus.errors import NexusError, NotSupported, Overloaded, Unavailable
 from nexus.gateway.fair_share import FairShare
-from nexus.gc_tuning import pauses as gc_pauses
-from nexus.messages import EngineEndpoint
-from nexus.qos import HOPS, LatencyHistogram
+from nexus.wire.engine_client import retryable
+from nexus.wire.messages import EngineEndpoint
+from nexus.wire.qos import HOPS, LatencyHistogram
 
 logger = logging.getLogger("nexus.gateway")
 
@@ -235,7 +235,7 @@ class PredictServer:
                       deadline: float | None = None) -> dict[str, Any]:
         """One predict (``n`` samples, reproducible with ``seed``): admitted (or :class:`Overloaded`), queued
         fairly, sent gathered, re-routed if refused. Fills ``spans`` with its hops from ``gateway_queue`` on.
-        ``deadline`` (``time.monotonic``): the engine's group starts in time for it (``nexus.services.batching``)."""
+        ``deadline`` (``time.monotonic``): the engine's group starts in time for it (``nexus.engine.batching``)."""
         self.shed(tenant)
         try:
             self.budgets.acquire(tenant)

@@ -20,7 +20,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nexus.config import ServiceConfig, ServiceLimits
+from nexus.config.paths import dir_bytes
+from nexus.config.service import ServiceConfig, ServiceLimits
+from nexus.config.validation import validate_tenant
 from nexus.errors import LimitExceeded, NexusError, NotFound, Overloaded, SpecError, describe_errors, quote
 from nexus.features import TenantSchema
 from nexus.gateway.auth import Principal, TokenStore
@@ -28,10 +30,8 @@ from nexus.gateway.backend import Backend
 from nexus.gateway.backend import plain as jsonable
 from nexus.gateway.contract import relative_paths
 from nexus.gateway.serving import PredictServer
-from nexus.inputs import check_observation
-from nexus.paths import dir_bytes
 from nexus.spec import TenantSpec
-from nexus.validation import validate_tenant
+from nexus.wire.inputs import check_observation
 
 
 class NexusJSON(JSONResponse):

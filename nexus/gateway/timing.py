@@ -2,7 +2,7 @@
 wrapping, unlike Starlette's ``BaseHTTPMiddleware``) around ``POST /v1/tenants/{tenant}/predict``.
 
 It gives the route a ``spans`` dict (``request.state.spans``) that the route and its dependencies fill with
-their hops (:data:`nexus.qos.HOPS`); when the answer starts it adds the ``reply`` hop and the total, writes
+their hops (:data:`nexus.wire.qos.HOPS`); when the answer starts it adds the ``reply`` hop and the total, writes
 them in a ``Server-Timing`` header (durations in ms, the W3C format), and counts a successful predict's total
 in its tenant's latency histogram (``observe(tenant, total_s, hops)``).
 """
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nexus.qos import HOPS, server_timing
+from nexus.wire.qos import HOPS, server_timing
 
 Observe = Callable[[str, float, dict[str, float]], None]
 

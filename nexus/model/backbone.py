@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nexus.config import BackboneConfig
+from nexus.config.service import BackboneConfig
 from nexus.features import VLAFeature
 from nexus.model.backbone_features import BackboneFeatures
 from nexus.model.lora import AdapterRouter, TenantAdapter, lora_shapes

@@ -10,7 +10,7 @@
 
 The statistics are buffers of the policy, so they travel with its weights: to the inference engines at each
 weight sync, into checkpoints and exports. The actor folds a batch's states in *after* the update that trained
-on it (:func:`nexus.services.actor_tasks.observe_states`): an update scores its batch with the statistics the
+on it (:func:`nexus.actor.tasks.observe_states`): an update scores its batch with the statistics the
 batch was collected under; the new version then collects its batch, and is trained on it, with the updated ones.
 An SFT tenant's statistics settle on its dataset's states, so RL after SFT starts from the scale SFT trained at.
 """

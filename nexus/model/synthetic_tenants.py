@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nexus import catalog
+from nexus.config import catalog
 from nexus.features import CameraSpec, Observation, TenantSchema
 
 LIBERO_INSTRUCTIONS = (

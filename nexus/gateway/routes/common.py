@@ -13,8 +13,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from nexus.gateway.auth import Principal
 from nexus.gateway.state import Gateway
 from nexus.gateway.timing import spans_of
-from nexus.paging import MAX_LIMIT as MAX_PAGE
 from nexus.spec import SESSION_HEADER, check_session
+from nexus.wire.paging import MAX_LIMIT as MAX_PAGE
 
 MAX_WAIT_S = 60.0  # one result / stream poll holds a request at most this long
 PageLimit = Annotated[int | None, Query(ge=1, le=MAX_PAGE, description="tenants (and jobs) per page")]

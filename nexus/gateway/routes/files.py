@@ -10,10 +10,10 @@ from typing import Any, BinaryIO
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from nexus.config.paths import confine
 from nexus.errors import Forbidden, NotFound, SpecError, quote
 from nexus.gateway.routes.common import FILE_CHUNK, GW, Who
 from nexus.gateway.state import FileBytes
-from nexus.paths import confine
 
 router = APIRouter()
 

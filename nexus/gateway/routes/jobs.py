@@ -10,10 +10,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query
 from fastapi.responses import Response
 
+from nexus.config.validation import validate_job
 from nexus.gateway.routes.common import GW, MAX_WAIT_S, PageCursor, PageLimit, Who
 from nexus.gateway.state import NDJSON, jsonable
 from nexus.spec import JobSpec
-from nexus.validation import validate_job
 
 router = APIRouter()
 

@@ -12,8 +12,8 @@ from nexus.errors import SpecError
 from nexus.gateway.contract import OVERLOADED_RESPONSE
 from nexus.gateway.routes.common import GW, OpSession, Who
 from nexus.gateway.state import StrictBody
-from nexus.inputs import check_batch
 from nexus.spec import RL_ACTION_HEADS, AdamParams, check_state_name
+from nexus.wire.inputs import check_batch
 
 
 class ForwardBackwardBody(StrictBody):

@@ -9,13 +9,13 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import Field
 
+from nexus.config.paths import confine
+from nexus.config.validation import validate_tenant
 from nexus.errors import Conflict, Forbidden, NotFound, SpecError, quote
 from nexus.gateway.contract import relative_paths
 from nexus.gateway.routes.common import GW, MaybeWho, Who
 from nexus.gateway.state import StrictBody
-from nexus.paths import confine
 from nexus.spec import TenantSpec
-from nexus.validation import validate_tenant
 
 
 class ExportBody(StrictBody):
@@ -87,7 +87,7 @@ async def logs(tenant: str, who: Who, gw: GW) -> dict[str, Any]:
 
 @router.post("/v1/tenants/{tenant}/export", tags=["tenants"])
 async def export(tenant: str, who: Who, gw: GW, body: ExportBody | None = None) -> Any:
-    """Write a policy version as a self-contained directory (``nexus.policy.load`` runs it without a
+    """Write a policy version as a self-contained directory (``nexus.export.policy.load`` runs it without a
     service): by default the tenant's own ``exports/vNNNNNN/``, whose files ``GET .../files/exports/...``
     downloads. The answer names it (``path``; ``relative_path`` inside the output dir)."""
     who.may_act_on(tenant)

@@ -1,0 +1,2 @@
+"""Tenants: the registry, lifecycle (create, delete), rediscovery at boot, offloading idle slots and
+environment-session placement."""

@@ -1,1 +1,0 @@
-"""Worker side: training (actor), inference engine, rollout producers, tracking."""

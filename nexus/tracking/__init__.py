@@ -1,0 +1,1 @@
+"""MLflow tracking: one experiment per service, one run per job, hosted by one worker."""
