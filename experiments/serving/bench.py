@@ -18,10 +18,13 @@ Phases, alternated in each child (both sides see the same moments of the shared 
   service's processes and of the load generator), then the in-process policy for ``--seconds`` on batches of the
   engine's group size (``predict_actions``; the bound batching sets on this hardware), then one at a time; the ratio
   gateway / in-process batched.
+* ``image``: the CPU of each step of the image path, one observation at a time (client body, gateway parse and
+  check, payload to the engine, the engine's check, preprocessing, the whole ``predict_action``).
 * ``cached``: the cached state-only case, named as such: 16 tenants on ``maniskill/pushcube-state``, one fixed
   35-float observation (the engine's prefix cache answers the backbone), 1 client and 16 x 4 clients.
 
-``--runs`` repeats the phases (median of the runs' ratios; each run printed). ``--baseline DIR`` runs every phase
+``--runs`` repeats the phases (median of the runs' ratios; each run printed). The results file has a section per
+preset (a run of one preset replaces its own section only). ``--baseline DIR`` runs every phase
 on another checkout too, back to back with this one (before/after):
 
     python experiments/serving/bench.py --runs 3                      # small; writes results.json
@@ -189,6 +192,40 @@ def in_process(policy, obs: Observations, batch: int, seconds: float) -> dict:
             "cpu_ms_per_row": round(1e3 * cpu / max(1, rows), 3)}
 
 
+def image_path(policy, obs: Observations, schema, n: int = 300) -> dict:
+    """CPU ms (this thread) of each step an image predict's observation takes on its way, one observation at a
+    time: the client's JSON body, the gateway's parse and check, the pickled payload to the engine and back, the
+    engine's own check, the preprocessing (resize, normalization) and the whole in-process ``predict_action``."""
+    from nexus.engine_client import pack, unpack
+    from nexus.gateway.app import PredictBody
+    from nexus.inputs import check_observation
+    from nexus.services.request_check import check_request
+
+    o = obs.fresh()
+    raw = obs.body(o)
+    body = PredictBody.model_validate_json(raw)
+    checked = check_observation(body.observation, schema)
+    payload = pack({"args": [[[policy.tenant, checked, None, True, "r", None, 1]]], "kwargs": {}})
+    steps = {"client_body_json_b64": lambda: obs.body(obs.fresh()),
+             "gateway_parse_body": lambda: PredictBody.model_validate_json(raw),
+             "gateway_check_observation": lambda: check_observation(body.observation, schema),
+             "to_engine_pack": lambda: pack({"args": [[[policy.tenant, checked, None, True, "r", None, 1]]],
+                                             "kwargs": {}}),
+             "engine_unpack": lambda: unpack(payload),
+             "engine_check_request": lambda: check_request(checked, schema, policy.tenant),
+             "preprocess": lambda: policy.framework.preprocess(policy.tenant, checked),
+             "predict_action": lambda: policy.predict_action(o)}
+    out: dict = {"body_bytes": len(raw)}
+    for name, fn in steps.items():
+        k = n if name != "predict_action" else max(1, n // 10)
+        fn()
+        c = time.thread_time()
+        for _ in range(k):
+            fn()
+        out[name] = round(1e3 * (time.thread_time() - c) / k, 4)
+    return out
+
+
 async def closed_loop(host, port, tokens: dict[str, str], tenants: list[str], clients: int, seconds: float,
                       make_body) -> dict:
     load = Load()
@@ -303,6 +340,8 @@ def serve(args) -> None:
                         res["ratio_formed"] = round(res["gateway"]["predict_per_s"]
                                                     / res["in_process_formed"]["per_s"], 3)
                     res["ratio_one"] = round(res["gateway"]["predict_per_s"] / res["in_process_one"]["per_s"], 3)
+                elif ask["phase"] == "image":
+                    res = image_path(policy, obs, catalog.env(ENV).schema)
                 else:  # cached, state-only
                     state_names = [f"s{i:02d}" for i in range(16)]
                     if state_names[0] not in tokens:
@@ -360,6 +399,8 @@ def show(label: str, phase: str, res: dict) -> None:
               f"{res.get('ratio_formed')}; cache hits {g['engine']['prefix_cache']['hits']}); CPU ms/predict "
               f"{g['cpu_ms_per_predict']} vs in-process batched {res['in_process_batched']['cpu_ms_per_row']}",
               flush=True)
+    elif phase == "image":
+        print(f"  {label:>8} image path, CPU ms per observation: {json.dumps(res)}", flush=True)
     else:
         print(f"  {label:>8} cached: " + ", ".join(f"{k}: {v['predict_per_s']}/s p50 {v['p50_ms']}" for k, v in
                                                    res.items() if k.startswith("clients")), flush=True)
@@ -389,7 +430,8 @@ def medians(runs: list[dict]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small", choices=["small", "medium"], help="backbone size")
-    p.add_argument("--phases", nargs="+", default=["single", "group", "cached"], choices=["single", "group", "cached"])
+    p.add_argument("--phases", nargs="+", default=["single", "group", "cached", "image"],
+                   choices=["single", "group", "cached", "image"])
     p.add_argument("--runs", type=int, default=3, help="repeats of the phases (cached: once)")
     p.add_argument("--single", type=int, default=200, help="single: predicts of each side")
     p.add_argument("--block", type=int, default=10, help="single: predicts per side before switching")
@@ -434,10 +476,10 @@ def main() -> None:
                     runs[c.label]["runs"][i][phase] = res
                     show(f"{c.label}#{i}", phase, res)
             load_avg.append(os.getloadavg())
-        if "cached" in args.phases:
+        for phase in [ph for ph in ("cached", "image") if ph in args.phases]:
             for c in children:
-                runs[c.label]["cached"] = res = c.ask({"phase": "cached"})
-                show(c.label, "cached", res)
+                runs[c.label][phase] = res = c.ask({"phase": phase})
+                show(c.label, phase, res)
     finally:
         for c in children:
             c.close()
@@ -450,8 +492,12 @@ def main() -> None:
     for label, r in runs.items():
         print(f"\n### {label} ({args.preset}) medians of {args.runs} runs: {json.dumps(r['median'])}")
         print(f"probe: {json.dumps(r['probe'])}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1))
+    if args.out:  # one file, a section per preset: a run of one preset keeps the other's
+        path = Path(args.out)
+        whole = json.loads(path.read_text()) if path.exists() else {}
+        whole = whole if isinstance(whole, dict) and "results" not in whole else {}
+        whole[args.preset] = out
+        path.write_text(json.dumps(whole, indent=1))
 
 
 if __name__ == "__main__":
