@@ -24,8 +24,8 @@ Phases, alternated in each child (both sides see the same moments of the shared 
   35-float observation (the engine's prefix cache answers the backbone), 1 client and 16 x 4 clients.
 
 ``--runs`` repeats the phases (median of the runs' ratios; each run printed). The results file has a section per
-preset (a run of one preset replaces its own section only). ``--baseline DIR`` runs every phase
-on another checkout too, back to back with this one (before/after):
+preset (a run of one preset replaces its own section only; ``--section`` names another). ``--baseline DIR`` runs
+every phase on another checkout too, back to back with this one (before/after):
 
     python experiments/serving/bench.py --runs 3                      # small; writes results.json
     python experiments/serving/bench.py --runs 3 --preset medium --out /tmp/medium.json
@@ -227,7 +227,7 @@ def image_path(policy, obs: Observations, schema, n: int = 300) -> dict:
 
 
 async def closed_loop(host, port, tokens: dict[str, str], tenants: list[str], clients: int, seconds: float,
-                      make_body) -> dict:
+                      make_body, timeout: float = 600.0) -> dict:
     load = Load()
     stop = time.monotonic() + seconds
 
@@ -238,7 +238,7 @@ async def closed_loop(host, port, tokens: dict[str, str], tenants: list[str], cl
         while time.monotonic() < stop:
             t0 = time.perf_counter()
             try:
-                status, h, _ = await conn.request("POST", path, make_body(), hdr)
+                status, h, _ = await conn.request("POST", path, make_body(), hdr, timeout)
             except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError, IndexError):
                 load.errors += 1
                 continue
@@ -446,6 +446,7 @@ def main() -> None:
     p.add_argument("--baseline-set", nargs="*", default=[], metavar="KEY=VALUE", help="the baseline's settings")
     p.add_argument("--code", default=None, help="(internal) serve this checkout's service to the parent")
     p.add_argument("--out", default=str(HERE / "results.json"))
+    p.add_argument("--section", default=None, help="the results file's section to write (default: the preset)")
     args = p.parse_args()
     import torch
 
@@ -496,7 +497,7 @@ def main() -> None:
         path = Path(args.out)
         whole = json.loads(path.read_text()) if path.exists() else {}
         whole = whole if isinstance(whole, dict) and "results" not in whole else {}
-        whole[args.preset] = out
+        whole[args.section or args.preset] = out
         path.write_text(json.dumps(whole, indent=1))
 
 
