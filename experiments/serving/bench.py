@@ -73,8 +73,8 @@ def record(path: Path, steps: int) -> None:
     """``steps`` observations of the real env (random actions, 50-step episodes), saved once."""
     import numpy as np
 
-    from nexus import catalog
-    from nexus.simulators.vector import make_single
+    from nexus.config import catalog
+    from nexus.sim.vector import make_single
 
     env = make_single(catalog.env(ENV))
     rng = np.random.default_rng(0)
@@ -196,10 +196,10 @@ def image_path(policy, obs: Observations, schema, n: int = 300) -> dict:
     """CPU ms (this thread) of each step an image predict's observation takes on its way, one observation at a
     time: the client's JSON body, the gateway's parse and check, the pickled payload to the engine and back, the
     engine's own check, the preprocessing (resize, normalization) and the whole in-process ``predict_action``."""
-    from nexus.engine_client import pack, unpack
-    from nexus.gateway.app import PredictBody
-    from nexus.inputs import check_observation
-    from nexus.services.request_check import check_request
+    from nexus.engine.request_check import check_request
+    from nexus.gateway.state import PredictBody
+    from nexus.wire.engine_client import pack, unpack
+    from nexus.wire.inputs import check_observation
 
     o = obs.fresh()
     raw = obs.body(o)
@@ -274,10 +274,10 @@ def serve(args) -> None:
     import numpy as np
     import torch
 
-    from nexus import catalog
-    from nexus import policy as exported
     from nexus.client.api import Nexus
-    from nexus.config import ServiceConfig
+    from nexus.config import catalog
+    from nexus.config.service import ServiceConfig
+    from nexus.export import policy as exported
 
     torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory(prefix="nexus-serving-")
