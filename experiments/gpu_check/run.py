@@ -348,7 +348,10 @@ def check_sim_beside_engine(plan: Plan) -> dict[str, Any]:
         rng = np.random.default_rng(0)
 
         def sim_step() -> None:
-            sim.step(rng.uniform(-1, 1, (sim.num_envs, entry.schema.action_dim)).astype(np.float32))
+            res = sim.step(rng.uniform(-1, 1, (sim.num_envs, entry.schema.action_dim)).astype(np.float32))
+            done = {i: None for i, r in enumerate(res) if r.terminated or r.truncated}
+            if done:  # as a rollout does: a finished sub-scene starts its next episode
+                sim.reset_some(done)
 
         bench = gb.FamilyBench("oft", plan.device, plan.tenants, plan.head_width, size=plan.size)
         reqs, _ = bench.requests(plan.tenants, plan.batch, seed=0)
@@ -493,6 +496,13 @@ def run(plan: Plan | None, budget_s: float, only: list[str], skip_reason: str | 
     return {"checks": results, "total_wall_s": time.monotonic() - start}
 
 
+def _holds_cuda_run(path: Path | None) -> bool:
+    try:
+        return path is not None and json.loads(path.read_text()).get("mode") == "cuda"
+    except (OSError, ValueError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run-cpu", action="store_true",
@@ -524,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = Plan(**{**asdict(plan), **({"size": args.size} if args.size else {}),
                        **({"predict_size": args.predict_size} if args.predict_size else {})})
     out = args.out or (None if args.dry_run_cpu else HERE / "results.json")
+    if args.out is None and plan is None and _holds_cuda_run(out):
+        print(f"{out} holds a CUDA run: kept (pass --out to write this host's skips elsewhere)")
+        out = None
     report: dict[str, Any] = {"mode": mode, "host": info, "plan": asdict(plan) if plan else None,
                               "budget_s": args.budget_s, "units": UNITS,
                               "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
