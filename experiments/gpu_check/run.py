@@ -165,6 +165,16 @@ def check_lora_mixed(plan: Plan, rank: int = 8) -> dict[str, Any]:
 
 # -- 3. ZeRO: 2 ranks against 1 -----------------------------------------------------------------------------
 
+def _zero_settings(backend: str, device: str) -> dict[str, Any]:
+    """ZeRO-2 as the tenant slots run it; over gloo with CUDA tensors (one GPU, two ranks) gloo has only
+    broadcast and all_reduce, so gradients are all-reduced and updated partitions broadcast (DeepSpeed's
+    ``reduce_scatter`` / ``allgather_partitions`` off). The CPU dry run uses the one-GPU settings, so they
+    are exercised here."""
+    if backend == "gloo":
+        return {"stage": 2, "reduce_scatter": False, "allgather_partitions": False}
+    return {"stage": 2}
+
+
 def _zero_rank(rank: int, world: int, backend: str, device: str, store_path: str, width: int, steps: int,
                out_path: str) -> None:
     """One rank: a DeepSpeed ZeRO-2 engine (the tenant slots' config) over an MLP, ``steps`` updates on this
@@ -194,7 +204,8 @@ def _zero_rank(rank: int, world: int, backend: str, device: str, store_path: str
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width),
                                 torch.nn.GELU(), torch.nn.Linear(width, 8))
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0, "steps_per_print": 2**31 - 1,
+              "zero_optimization": _zero_settings(backend, device), "gradient_clipping": 1.0,
+              "steps_per_print": 2**31 - 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=list(model.parameters()),
                                            dist_init_required=False)
@@ -262,7 +273,8 @@ def check_zero_ranks(plan: Plan, timeout_s: float = 150.0) -> dict[str, Any]:
     m1, m2 = statistics.median(one["times"]), statistics.median(two["times"])
     print(f"  ZeRO-2 {backend}: 1 rank {1e3 * m1:.1f} ms/step, 2 ranks {1e3 * m2:.1f} ms/step, rel. err {rel:.1e}",
           flush=True)
-    return {"backend": backend, "layout": layout, "zero_stage": 2, "model": f"MLP {plan.zero_width} wide, 3 layers",
+    return {"backend": backend, "layout": layout, "zero_optimization": _zero_settings(backend, plan.device),
+            "model": f"MLP {plan.zero_width} wide, 3 layers",
             "params": one["params"], "global_batch_rows": 16, "steps": plan.zero_steps,
             "step_1rank_ms": 1e3 * m1, "step_2ranks_ms": 1e3 * m2, "speedup": m1 / m2,
             "relative_weight_error": rel}
@@ -445,7 +457,12 @@ def host_info() -> dict[str, Any]:
         props = torch.cuda.get_device_properties(0)
         info.update(device_name=torch.cuda.get_device_name(0), device_count=torch.cuda.device_count(),
                     device_memory_gib=props.total_memory / 2**30, capability=f"{props.major}.{props.minor}",
-                    nccl=".".join(map(str, torch.cuda.nccl.version())), bf16=torch.cuda.is_bf16_supported())
+                    bf16=torch.cuda.is_bf16_supported())
+        try:
+            v = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception as e:  # noqa: BLE001  (the host line must still be written)
+            info["nccl"] = f"unknown: {e}"
     else:
         info["device_name"] = "cpu"
     try:
