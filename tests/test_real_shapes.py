@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from nexus.model.backbone import BackboneConfig
+from nexus.model.backbone import BackboneConfig, check
 from nexus.model.lora import lora_shapes
 from nexus.model.shapes import count_backbone, meta_model, prefix_tokens
 from nexus.spec import LoraConfig
@@ -80,7 +80,8 @@ def test_presets_are_backbone_sizes_with_their_image_rules():
     assert BackboneConfig(family="qwen3vl", size="2b").model_key() == "qwen3vl:2b:float32"
     assert BackboneConfig(family="qwen3vl", size="4b", image_size=224, dtype="bfloat16").image_size == 224
     assert BackboneConfig(family="paligemma", size="3b", image_size=224).compat_key().endswith("@224px")
-    with pytest.raises(ValueError, match="multiple of 14"):  # SigLIP So400m/14
-        BackboneConfig(family="paligemma", size="3b", image_size=64)
+    with pytest.raises(ValueError, match="multiple of 14"):  # SigLIP So400m/14: the family's check
+        check(BackboneConfig(family="paligemma", size="3b", image_size=64))
+    assert check(BackboneConfig(family="paligemma", size="3b", image_size=224)).size == "3b"
     with pytest.raises(ValueError, match="unknown qwen3vl preset"):
         meta_model("qwen3vl", "70b")
