@@ -4,8 +4,10 @@ its rows and tenants' families (in the engine's model thread, as a real forward 
 zero actions. Heads are version counters: weight-sync messages move them like real heads.
 
 With ``EmulationSettings.lend_inference`` the engine's device steps simulators between forwards: each forward is
-told to the simulator workers as it starts (:class:`~nexus.emulator.lender.DeviceLender`), and runs there
-first; the steps lent there are pushed back by it (:meth:`~nexus.emulator.lent.LentDevices.preempt`)."""
+told to the simulator workers as it starts (:class:`~nexus.emulator.lender.DeviceLender`). The two share the
+device time-sliced (:meth:`~nexus.emulator.lent.LentDevices.preempt`): a forward that meets lent work there (the
+simulator workers tell the engine's worker where it runs until, ``occupied``) progresses ``lend_contention`` times
+slower while they overlap, and the steps are pushed back as much."""
 
 from __future__ import annotations
 
@@ -57,8 +59,12 @@ class EmulatedHeads(HeadVersions[None]):
 class EmulatedEngine(InferenceEngine):
     """``device``: the slot its groups are charged to (``<worker>#<engine slot>`` when a worker holds several)."""
 
-    def __init__(self, config: ServiceConfig, emu: EmulationSettings, device: str | None = None) -> None:
+    def __init__(self, config: ServiceConfig, emu: EmulationSettings, device: str | None = None,
+                 occupied: dict[str, float] | None = None) -> None:
+        """``occupied``: its worker's record of the lent work on each device (the end, wall clock)."""
         super().__init__(config)
+        self.contention = emu.lend_contention
+        self.occupied = occupied if occupied is not None else {}
         self.times = emu.times()
         self.heads = EmulatedHeads()  # type: ignore[assignment]
         self.meter = EngineMeter(pending=lambda: len(self.queue), device=device)
@@ -106,27 +112,39 @@ class EmulatedEngine(InferenceEngine):
         the real queue fires them): no hop to a model thread, whose wake-up on a loaded host would add
         milliseconds a device would not spend."""
         families = Counter(self._family(r.tenant) for r in group)
-        self._busy = self.times.forward_s(dict(families), len({r.tenant for r in group}))
+        alone = self.times.forward_s(dict(families), len({r.tenant for r in group}))
+        self._busy = self.shared_s(alone, self._start + time.time() - time.monotonic())
         end = self._start + self._busy
         if self.lender is not None:
-            self._tell(self._start, end)
+            self._tell(self._start, alone)
         self.timeline.end([0], end)
         left = end - time.monotonic()
         if left > 0:
             await asyncio.sleep(left)
         return self._outputs(group)
 
-    def _tell(self, start: float, end: float) -> None:
-        """The simulator workers hear of the forward (``lend_inference``): it runs on the device first from its start
-        (wall clock). The message is not waited for: the forward does not wait for lent steps."""
+    def shared_s(self, alone: float, start: float) -> float:
+        """A forward of ``alone`` seconds from ``start`` (wall clock) on a device lent work occupies until its worker's
+        record says: time-sliced with it, each ``contention`` times slower while they overlap."""
+        lent_until = self.occupied.get(self._lent_name(), 0.0)
+        together = min(alone, max(0.0, lent_until - start))
+        return alone + (self.contention - 1.0) * together
+
+    def _tell(self, start: float, alone: float) -> None:
+        """The simulator workers hear of the forward (``lend_inference``): ``alone`` seconds of it from its start
+        (monotonic), time-sliced there with the lent steps. The message is not waited for."""
+        end = start + self._busy
         last_end = self.timeline.free_at[0]  # the forward before's (0: none yet)
         interval = end - last_end if last_end else float("inf")
         self.share += SHARE_WEIGHT * (self._busy / max(interval, self._busy) - self.share)
         at = start + time.time() - time.monotonic()
-        task = asyncio.ensure_future(self.lender.preempt(self._worker, self.device or str(self._worker.name), at,
-                                                         self._busy, self.share))
+        task = asyncio.ensure_future(self.lender.preempt(self._worker, self._lent_name(), at, alone, self.share))
         self._told.add(task)
         task.add_done_callback(self._told.discard)
+
+    def _lent_name(self) -> str:
+        """The name its lent device goes by on the simulator workers: its slot, else its worker's."""
+        return self.device or (str(self._worker.name) if self._worker is not None else "")
 
     @staticmethod
     def _lending_worker() -> Any:

@@ -73,7 +73,8 @@ class Lanes:
         return wait
 
     def place(self, lane: int, seconds: float, ahead: float = 0.0, lent: LentDevices | None = None,
-              unit: float | None = None) -> tuple[float, DevicePiece, bool]:
+              unit: float | None = None, move_s: float = 0.0,
+              state_on: str | None = None) -> tuple[float, DevicePiece, bool]:
         """Queue ``seconds`` of work (steps of ``unit``) on ``lane``'s device, arriving ``ahead`` seconds before now (a
         producer's host time still owed, ``DeviceClock.debt``: on the devices' clock it came that much earlier). The
         device runs one piece at a time, in the order they arrived on the devices' clock: this piece goes ahead of
@@ -83,7 +84,9 @@ class Lanes:
         may cut it at a step boundary, and the caller asks again for the rest, or push it back).
         -> (its wait from its arrival: 0 on an idle device; the piece, to sleep on with :meth:`DevicePiece.wait_cut`;
         whether it is on a lent device). The caller sleeps the wait plus ``seconds`` and the pushes, less what it
-        owes, so its host time meets the device's again when the piece ends."""
+        owes, so its host time meets the device's again when the piece ends. ``state_on``: the lent device holding
+        the producer's simulator state (None: its own); a piece run elsewhere first moves it, ``move_s`` (its
+        ``lead``: the piece's ``seconds`` are the move and the steps)."""
         with self._cv:
             arrival = self.now() - max(0.0, ahead)
             queue = self._queue[lane]
@@ -95,11 +98,13 @@ class Lanes:
             while at > 0 and queue[at - 1][0] > arrival and not queue[at - 1][1].settled:
                 at -= 1
             start = max(arrival, queue[at - 1][1].end if at else self._done_at[lane])
-            if lent is not None and start > arrival:
-                borrowed = lent.take(arrival, seconds, before=start, unit=unit)
+            back = move_s if state_on is not None else 0.0  # its state is on a lent device: moved back first
+            if lent is not None and (start > arrival or back > 0):
+                borrowed = lent.take(arrival, seconds, before=start + back, unit=unit, move_s=move_s,
+                                     state_on=state_on)
                 if borrowed is not None:
                     return borrowed.start - arrival, borrowed, True
-            piece = DevicePiece(str(lane), start, seconds, unit)
+            piece = DevicePiece(str(lane), start, back + seconds, unit, lead=back)
             busy_until = piece.end
             for _, later in queue[at:]:
                 later.push(busy_until - later.begins)  # to start when the one before it ends

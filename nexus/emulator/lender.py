@@ -35,10 +35,11 @@ class DeviceLender:
         """From an event loop (an engine's): ``device`` runs ``seconds`` of its own work from ``at`` (wall clock)
         first, and is lent otherwise; ``share``: the part of its time that work takes lately. One way: sent, not
         answered (one notice per forward, as many as the action requests: a reply each cost both workers' event
-        loops a message for nothing)."""
+        loops a message for nothing). The simulator workers tell ``worker`` (its address: ``owner``) of the lent
+        work they place on the device (``nexus_occupied``)."""
         try:
-            await self._all(worker, "nexus_preempt", {"device": device, "at": at, "seconds": seconds, "share": share},
-                            reply=False)
+            await self._all(worker, "nexus_preempt", {"device": device, "at": at, "seconds": seconds, "share": share,
+                                                      "owner": worker.address}, reply=False)
         except (TimeoutError, OSError) as e:
             logger.warning("nexus_preempt: the scheduler did not answer: %s", e)
             self._sims = None

@@ -13,11 +13,14 @@ import time
 
 
 class DevicePiece:
-    """``seconds`` of device work queued on ``device`` from ``start``, in steps of ``unit`` seconds."""
+    """``seconds`` of device work queued on ``device`` from ``start``: ``lead`` seconds of moving its producer's
+    simulator state there first (no step; kept whole once begun), then steps of ``unit`` seconds."""
 
-    def __init__(self, device: str, start: float, seconds: float, unit: float | None = None) -> None:
+    def __init__(self, device: str, start: float, seconds: float, unit: float | None = None,
+                 lead: float = 0.0) -> None:
         self.device, self.start, self.seconds = device, start, seconds
-        self.unit = unit if unit and unit > 0 else seconds
+        self.lead = min(max(0.0, lead), seconds)
+        self.unit = unit if unit and unit > 0 else max(seconds - self.lead, 1e-12)
         self.ran = seconds  # the device seconds it runs: all of them unless it is cut
         self.pushed = 0.0  # seconds other work run first pushed it back (a lent device's owner's, an earlier piece)
         self.missed = 0.0  # ... and what would have pushed it, heard of after its producer went on (too late)
@@ -42,8 +45,11 @@ class DevicePiece:
         clock, which its message reaches a host's dispatch later). -> its end."""
         with self._changed:
             if at < self.end:
-                steps = max(0, math.ceil((at - self.begins) / self.unit - 1e-9))
-                kept = min(self.ran, steps * self.unit)
+                if at <= self.begins:
+                    kept = 0.0
+                else:  # the state's move, once begun, ends; then the steps begun by ``at``
+                    steps = max(0, math.ceil((at - self.begins - self.lead) / self.unit - 1e-9))
+                    kept = min(self.ran, self.lead + steps * self.unit)
                 if self._settled:
                     self.revoked += self.ran - kept
                 else:

@@ -34,6 +34,20 @@ when the actor starves): the actor rank lends them to the simulator workers when
 when the next arrives (:mod:`nexus.emulator.lent`). ``lend_inference`` lets the engines' devices step
 simulators between forwards: each forward runs there first (a high-priority stream), pushing the lent steps back.
 
+**Physical device models** (each charges what the hardware it stands for charges; docs/operator/emulation.md):
+
+* *Where physics runs.* An env's steps run on a GPU simulator device (ManiSkill's GPU-parallel PhysX) or on host
+  cores (``EnvCost.physics = "cpu"``: robosuite and LIBERO are CPU MuJoCo, always). A CPU-physics producer's steps
+  take ``min(K, cores)`` of the simulator worker's host cores (``cores_per_sim_device`` per simulator device) for
+  their calibrated time, never a GPU lane, and are never placed on a lent GPU: lending a GPU to them gains nothing.
+* *Sharing a lent GPU.* Two processes on one GPU without MPS are time-sliced (NVIDIA's MPS guide: without MPS
+  "their scheduling resources must be swapped on and off the GPU"; kernels of different processes do not run at
+  once): while an engine's forward and a simulator's steps share a lent device, both progress ``lend_contention``
+  times slower (default 2: an even time-slice). A forward does not go ahead of the steps for free.
+* *Moving simulator state.* A piece of a producer's work run on a device other than the one holding its envs' state
+  first moves that state: ``state_bytes`` per env over ``link_gb_s`` (PCIe Gen5 x16 by default), or, when the
+  calibration gives no state size, a reset (the envs are rebuilt there). Coming back costs the same.
+
 ``time_scale`` k divides every service time, so long workloads run in minutes; the benchmark checks that
 its figures do not move with k. Plain data, no torch, no I/O at import.
 """
@@ -49,6 +63,21 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from nexus.errors import SpecError, describe_errors
+
+# simulators whose physics is CPU MuJoCo (robosuite and LIBERO, which is built on robosuite): their steps run on
+# host cores, whatever GPU the producer holds (MuJoCo's physics has no GPU path in these packages; MJX is a
+# different simulator)
+CPU_PHYSICS = ("robosuite", "libero")
+# host cores per GPU on the paper's kind of server: a DGX H100 has 2 x 56-core Xeon Platinum 8480C for 8 GPUs
+# (NVIDIA DGX H100 datasheet) -> 14 per GPU
+CORES_PER_GPU = 14
+# without MPS, processes sharing a GPU are time-sliced (NVIDIA Multi-Process Service guide, "When to use MPS":
+# without it "their scheduling resources must be swapped on and off the GPU"; kernels of two processes never run at
+# once): two busy processes each progress at about half speed, plus the context switches (not counted)
+TIME_SLICED_CONTENTION = 2.0
+# PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b -> ~63 GB/s each way (PCI-SIG PCIe 5.0 spec; NVIDIA H100 PCIe
+# datasheet "PCIe Gen5: 128 GB/s", both ways); an HGX H100's NVLink 4 gives 450 GB/s each way (900 GB/s total)
+PCIE5_X16_GB_S = 63.0
 
 FILE = "emulator.json"  # the settings in an emulated service's root
 ENV = "NEXUS_EMULATOR"  # ... and the variable that tells its workers' preload where they are
@@ -99,6 +128,11 @@ class EnvCost(BaseModel):
     chunk: int = Field(1, ge=1, description="env steps per action request (a chunked policy)")
     episode_steps: int | None = Field(None, ge=1, description="steps per episode (default: the catalog's cap)")
     success: float = Field(0.5, ge=0, le=1, description="chance an emulated episode succeeds")
+    physics: Literal["gpu", "cpu"] | None = Field(None, description="where its steps run: a GPU simulator device or "
+                                                  "host cores (default: cpu for robosuite and LIBERO, CPU MuJoCo; "
+                                                  "gpu for the others)")
+    state_bytes: int | None = Field(None, ge=0, description="bytes of one env's state a move to another device "
+                                    "copies (not given: a move rebuilds the envs there, a reset)")
 
 
 class Calibration(BaseModel):
@@ -122,6 +156,10 @@ class Calibration(BaseModel):
             raise ValueError(f"update costs for {sorted(missing)} are missing")
         if "default" not in self.forward:
             raise ValueError("forward needs a 'default' family")
+        for name, c in self.env.items():
+            if c.physics == "gpu" and simulator_of(name) in CPU_PHYSICS:
+                raise ValueError(f"env {name!r}: physics 'gpu', but {simulator_of(name)} is CPU MuJoCo: its steps "
+                                 "run on host cores")
         return self
 
 
@@ -146,11 +184,19 @@ class EmulationSettings(BaseModel):
                              "updates: a producer whose own device is busy runs its next reset or action chunk on an "
                              "idle actor device; the next update takes its devices back, cutting a chunk there at "
                              "its next step, and starts when that step ends")
-    lend_inference: bool = Field(False, description="each engine lends its device to the simulator workers for good "
-                                 "and runs its forwards there first (a forward never waits; the simulator steps there "
-                                 "are pushed back by it): a producer whose own device is busy runs its next reset or "
-                                 "action chunk there when it is expected to end sooner, at the share of the device "
-                                 "the engine leaves")
+    lend_inference: bool = Field(False, description="each engine lends its device to the simulator workers for good: "
+                                 "a producer whose own device is busy runs its next reset or action chunk there when "
+                                 "it is expected to end sooner, at the share of the device the engine leaves; a "
+                                 "forward and the steps running with it share the device (lend_contention)")
+    lend_contention: float = Field(TIME_SLICED_CONTENTION, ge=1.0, le=10.0, description="how many times slower a "
+                                   "forward and a simulator's steps progress while they share a lent GPU (2: the "
+                                   "even time-slice of two processes without MPS; 1 would be free overlap, which no "
+                                   "measurement here supports)")
+    cores_per_sim_device: int = Field(CORES_PER_GPU, ge=1, le=1024, description="host cores per simulator device "
+                                      "that CPU-physics producers (robosuite, LIBERO) step on (DGX H100: 112 cores "
+                                      "for 8 GPUs)")
+    link_gb_s: float = Field(PCIE5_X16_GB_S, gt=0, description="GB/s one way between two devices, for moving a "
+                             "producer's simulator state (PCIe Gen5 x16; 450 on an HGX H100's NVLink)")
     seed: int = Field(0, ge=0, description="emulated episode outcomes")
     table: Calibration | None = Field(None, description="the loaded calibration (filled in; workers never "
                                       "re-read the file)")
@@ -176,9 +222,13 @@ class EmulationSettings(BaseModel):
         """The simulator devices behind a worker's ``SIM`` places."""
         return max(1, places // self.producers_per_sim)
 
+    def host_cores(self, places: int) -> int:
+        """The host cores behind a simulator worker's ``SIM`` places, for its CPU-physics producers."""
+        return self.sim_devices(places) * self.cores_per_sim_device
+
     def times(self) -> ServiceTimes:
         assert self.table is not None
-        return ServiceTimes(self.table, self.time_scale)
+        return ServiceTimes(self.table, self.time_scale, self.link_gb_s)
 
     def save(self, path: Path) -> None:
         """Written whole, the loaded calibration with it (workers never re-read the calibration file)."""
@@ -200,8 +250,8 @@ class EmulationSettings(BaseModel):
 class ServiceTimes:
     """Calibrated durations, already divided by the time scale k."""
 
-    def __init__(self, cal: Calibration, time_scale: float = 1.0) -> None:
-        self.cal, self.k = cal, float(time_scale)
+    def __init__(self, cal: Calibration, time_scale: float = 1.0, link_gb_s: float = PCIE5_X16_GB_S) -> None:
+        self.cal, self.k, self.link_gb_s = cal, float(time_scale), link_gb_s
 
     def forward_s(self, rows_by_family: dict[str, int], tenants: int) -> float:
         """One grouped forward: the largest fixed cost of its families, every row at its family's rate."""
@@ -243,6 +293,29 @@ class ServiceTimes:
 
     def sync_s(self) -> float:
         return self.cal.sync_s / self.k
+
+    def physics(self, name: str, simulator: str | None = None) -> str:
+        """Where env ``name``'s steps run: ``"cpu"`` (host cores) or ``"gpu"`` (a simulator device). ``simulator``:
+        the catalog's (else read from the env's name)."""
+        sim = simulator or simulator_of(name)
+        if sim in CPU_PHYSICS:
+            return "cpu"
+        return self.env(name).physics or "gpu"
+
+    def move_s(self, name: str, envs: int) -> float:
+        """Moving a producer's ``envs`` envs' state to another device: their bytes over the link, or a reset when
+        the calibration does not give their size (the envs rebuilt there)."""
+        c = self.env(name)
+        if c.state_bytes is None:
+            return c.reset_s / self.k
+        return c.state_bytes * envs / (self.link_gb_s * 1e9) / self.k
+
+
+def simulator_of(env: str) -> str:
+    """The simulator an env name's suite names (``"robosuite/lift-state"`` -> ``"robosuite"``; LIBERO's suites are
+    ``libero_*``)."""
+    suite = env.split("/", 1)[0].lower()
+    return "libero" if suite.startswith("libero") else suite
 
 
 def catalog_dir() -> Path:

@@ -9,6 +9,11 @@ tenant's routed engine with observations of the tenant's schema, through the eng
 seed. The host's own time — messaging (round trip minus the engine's wait and compute) and the producer's loop
 between its steps and requests — is taken off the next step's sleep, so what the emulated producer spends is the
 calibrated step time plus the engine's real queueing and forward time, whatever the machine's load.
+
+A CPU-physics env (robosuite, LIBERO: ``ServiceTimes.physics``) steps on the worker's host cores
+(:class:`~nexus.emulator.cores.HostCores`), not on its GPU lane, and never on a lent device. A piece of a GPU
+producer's work run on a device other than the one holding its envs' state first moves the state there
+(``ServiceTimes.move_s``: its bytes over the link, or a reset), and back.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from distributed import get_worker
 from nexus.config import catalog
 from nexus.control.dispatch.sim_share import ready_from
 from nexus.emulator.clock import DeviceClock
+from nexus.emulator.cores import HostCores
 from nexus.emulator.lanes import Lanes, lane_label
 from nexus.emulator.lent import LentDevices
 from nexus.emulator.settings import EmulationSettings, ServiceTimes
@@ -34,10 +40,11 @@ from nexus.wire.messages import BatchRef, RolloutRequest, RolloutResult
 from nexus.wire.signals import emit
 
 
-def sim_lanes(emu: EmulationSettings) -> Lanes:
-    """The worker's simulator lanes: the devices behind its ``SIM`` places, each for the producers per device."""
+def sim_lanes(emu: EmulationSettings) -> tuple[Lanes, HostCores]:
+    """The worker's simulator lanes — the devices behind its ``SIM`` places, each for the producers per device — and
+    the host cores its CPU-physics producers step on."""
     places = int(get_worker().state.total_resources.get("SIM", 1))
-    return Lanes(emu.sim_devices(places), emu.producers_per_sim)
+    return Lanes(emu.sim_devices(places), emu.producers_per_sim), HostCores(emu.host_cores(places))
 
 
 def producer_load(req: RolloutRequest, emu: EmulationSettings, times: ServiceTimes, envs: int) -> float:
@@ -57,14 +64,19 @@ def observation(schema: TenantSchema) -> Observation:
 
 
 def run_rollout(sim: SimHost, req: RolloutRequest, emu: EmulationSettings, lanes: Lanes,
-                lent: LentDevices | None) -> RolloutResult:
-    """``lanes``: the worker's simulator devices; ``lent``: the devices other services lend it (None: no lending)."""
+                lent: LentDevices | None, cores: HostCores | None = None) -> RolloutResult:
+    """``lanes``: the worker's simulator devices; ``lent``: the devices other services lend it (None: no lending);
+    ``cores``: its host cores, where a CPU-physics env steps (None: one per env)."""
     t_start = time.time()
     times = emu.times()
     entry = catalog.env(req.env)
     cost = times.env(req.env)
     length = cost.episode_steps or entry.max_episode_steps
     k = producer_envs(entry, req.datapath.envs_per_producer, req.episodes)
+    on_host = times.physics(req.env, entry.simulator) == "cpu"  # CPU MuJoCo: host cores, never a (lent) GPU
+    if on_host:
+        cores, lent = cores or HostCores(k), None
+    move_s = times.move_s(req.env, k)
     rl = req.version is None
     kind = "rollout" if rl else "eval"
     name = req.tenant.name
@@ -86,12 +98,21 @@ def run_rollout(sim: SimHost, req: RolloutRequest, emu: EmulationSettings, lanes
         requests = rows = 0
         versions: set[int] = set()
 
+        state_on: str | None = None  # the lent device holding its envs' state (None: its own)
+
         def run_on_device(seconds: float, unit: float | None = None) -> None:
             """``seconds`` of device work (steps of ``unit``) on the producer's device, or (``lend_actor``,
-            ``lend_inference``) on a lent one while that ends sooner: its owner may run its own work there first
-            (pushing the piece back), or take it back between two steps, and the rest runs here again. Steps revoked
-            on a lent device since (its owner took it back before they began, on its devices' clock) run again first."""
-            nonlocal lent_s
+            ``lend_inference``) on a lent one while that ends sooner, the state's move there included: its owner
+            may run its own work there (slowing the piece), or take it back between two steps, and the rest runs
+            here again, the state moved back. Steps revoked on a lent device since (its owner took it back before
+            they began, on its devices' clock) run again first. A CPU-physics env's work takes host cores."""
+            nonlocal lent_s, state_on
+            if on_host:
+                if seconds <= 0:
+                    return
+                clock.settle()
+                clock.spend(seconds, queued=cores.place(k, seconds, ahead=clock.debt))
+                return
             redo = sum(p.take_revoked() for p in pieces)
             if redo > 0:
                 clock.revoke(redo)
@@ -99,14 +120,18 @@ def run_rollout(sim: SimHost, req: RolloutRequest, emu: EmulationSettings, lanes
                 seconds += redo
             while seconds > 1e-9:
                 clock.settle()  # the loop's host time since is owed too: the device saw the piece arrive that early
-                queued, piece, borrowed = lanes.place(lane, seconds, ahead=clock.debt, lent=lent, unit=unit)
+                queued, piece, borrowed = lanes.place(lane, seconds, ahead=clock.debt, lent=lent, unit=unit,
+                                                      move_s=move_s, state_on=state_on)
                 if not borrowed:  # its own device: pushed back, not cut, by pieces that came earlier
-                    clock.spend(seconds, queued=queued, cut=piece.wait_cut)
+                    clock.spend(piece.seconds, queued=queued, cut=piece.wait_cut)
+                    state_on = None
                     return
-                ran = clock.spend(seconds, queued=queued, cut=piece.wait_cut)
+                ran = clock.spend(piece.seconds, queued=queued, cut=piece.wait_cut)
                 pieces.append(piece)
                 lent_s += ran
-                seconds -= ran
+                if ran > 0:
+                    state_on = piece.device
+                seconds -= max(0.0, ran - piece.lead)  # the move ran no step
 
         link.open()
         try:
