@@ -294,11 +294,11 @@ def test_a_producer_cut_short_on_a_lent_device_sleeps_and_spends_only_the_steps_
     assert clock.spend(0.6, cut=piece.wait_cut) == 0 and clock.debt == pytest.approx(0.5)
 
 
-def test_an_engine_runs_its_forwards_first_on_the_device_it_lends_and_the_lent_pieces_are_pushed_back():
-    """``EmulationSettings.lend_inference``: an engine's forward on its lent device runs first — the piece running
-    there and those queued after it end later by as much as the forward needs, a piece whose producer went on is not
-    pushed — and a producer takes that device only when its piece is expected to end sooner there, at the share of
-    the device the engine leaves."""
+def test_an_engines_forward_is_time_sliced_with_the_lent_pieces_on_its_device_and_pushes_them_back():
+    """``EmulationSettings.lend_inference`` at the default contention (2: an even time-slice): the piece running when
+    an engine's forward begins on its lent device, and those queued after it, end later by what they lose to it; a
+    piece whose producer went on is not pushed; and a producer takes that device only when its piece is expected to
+    end sooner there, at the share of the device the engine leaves."""
     wall = Clock()
     lanes, lent, d = Lanes(1, now=wall), LentDevices(now=wall), "infer-0#0"
     assert placed(lanes, 0.5, lent=lent) == (0.0, None)  # its own device busy for 0.5 s
@@ -325,6 +325,112 @@ def test_an_engine_runs_its_forwards_first_on_the_device_it_lends_and_the_lent_p
     assert far is not None and far.device == d
 
 
+def test_a_forward_and_lent_steps_sharing_a_gpu_both_progress_the_contention_factor_slower(tmp_path):
+    """Physical model: an engine and a simulator are two processes; without MPS a GPU time-slices them. While a
+    forward and a lent piece overlap, each progresses ``lend_contention`` times slower: the piece is pushed back by
+    (c - 1) x the seconds they share, the forward ends as much later; alone, neither is slowed."""
+    from nexus.emulator.engine import EmulatedEngine
+    from nexus.emulator.settings import TIME_SLICED_CONTENTION
+
+    assert EmulationSettings(calibration="paper_gpu").lend_contention == TIME_SLICED_CONTENTION == 2.0
+    with pytest.raises(ValueError, match="lend_contention"):
+        EmulationSettings(calibration="paper_gpu", lend_contention=0.5)  # faster together than alone: refused
+    wall, d, c = Clock(), "infer-0#0", 3.0
+    lent = LentDevices(now=wall, contention=c)
+    assert lent.preempt(d, at=wall(), seconds=0.1) == pytest.approx(wall() + 0.1)  # nothing lent there: alone
+    long = lent.take(wall() + 0.1, 1.0, before=wall() + 5, unit=0.1)
+    end = lent.preempt(d, at=long.start + 0.2, seconds=0.1)  # a 0.1 s forward inside the piece
+    assert end == pytest.approx(long.start + 0.2 + c * 0.1)  # 3 x slower while they share the device
+    assert long.pushed == pytest.approx((c - 1) * 0.1) and long.end == pytest.approx(long.start + 1.2)
+    short = lent.take(wall() + 5, 0.1, before=wall() + 10, unit=0.1)
+    end = lent.preempt(d, at=short.start, seconds=0.5)  # the piece ends first: the forward's rest runs alone
+    assert short.pushed == pytest.approx((c - 1) * 0.1) and end == pytest.approx(short.start + 0.5 + (c - 1) * 0.1)
+
+    # the engine charges its forward the same, from what the simulator workers told its worker (``occupied``)
+    occupied: dict[str, float] = {}
+    emu = EmulationSettings.model_validate({**EMU10, "lend_contention": c})
+    eng = EmulatedEngine(ServiceConfig(root=str(tmp_path)), emu, device=d, occupied=occupied)
+    assert eng.shared_s(0.01, start=100.0) == 0.01  # no lent work on its device: alone
+    occupied[d] = 100.005  # lent steps until halfway through the forward
+    assert eng.shared_s(0.01, start=100.0) == pytest.approx(0.01 + (c - 1) * 0.005)
+    eng.heads.specs["a"] = (SimpleNamespace(env="maniskill/pushcube-state", action_head="oft"),
+                            SimpleNamespace(action_dim=4))
+    eng.heads.live["a"] = (1, None)
+    occupied[d] = time.time() + 60  # lent steps throughout: the whole forward shares the device
+    eng.queue.waits_of([time.monotonic() - 5.0], time.monotonic(), "all_waiting")
+    asyncio.run(eng._forward_group([SimpleNamespace(tenant="a", version=None)] * 4))
+    alone = emu.times().forward_s({"oft": 4}, 1)
+    assert eng._busy == pytest.approx(c * alone) and eng.queue.compute_of(0.0) == pytest.approx(c * alone)
+    eng.close()
+
+
+def test_moving_a_producers_simulator_state_to_another_device_costs_its_bytes_over_the_link_or_a_reset():
+    """Physical model: a piece run on a lent device first moves its producer's envs' state there (its ``lead``: no
+    step), ``state_bytes`` per env over ``link_gb_s``, or a reset when the calibration does not give the bytes; the
+    next piece on that device moves nothing, one back on its own device moves it back, and borrowing is not worth a
+    move that makes the piece end later."""
+    cal = load_calibration("paper_gpu")
+    push = cal.env["maniskill/pushcube-state"]
+    sized = cal.model_copy(update={"env": {**cal.env, "maniskill/pushcube-state":
+                                           push.model_copy(update={"state_bytes": 4_000_000})}})
+    assert ServiceTimes(cal, 2.0).move_s("maniskill/pushcube-state", 8) == pytest.approx(push.reset_s / 2)  # rebuilt
+    assert ServiceTimes(sized, 2.0, link_gb_s=16.0).move_s("maniskill/pushcube-state", 8) == \
+        pytest.approx(4e6 * 8 / 16e9 / 2)  # 32 MB over 16 GB/s at k = 2
+    assert EmulationSettings(calibration="paper_gpu").link_gb_s == pytest.approx(63.0)  # PCIe Gen5 x16, one way
+
+    wall = Clock()
+    lanes, lent, d = Lanes(1, now=wall), LentDevices(now=wall), "actor-0#0"
+    lanes.place(0, 1.0)  # its own device busy for 1 s
+    lent.lend([d], free_at=wall())
+    wait, there, borrowed = lanes.place(0, 0.2, lent=lent, unit=0.1, move_s=0.05)
+    assert borrowed and there.device == d and wait == 0
+    assert (there.lead, there.seconds, there.end) == (pytest.approx(0.05), pytest.approx(0.25),
+                                                      pytest.approx(wall() + 0.25))  # the move, then 2 steps
+    _, again, borrowed = lanes.place(0, 0.2, lent=lent, unit=0.1, move_s=0.05, state_on=d)
+    assert borrowed and again.lead == 0 and again.seconds == pytest.approx(0.2)  # its state is there already
+    lent.reclaim([d], at=again.start + 0.15)  # taken back in its second step: the state comes home with the rest
+    _, home, borrowed = lanes.place(0, 0.1, lent=lent, unit=0.1, move_s=0.05, state_on=d)
+    assert not borrowed and home.lead == pytest.approx(0.05) and home.seconds == pytest.approx(0.15)
+    lent.lend([d], free_at=wall())
+    # its own device is busy for 1.15 s more, the lent one idle: a move of 2 s would end the piece later there
+    _, stay, borrowed = lanes.place(0, 0.1, lent=lent, unit=0.1, move_s=2.0)
+    assert not borrowed and stay.lead == 0
+    # a piece taken back during its move runs no step: the move, once begun, ends; steps begun by then run
+    piece = DevicePiece(d, 10.0, 0.35, unit=0.1, lead=0.05)
+    assert piece.cut(10.02) == pytest.approx(10.05) and piece.ran == pytest.approx(0.05)
+    piece = DevicePiece(d, 10.0, 0.35, unit=0.1, lead=0.05)
+    assert piece.cut(10.1) == pytest.approx(10.15)  # its first step had begun
+
+
+def test_cpu_physics_envs_step_on_host_cores_and_a_lent_gpu_gains_them_nothing():
+    """Physical model: robosuite and LIBERO are CPU MuJoCo: their steps run on the simulator worker's host cores (one
+    per env, ``cores_per_sim_device`` per device), never on a GPU lane or a lent GPU; a calibration that says
+    otherwise is refused. A step waits, on the devices' clock, until as many cores as its envs are free."""
+    from nexus.emulator.cores import HostCores
+    from nexus.emulator.settings import CORES_PER_GPU
+
+    times = EmulationSettings(calibration="paper_gpu").times()
+    assert times.physics("robosuite/lift-state") == times.physics("libero/spatial") == "cpu"
+    assert times.physics("maniskill/pushcube-state") == "gpu"
+    assert times.physics("anything/else", simulator="libero") == "cpu"  # the catalog's simulator decides
+    cal = load_calibration("paper_gpu")
+    lift = cal.env["robosuite/lift-state"]
+    with pytest.raises(ValueError, match="robosuite is CPU MuJoCo"):
+        Calibration.model_validate({**cal.model_dump(), "env": {**cal.model_dump()["env"], "robosuite/lift-state":
+                                                                {**lift.model_dump(), "physics": "gpu"}}})
+    emu = EmulationSettings.model_validate(EMU)
+    assert emu.cores_per_sim_device == CORES_PER_GPU == 14 and emu.host_cores(emu.sim_places) == 4 * 14
+
+    wall = Clock()
+    cores = HostCores(4, now=wall)
+    assert cores.place(3, 1.0) == 0  # 3 envs, 3 cores, at once
+    assert cores.place(2, 1.0) == pytest.approx(1.0)  # one core free: waits for the first step's end
+    assert cores.place(1, 0.5) == 0  # ... while a one-env step takes the core left
+    assert cores.place(8, 0.1, ahead=0.2) == pytest.approx(2.2)  # wider than the host: all its cores, when all free
+    with pytest.raises(ValueError, match="at least one host core"):
+        HostCores(0)
+
+
 def test_an_engines_notice_of_a_forward_goes_one_way_to_the_simulator_workers_and_arrives_in_order():
     """``lend_inference``: an engine tells every simulator worker of each forward (``DeviceLender.preempt``) over a
     real TCP comm without waiting for it to be handled (a reply per forward cost both event loops a message): the
@@ -335,11 +441,12 @@ def test_an_engines_notice_of_a_forward_goes_one_way_to_the_simulator_workers_an
 
     got: list[tuple] = []
     heard_elsewhere: list[str] = []
+    engine_address: list[str] = []
     release, all_in = asyncio.Event(), asyncio.Event()
 
-    async def nexus_preempt(device: str, at: float, seconds: float, share: float) -> None:
+    async def nexus_preempt(device: str, at: float, seconds: float, share: float, owner: str) -> None:
         await release.wait()
-        got.append((device, at, seconds, share))
+        got.append((device, at, seconds, share, owner))
         if len(got) == 3:
             all_in.set()
 
@@ -353,7 +460,9 @@ def test_an_engines_notice_of_a_forward_goes_one_way_to_the_simulator_workers_an
                 return {"workers": {sim.address: {"resources": {"SIM": 1}},
                                     infer.address: {"resources": {"INFER": 1}}}}
 
-            engine_worker = SimpleNamespace(rpc=pool, scheduler=SimpleNamespace(identity=identity))
+            engine_worker = SimpleNamespace(rpc=pool, scheduler=SimpleNamespace(identity=identity),
+                                            address=infer.address)
+            engine_address.append(infer.address)
             lender = DeviceLender()
             for i in range(3):  # each returns at once: the first one's handling is held until all three are sent
                 await asyncio.wait_for(lender.preempt(engine_worker, "infer-0#0", 100.0 + i, 0.01, 0.5), 3)
@@ -362,7 +471,8 @@ def test_an_engines_notice_of_a_forward_goes_one_way_to_the_simulator_workers_an
             await asyncio.wait_for(all_in.wait(), 3)
 
     asyncio.run(main())
-    assert got == [("infer-0#0", 100.0 + i, 0.01, 0.5) for i in range(3)]
+    # with the engine's worker's address: the simulator worker tells it of the lent work it places there
+    assert got == [("infer-0#0", 100.0 + i, 0.01, 0.5, engine_address[0]) for i in range(3)]
     assert heard_elsewhere == []
 
 

@@ -89,7 +89,7 @@ class LentDevices:
                 self._lent_at[device] = min(at + seconds, self.now())
             self._open.add(device)
             self._owner_share[device] = min(max(share, 0.0), 0.95)
-            t, left, busy_until = at, seconds, at  # the owner's work: now at t, ``left`` of it to run
+            t, left, busy_until = at, seconds, 0.0  # the owner's work: now at t, ``left`` of it to run
             for piece in sorted(self._pieces.get(device, []), key=lambda p: p.start):
                 if piece.end <= at:
                     continue
