@@ -505,8 +505,10 @@ def test_a_producers_stepping_share_and_what_it_tells_its_device_lanes():
     assert lift == pytest.approx(chunk / (chunk + 0.045 + 0.00298 * 8))  # ... over that and one forward of 8 rows
     assert one.family("maniskill/pickcube-rgb", "oft") == "oft" and one.family("x", "groot") == "groot"
 
-    spec = TenantSpec(name="t", env="robosuite/lift-state", action_dim=7, hidden_dim=32)
-    for placement, expected in (("fewest", 0.0), ("load", lift)):
+    for env, placement, expected in (("maniskill/pushcube-state", "fewest", 0.0), ("maniskill/pushcube-state", "load",
+                                                                                 push),
+                                     ("robosuite/lift-state", "load", 0.0)):  # CPU MuJoCo: its GPU lane idle
+        spec = TenantSpec(name="t", env=env, action_dim=7 if env.startswith("robosuite") else 4, hidden_dim=32)
         emu = EmulationSettings(calibration="paper_gpu", time_scale=10, sim_placement=placement)
         req = SimpleNamespace(env=spec.env, tenant=SimpleNamespace(spec=spec))
         assert producer_load(req, emu, emu.times(), 8) == pytest.approx(expected)
@@ -916,7 +918,8 @@ def test_the_emulators_up_refuses_bad_input_in_one_line_and_creates_nothing(tmp_
 
 def test_a_simulator_device_shared_by_two_producers_steps_one_at_a_time(tmp_path):
     """``producers_per_sim = 2`` on one simulator device: an RL job's two producers hold it at once (the SIM
-    resource counts producer places, the accounting one device), and their steps take turns on it."""
+    resource counts producer places, the accounting one device), and their steps take turns on it (GPU physics:
+    ManiSkill; a CPU-physics env steps on host cores instead)."""
     from nexus.emulator.service import local
     from nexus.spec import TenantSpec
 
@@ -925,7 +928,8 @@ def test_a_simulator_device_shared_by_two_producers_steps_one_at_a_time(tmp_path
         info = nx.service.client.scheduler_info()["workers"]
         assert sorted(tuple(sorted(i["resources"].items())) for i in info.values()) == [
             (("ACTOR", 1),), (("INFER", 1),), (("SIM", 2),), (("TRACK", 1),)]
-        nx.create_tenant(TenantSpec(name="pair", env="robosuite/lift-state", action_dim=7, hidden_dim=32, seed=3))
+        nx.create_tenant(TenantSpec(name="pair", env="maniskill/pushcube-state", action_dim=4, hidden_dim=32,
+                                    seed=3))
         t0 = time.time()
         out = nx.tenant("pair").rl(updates=2, episodes_per_batch=4, collectors=2).result(timeout=300)
         t1 = time.time()
@@ -949,13 +953,18 @@ def test_a_simulator_device_shared_by_two_producers_steps_one_at_a_time(tmp_path
 def test_an_idle_actor_or_engine_lends_its_device_to_a_busy_simulator_and_keeps_its_own_work_first(tmp_path, lends):
     """``lend_actor``: two producers on one simulator device step on the actor's device too while no update runs
     there (their pieces say how much ran there), and the actor's updates are charged to the actor alone;
-    ``lend_inference``: the same on the engine's device between its forwards, charged to the engine alone."""
+    ``lend_inference``: the same on the engine's device between its forwards, charged to the engine alone. A GPU
+    env whose state is small (moved over the link in microseconds) borrows; a CPU-physics env never does."""
     from nexus.emulator.service import local
     from nexus.spec import TenantSpec
 
-    emu = {**EMU, "devices": {"actor": 1, "inference": 1, "simulator": 1}, "producers_per_sim": 2, lends: True}
+    cal = load_calibration("paper_gpu").model_dump()
+    cal["env"]["maniskill/pushcube-state"]["state_bytes"] = 10_000
+    emu = {**EMU, "devices": {"actor": 1, "inference": 1, "simulator": 1}, "producers_per_sim": 2, lends: True,
+           "table": cal}
     with local(tmp_path / "svc", emulation=emu, scheduler="fifo", datapath={"envs_per_producer": 4}) as nx:
-        nx.create_tenant(TenantSpec(name="lender", env="robosuite/lift-state", action_dim=7, hidden_dim=32, seed=3))
+        nx.create_tenant(TenantSpec(name="lender", env="maniskill/pushcube-state", action_dim=4, hidden_dim=32,
+                                    seed=3))
         t0 = time.time()
         out = nx.tenant("lender").rl(updates=4, episodes_per_batch=4, collectors=2).result(timeout=300)
         t1 = time.time()
@@ -972,4 +981,11 @@ def test_an_idle_actor_or_engine_lends_its_device_to_a_busy_simulator_and_keeps_
         forwards = [s for s in spans if s["service"] == "inference"]
         assert acc["services"]["inference"]["busy_s"] == pytest.approx(sum(s["t1"] - s["t0"] for s in forwards),
                                                                          rel=1e-6)
+        # CPU MuJoCo: its steps take host cores; a lent GPU gains it nothing, so none of them runs there
+        nx.create_tenant(TenantSpec(name="mujoco", env="robosuite/lift-state", action_dim=7, hidden_dim=32, seed=3))
+        t2 = time.time()
+        assert nx.tenant("mujoco").rl(updates=1, episodes_per_batch=4, collectors=2).result(timeout=300)["updates"] == 1
+        nx.flush()
+        cpu = [s for s in nx.monitoring(since=t2)["spans"] if s["service"] == "simulator" and s["tenant"] == "mujoco"]
+        assert cpu and all(s["lent_s"] == 0 and s["sim_s"] > 0 for s in cpu), cpu
 

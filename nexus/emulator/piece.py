@@ -71,9 +71,9 @@ class DevicePiece:
             return out
 
     def push(self, seconds: float) -> None:
-        """Other work runs first (a lent device's owner's, or a piece that came earlier on the devices' clock): the
-        piece ends ``seconds`` later (a piece whose producer has gone on is not pushed: the push is counted as
-        ``missed``, what the emulation got for free)."""
+        """Other work takes device time from it (a lent device's owner's, time-sliced with it, or a piece that came
+        earlier on the devices' clock): the piece ends ``seconds`` later (a piece whose producer has gone on is not
+        pushed: the push is counted as ``missed``, what the emulation got for free)."""
         with self._changed:
             if seconds > 0 and self._settled:
                 self.missed += seconds

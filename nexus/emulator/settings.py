@@ -32,7 +32,7 @@ their time (``"load"``: each producer's share is its calibrated chunk of steps o
 ``lend_actor`` lets the actor's devices step simulators while no update runs on them (a device that changes role
 when the actor starves): the actor rank lends them to the simulator workers when an update ends and takes them back
 when the next arrives (:mod:`nexus.emulator.lent`). ``lend_inference`` lets the engines' devices step
-simulators between forwards: each forward runs there first (a high-priority stream), pushing the lent steps back.
+simulators between forwards, time-sliced with them (``lend_contention``, below).
 
 **Physical device models** (each charges what the hardware it stands for charges; docs/operator/emulation.md):
 

@@ -49,8 +49,9 @@ def sim_lanes(emu: EmulationSettings) -> tuple[Lanes, HostCores]:
 
 def producer_load(req: RolloutRequest, emu: EmulationSettings, times: ServiceTimes, envs: int) -> float:
     """What the producer tells its worker's lanes (``EmulationSettings.sim_placement``): with ``"load"``, the share
-    of a device's time it steps alone; with ``"fewest"``, nothing (0), so lanes are told apart by their count."""
-    if emu.sim_placement != "load":
+    of a device's time it steps alone (none for a CPU-physics env: it steps on host cores); with ``"fewest"``,
+    nothing (0), so lanes are told apart by their count."""
+    if emu.sim_placement != "load" or times.physics(req.env) == "cpu":  # a CPU-physics producer leaves its GPU idle
         return 0.0
     spec = req.tenant.spec
     return times.stepping_share(req.env, envs, times.family(spec.env, spec.action_head))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from nexus.emulator.lent import LentDevices
 from nexus.emulator.settings import ENV, EmulationSettings
 from nexus.wire import devices
+from nexus.wire.engine_client import on_loop
 
 logger = logging.getLogger("nexus.lender")
 
@@ -97,8 +98,6 @@ class EmulatedDevices:
         owner = self._owners.get(device)
         if owner is None or self.worker is None:
             return
-        from nexus.wire.engine_client import on_loop
-
         worker = self.worker
 
         async def tell() -> None:
