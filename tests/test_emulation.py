@@ -940,7 +940,7 @@ def test_a_simulator_device_shared_by_two_producers_steps_one_at_a_time(tmp_path
         assert sim["slots"] == 1 and list(sim["busy_per_slot_s"]) == ["sim-0"], sim  # one device, not two
         rollouts = [s for s in nx.monitoring(since=t0)["spans"]
                     if s["service"] == "simulator" and s["t0"] >= t0 - 1e-3]
-        assert len(rollouts) == 2 and {s["worker"] for s in rollouts} == {"sim-0"}, rollouts
+        assert len(rollouts) == 2 and len({s["worker"] for s in rollouts}) == 1, rollouts  # sim-0's address
         a, b = sorted(rollouts, key=lambda s: s["t0"])
         assert b["t0"] < a["t1"], (a, b)  # both producers held the device at once
         # ... but it stepped one of them at a time: together they lasted at least their stepping summed (sharing
@@ -959,7 +959,8 @@ def test_an_idle_actor_or_engine_lends_its_device_to_a_busy_simulator_and_keeps_
     from nexus.spec import TenantSpec
 
     cal = load_calibration("paper_gpu").model_dump()
-    cal["env"]["maniskill/pushcube-state"]["state_bytes"] = 10_000
+    # a GPU env with steps as long as robosuite's (so two producers' chunks overlap) and a small state
+    cal["env"]["maniskill/pushcube-state"].update(step_s=0.030, env_s=0.004, state_bytes=10_000)
     emu = {**EMU, "devices": {"actor": 1, "inference": 1, "simulator": 1}, "producers_per_sim": 2, lends: True,
            "table": cal}
     with local(tmp_path / "svc", emulation=emu, scheduler="fifo", datapath={"envs_per_producer": 4}) as nx:
@@ -972,7 +973,7 @@ def test_an_idle_actor_or_engine_lends_its_device_to_a_busy_simulator_and_keeps_
         assert out["updates"] == 4 and out["episodes"] == 16
         spans = [s for s in nx.monitoring(since=t0)["spans"] if s["t0"] >= t0 - 1e-3]
         rollouts = [s for s in spans if s["service"] == "simulator"]
-        updates = [s for s in spans if s["service"] == "actor"]
+        updates = [s for s in spans if s["service"] == "actor" and s["what"] == "rl"]  # not the job's checkpoint
         lent = sum(s["lent_s"] for s in rollouts)
         assert len(updates) == 4 and 0 < lent < sum(s["sim_s"] for s in rollouts), rollouts
         acc = nx.service.internal("nexus_accounting", t0=t0, t1=t1)
