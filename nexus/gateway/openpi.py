@@ -30,6 +30,12 @@ Here, in the gateway process (:class:`OpenpiServer`, a ``websockets`` server on 
   (n, horizon, action_dim), its observations queued together into one grouped forward.
 * a config frame ``{"config": {"version", "deadline_ms", "keys"}}`` changes the connection's settings and is
   answered with the new metadata.
+* ``executed_prefix`` in an observation (real-time chunking, [k, action_dim], k <= the chunk): the reply's chunk
+  starts with it (flow heads inpaint it while denoising, ``nexus.engine.engine``); ``"sample": true`` asks for a
+  sample with its ``logprob`` and ``value`` (an RL robot's action).
+* an episode frame ``{"episode": {columns}, "job": id}``: a robot's finished episodes into its tenant's RL job with
+  ``rollouts="external"``, through the HTTP upload's path (checks, store, staleness, back-pressure), answered with
+  ``{"episode": {job, accepted, rows, episodes, policy_version, pending}}``.
 
 Any bad frame (not msgpack, unknown or missing keys, wrong shapes or dtypes, over ``limits.max_request_bytes``)
 is answered with a text frame naming what was wrong, then the connection is closed (code 1008; 1013 for an
@@ -67,6 +73,7 @@ from websockets.http11 import Request, Response
 from nexus.config.service import OpenpiSettings
 from nexus.errors import LimitExceeded, NexusError, NotFound, Overloaded, SpecError, Unauthorized, Unavailable
 from nexus.features import TenantSchema
+from nexus.gateway.envs import store_episodes
 from nexus.gateway.msgpack_arrays import MalformedFrame, pack, unpack
 from nexus.wire.inputs import check_observation
 
@@ -460,8 +467,6 @@ class OpenpiServer:
         RL job with ``rollouts="external"``, through the HTTP upload's path (:func:`nexus.gateway.envs.store_episodes`:
         its checks, store, staleness rule and back-pressure). The columns are the HTTP upload's (state, action,
         reward, logprob, value, terminated, truncated, success, policy_version, images by camera)."""
-        from nexus.gateway.envs import store_episodes
-
         if set(msg) != {"episode", "job"} or not isinstance(msg["job"], str) or not msg["job"]:
             raise SpecError(f"an episode frame is {{'episode': {{columns}}, 'job': '<RL job id>'}}, got the keys "
                             f"{sorted(map(str, msg))[:8]}")
