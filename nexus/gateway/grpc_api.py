@@ -187,7 +187,7 @@ class RobotPolicy:
         message's ``deadline_ms``, the gRPC call's own deadline, the earlier) goes to the inference queue, whose
         forming group starts in time for it, as an HTTP predict's or an openpi frame's."""
         gw = self.gw
-        due_ms = deadline_of(msg.deadline_ms, call_remaining_s, t0)
+        due_ms = deadline_of(msg.deadline_ms, call_remaining_s, time.perf_counter() - t0)
         tenant = msg.tenant
         if not tenant:
             raise SpecError("observation.tenant: missing; name the tenant whose policy acts")
@@ -271,17 +271,17 @@ class RobotPolicy:
 MAX_DEADLINE_MS = 600_000.0  # as HTTP's deadline_ms (nexus.gateway.state.PredictBody)
 
 
-def deadline_of(field_ms: float, call_remaining_s: float | None, t0: float) -> float | None:
-    """An observation's deadline in ms from its arrival ``t0`` (``time.perf_counter``): the message's
-    ``deadline_ms`` (0: none) or what is left of the gRPC call's deadline (``context.time_remaining()``, None: no
-    deadline; counted back to ``t0``), whichever is earlier; None when neither is set. A field that is not a number
-    of ms in [0, 600000] is a SpecError."""
+def deadline_of(field_ms: float, call_remaining_s: float | None, elapsed_s: float) -> float | None:
+    """An observation's deadline in ms from its arrival: the message's ``deadline_ms`` (0: none) or what is left of
+    the gRPC call's deadline (``context.time_remaining()``, None: no deadline), counted back to the arrival
+    ``elapsed_s`` ago, whichever is earlier; None when neither is set. A field that is not a number of ms in
+    [0, 600000] is a SpecError."""
     if not (math.isfinite(field_ms) and 0 <= field_ms <= MAX_DEADLINE_MS):
         raise SpecError(f"observation.deadline_ms: expected milliseconds in [0, {MAX_DEADLINE_MS:g}] (0: none), got "
                         f"{field_ms!r:.40}")
     due = [field_ms] if field_ms > 0 else []
     if call_remaining_s is not None and math.isfinite(call_remaining_s):
-        due.append(max(0.0, 1e3 * (call_remaining_s + time.perf_counter() - t0)))
+        due.append(max(0.0, 1e3 * (call_remaining_s + elapsed_s)))
     return min(due) if due else None
 
 
