@@ -47,6 +47,10 @@ class Observation:
     state: np.ndarray  # float32 [proprio_dim]
     images: dict[str, np.ndarray] = field(default_factory=dict)  # camera -> uint8 [H, W, 3]
     instruction: str = ""
+    # real-time chunking (a robot's request, never a simulator's): the actions of the previous chunk the robot has
+    # executed or will have by the time this chunk arrives, float32 [k, action_dim], k <= the policy's chunk; a
+    # chunked head's answer starts with them (``nexus.engine.engine``: inpainted into a flow head's denoising)
+    executed_prefix: np.ndarray | None = None
 
 
 @dataclass

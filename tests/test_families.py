@@ -105,6 +105,31 @@ def test_flow_matching_pieces():
     torch.testing.assert_close(integrate(lambda xt, t: a - e, e, steps=3), a)
 
 
+@pytest.mark.parametrize("family", ("groot", "pi"))
+def test_a_flow_head_inpaints_an_executed_prefix(family, framework):
+    """Real-time chunking: the chunk ends on the executed prefix exactly, a row without one is as without any, and
+    the rest of a prefixed row is planned after the prefix (the chunk's attention sees it), deterministic or not."""
+    cond, proprio, _ = encode(framework, family, LIBERO_LIKE, 0, n=2)
+    policy = TenantPolicy.from_spec(spec("p", family, seed=3), LIBERO_LIKE, 64)
+    if family == "groot":  # adaLN-Zero: a fresh DiT's blocks are the identity, its positions meet once trained
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for block in policy.head.blocks:
+                block.modulation.weight.copy_(0.05 * torch.randn(block.modulation.weight.shape, generator=g))
+    a = policy.action_dim
+    target = torch.zeros(2, CHUNK, a)
+    mask = torch.zeros(2, CHUNK, 1)
+    target[0, :2], mask[0, :2] = 0.7, 1.0  # row 0: two executed actions; row 1: none
+    for det in (True, False):
+        plain = policy.act(cond, proprio, deterministic=det, generator=torch.Generator().manual_seed(1))[0]
+        rtc = policy.act(cond, proprio, deterministic=det, generator=torch.Generator().manual_seed(1),
+                         prefix=(target, mask))[0]
+        plain, rtc = plain.view(2, CHUNK, a), rtc.view(2, CHUNK, a)
+        torch.testing.assert_close(rtc[0, :2], target[0, :2])
+        torch.testing.assert_close(rtc[1], plain[1])
+        assert (rtc[0, 2:] - plain[0, 2:]).abs().max() > 1e-6
+
+
 # -- learning --------------------------------------------------------------------------------------
 
 

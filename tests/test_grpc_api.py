@@ -40,7 +40,7 @@ from nexus.errors import (
     Unauthorized,
     Unavailable,
 )
-from nexus.gateway.grpc_api import SERVICE, status_of, to_array, to_tensor
+from nexus.gateway.grpc_api import SERVICE, deadline_of, status_of, to_array, to_tensor
 from nexus.gateway.proto import nexus_robot_pb2 as pb
 from nexus.spec import TenantSpec
 from nexus.wire.inputs import encode_array
@@ -91,7 +91,8 @@ def test_tensors_round_trip_and_bad_ones_are_refused():
 def svc(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpc")
     with Nexus.local(root, n_sim=1, grpc_port=0, limits={"max_request_bytes": MAX_BYTES},
-                     tenant_limits={"slow": {"max_inflight_predicts": 1}}) as nx:
+                     tenant_limits={"slow": {"max_inflight_predicts": 1}},
+                     datapath={"producer_lease_s": 300}) as nx:
         t = {s.name: nx.create_tenant(s) for s in (
             TenantSpec(name="a", env=PUSH, seed=2),
             TenantSpec(name="b", env=PUSH, seed=3),
@@ -155,6 +156,42 @@ def test_a_stream_answers_as_http_predict_and_tells_its_times(svc):
             assert np.array_equal(sampled["actions"], again["actions"]) and sampled["logprob"] == again["logprob"]
 
 
+def test_an_observations_deadline_is_the_earlier_of_its_field_and_the_calls():
+    assert deadline_of(0.0, None, 0.01) is None
+    assert deadline_of(80.0, None, 0.01) == 80.0
+    assert deadline_of(80.0, 0.04, 0.01) == pytest.approx(50.0)  # the call's, counted from the arrival, is earlier
+    assert deadline_of(0.0, 2.0, 0.0) == pytest.approx(2000.0)
+    assert deadline_of(30.0, 2.0, 0.01) == 30.0
+    assert deadline_of(0.0, -1.0, 0.01) == 0.0  # the call's deadline passed already: due now
+    for bad in (-1.0, float("nan"), float("inf"), 600_001.0):
+        with pytest.raises(SpecError, match="deadline_ms"):
+            deadline_of(bad, None, 0.0)
+
+
+@pytest.mark.cluster
+def test_the_inference_queue_honours_a_grpc_deadline(svc):
+    """A group held open (T = 60 s, a producer that is not waiting: neither 'all waiting' nor a full group fires
+    it; its lease, ``datapath.producer_lease_s``, outlasts the test) starts for a gRPC observation's deadline.
+    Without it the observation would wait the whole T and its group fire for the timeout."""
+    eng, cfg = svc["nx"].service.engine(0), svc["nx"].service.config
+    eng.set_batching(60.0, 64).result(60)
+    try:
+        eng.open_producer("stepping-sim").result(60)
+        eng.reset_stats().result(60)
+        with RobotClient(svc["target"], svc["t"]["a"].token) as client, client.session("a") as s:
+            out = s.act({"state": _state(0)}, deadline_ms=300)
+            assert out["actions"].shape == (1, 4) and out["timing"]["deadline_ms"] == 300
+        fired = eng.engine_stats().result(60)["reasons"]
+        assert fired == {"deadline": 1}, fired
+    finally:
+        eng.set_batching(cfg.infer_max_wait_s, cfg.infer_max_batch).result(60)
+        eng.close_producer("stepping-sim").result(60)
+    # the stream's own gRPC deadline is an observation's deadline too (without deadline_ms)
+    with RobotClient(svc["target"], svc["t"]["a"].token) as client, client.session("a", timeout=120) as s:
+        out = s.act({"state": _state(1)})
+        assert 0 < out["timing"]["deadline_ms"] <= 120_000 and not out["deadline_missed"]
+
+
 @pytest.mark.cluster
 def test_a_camera_tenant_gets_chunks_and_many_tenants_stream_at_once(svc):
     img = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
@@ -162,11 +199,15 @@ def test_a_camera_tenant_gets_chunks_and_many_tenants_stream_at_once(svc):
         info = client.info("cam")
         assert info["chunk"] == 4 and info["cameras"] == [{"name": "base_camera", "height": 64, "width": 64}]
         cam_obs = {"state": _state(1, info["proprio_dim"]), "images": {"base_camera": img}}
+        prefix = np.full((2, info["action_dim"]), 0.5, np.float32)  # real-time chunking: what the robot executed
         with client.session("cam") as s:
-            out = s.act(cam_obs, executed_prefix=np.zeros((2, info["action_dim"]), np.float32))
+            out = s.act(cam_obs)
+            rtc = s.act(cam_obs, executed_prefix=prefix)
         ref = _http_predict(svc, "cam", cam_obs)
-        assert out["actions"].shape == (4, info["action_dim"])
+        assert out["actions"].shape == rtc["actions"].shape == (4, info["action_dim"])
         assert np.allclose(out["actions"].reshape(-1), ref["chunk"], atol=1e-5)
+        assert np.array_equal(rtc["actions"][:2], prefix)  # the oft head's rest: as without it
+        assert np.allclose(rtc["actions"][2:], out["actions"][2:], atol=1e-5)
 
     results: dict[str, list] = {}
 
@@ -225,6 +266,9 @@ BAD = [  # (name, frames, status, phrase of the message)
     ("seed without sample", [_obs_bytes("a", _state(0), seed=3)], Code.INVALID_ARGUMENT, "sample"),
     ("bad prefix", [_obs_bytes("a", _state(0), executed_prefix=np.zeros((1, 3), np.float32))],
      Code.INVALID_ARGUMENT, "executed_prefix"),
+    ("prefix longer than the chunk", [_obs_bytes("a", _state(0), executed_prefix=np.zeros((2, 4), np.float32))],
+     Code.INVALID_ARGUMENT, "1 <= k <= 1"),
+    ("negative deadline", [_obs_bytes("a", _state(0), deadline_ms=-1.0)], Code.INVALID_ARGUMENT, "deadline_ms"),
     ("unknown version", [_obs_bytes("a", _state(0), version=999)], Code.NOT_FOUND, "999"),
     ("over the size limit", [_obs_bytes("a", BIG)], Code.RESOURCE_EXHAUSTED, ""),
     ("good, then bad", [_obs_bytes("a", _state(0)), b"\x0a"], Code.INVALID_ARGUMENT, "not a valid"),

@@ -25,6 +25,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from nexus.client.api import Nexus
+from nexus.client.rollouts import EpisodeBuffer
 from nexus.gateway.openpi import openpi_address
 from nexus.spec import TenantSpec
 from nexus.wire.inputs import encode_array
@@ -39,7 +40,10 @@ def svc(tmp_path_factory):
     root = tmp_path_factory.mktemp("openpi")
     with Nexus.local(root, n_sim=1, limits={"max_request_bytes": LIMIT}, openpi={"max_connections": 3}) as nx:
         t = {"cam": nx.create_tenant(TenantSpec(name="cam", env="maniskill/pickcube-rgb", chunk=4, seed=1)),
-             "st": nx.create_tenant(TenantSpec(name="st", env="maniskill/pushcube-state", seed=2))}
+             "st": nx.create_tenant(TenantSpec(name="st", env="maniskill/pushcube-state", seed=2)),
+             "flow": nx.create_tenant(TenantSpec(name="flow", env="maniskill/pickcube-rgb", chunk=4, seed=3,
+                                                 action_head="pi")),
+             "rl": nx.create_tenant(TenantSpec(name="rl", env="maniskill/pushcube-state", seed=4, max_staleness=0))}
         url = openpi_address(nx.service.config.gateway_dir)
         assert url is not None and url.startswith("ws://127.0.0.1:")
         host, port = url.removeprefix("ws://").rsplit(":", 1)
@@ -141,6 +145,88 @@ def test_batch_deadline_version_and_health(svc):
         assert r.status == 200
 
 
+def test_real_time_chunking_starts_the_chunk_with_the_executed_prefix(svc):
+    """A robot sends the actions of its previous chunk it executed (``executed_prefix``, [k, action_dim]): the
+    reply's first k actions are them; a flow head (pi) plans the rest after them (inpainted while denoising),
+    the oft head decodes its positions independently (the rest as without the prefix). The same over HTTP."""
+    obs = cam_obs(21)
+    prefix = np.array([[0.5, -0.5, 0.25, 0.0], [0.4, -0.4, 0.2, 0.1]], np.float32)
+    for tenant, conditions in (("flow", True), ("cam", False)):
+        robot = WebsocketClientPolicy(svc["host"], svc["port"], api_key=svc["t"][tenant].token)
+        plain = robot.infer(obs)["actions"]
+        rtc = robot.infer({**obs, "executed_prefix": prefix})["actions"]
+        assert rtc.shape == plain.shape == (4, 4)
+        np.testing.assert_array_equal(rtc[:2], prefix)
+        assert not np.allclose(plain[:2], prefix)
+        if conditions:  # the rest re-planned after the prefix
+            assert np.abs(rtc[2:] - plain[2:]).max() > 1e-6, (tenant, rtc, plain)
+        else:
+            np.testing.assert_allclose(rtc[2:], plain[2:], rtol=1e-5, atol=1e-6)
+        # a whole chunk executed: the chunk is the prefix; one action: only it is fixed
+        full = np.tile(prefix[:1], (4, 1))
+        np.testing.assert_array_equal(robot.infer({**obs, "executed_prefix": full})["actions"], full)
+        np.testing.assert_array_equal(robot.infer({**obs, "executed_prefix": prefix[:1]})["actions"][0], prefix[0])
+        # in a batch frame, per observation
+        both = robot.infer({"batch": [obs, {**obs, "executed_prefix": prefix}]})["actions"]
+        np.testing.assert_allclose(both[0], plain, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(both[1], rtc, rtol=1e-5, atol=1e-6)
+        # HTTP: the same chunk
+        version = robot.get_server_metadata()["version"]
+        ref = http_predict(svc, tenant, obs, version, executed_prefix=prefix.tolist())
+        np.testing.assert_allclose(np.asarray(ref["chunk"], np.float32).reshape(4, 4), rtc, rtol=1e-5, atol=1e-6)
+        robot._ws.close()
+    # refused: longer than the chunk, a sample of the oft head (its logprob would not be the chunk's)
+    bad = http_predict(svc, "cam", obs, 0, status=422, executed_prefix=np.zeros((5, 4)).tolist())
+    assert "1 <= k <= 4" in bad["error"]["message"]
+    bad = http_predict(svc, "cam", obs, 0, status=422, executed_prefix=prefix.tolist(), deterministic=False)
+    assert "deterministic" in bad["error"]["message"]
+
+
+def _acted_episodes(robot, steps: int = 6) -> dict:
+    """Two episodes acted over openpi with samples (``sample``: the reply's logprob and value), as upload columns."""
+    buf = EpisodeBuffer()
+    for k in range(steps):
+        obs = st_obs(200 + k)
+        out = robot.infer({**obs, "sample": True})
+        buf.add({"state": obs["observation/state"]}, {"action": out["actions"][0], "logprob": out["logprob"],
+                                                      "value": out["value"], "version": out["version"]},
+                reward=float(k % 3), terminated=False, truncated=k in (steps // 2 - 1, steps - 1))
+    return buf.columns()
+
+
+def test_a_robots_episodes_train_its_tenants_rl_job_over_openpi(svc):
+    """Episode frames ``{"episode": columns, "job": id}`` beside inference frames on one connection: stored
+    and trained as HTTP uploads are, staleness included (max_staleness 0: a batch acted by the version before the
+    live one is dropped); a bad upload is an error frame; another tenant's job is unknown."""
+    t = svc["t"]["rl"]
+    job = t.rl(updates=2, rollouts="external")
+    robot = WebsocketClientPolicy(f"{svc['url']}/?version=live", api_key=t.token)
+    cols = _acted_episodes(robot)
+    assert len(set(cols["logprob"].tolist())) > 1 and set(cols["policy_version"].tolist()) == {0}
+    out = robot.infer({"episode": cols, "job": job.id})["episode"]
+    assert out["accepted"] and out["rows"] == 6 and out["episodes"] == 2 and out["policy_version"] == 0
+    deadline = time.monotonic() + 300
+    while svc["nx"].tenant("rl").version < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stale = robot.infer({"episode": cols, "job": job.id})["episode"]  # acted by version 0, now 1 is live
+    assert stale["policy_version"] == 0
+    fresh = _acted_episodes(robot)
+    assert set(fresh["policy_version"].tolist()) == {1}
+    robot.infer({"episode": fresh, "job": job.id})
+    res = job.result(timeout=300)
+    assert (res["updates"], res["dropped_stale"], res["uploads"]) == (2, 1, 3), res
+    robot._ws.close()
+    for token, frame, phrase in (
+            (t.token, {"episode": {**cols, "reward": cols["reward"][:-1]}, "job": job.id}, "episodes.reward"),
+            (t.token, {"episode": cols}, "an episode frame is"),
+            (t.token, {"episode": cols, "job": "no-such-job"}, "unknown job"),
+            (svc["t"]["st"].token, {"episode": cols, "job": job.id}, "unknown job")):
+        other = WebsocketClientPolicy(svc["host"], svc["port"], api_key=token)
+        with pytest.raises(RuntimeError, match=phrase):
+            other.infer(frame)
+    assert svc["nx"].tenant("rl").version == 2  # nothing else trained
+
+
 def test_tokens_reach_only_their_own_tenant(svc):
     for key in (None, "nxt_not-a-token", svc["t"]["cam"].token + "x"):
         with pytest.raises(InvalidStatus) as e:
@@ -219,6 +305,11 @@ def _bad_frames() -> list[tuple[str, bytes | str, str]]:
          "does not fill shape [29]"),
         ("prompt not a string", frame(prompt=5), "prompt: expected a string"),
         ("bad deadline", msgpack_numpy.packb({**good, "deadline_ms": -5}), "deadline_ms: expected milliseconds"),
+        ("prefix longer than the chunk", frame(executed_prefix=np.zeros((5, 4), np.float32)),
+         "executed_prefix: expected [k, 4] numbers with 1 <= k <= 4"),
+        ("prefix of the wrong action dim", frame(executed_prefix=np.zeros((2, 3), np.float32)),
+         "executed_prefix: expected [k, 4]"),
+        ("NaN prefix", frame(executed_prefix=np.full((2, 4), np.nan, np.float32)), "NaN or infinite"),
         ("empty batch", msgpack_numpy.packb({"batch": []}), "non-empty list"),
         ("batch over max_batch", msgpack_numpy.packb({"batch": [good] * 9}), "openpi.max_batch=8"),
         ("frame over the size limit", msgpack_numpy.packb({**good, "prompt": "x" * (LIMIT + 10)}),

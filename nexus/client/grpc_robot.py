@@ -57,16 +57,17 @@ def chunk_dict(reply: pb.ActionChunk) -> dict[str, Any]:
             "logprob": reply.logprob, "value": reply.value, "deadline_missed": reply.deadline_missed,
             "request_id": reply.request_id,
             "timing": {"queue_ms": reply.timing.queue_ms, "forward_ms": reply.timing.forward_ms,
-                       "total_ms": reply.timing.total_ms}}
+                       "total_ms": reply.timing.total_ms, "deadline_ms": reply.timing.deadline_ms}}
 
 
 class ActSession:
     """One open ``Act`` stream of a tenant: observations in, action chunks out, in order."""
 
-    def __init__(self, client: RobotClient, tenant: str) -> None:
+    def __init__(self, client: RobotClient, tenant: str, timeout: float | None = None) -> None:
         self.tenant = tenant
         self._out: queue.Queue = queue.Queue()
-        self._replies: Iterator[pb.ActionChunk] = client._act(iter(self._out.get, _END), metadata=client.metadata)
+        self._replies: Iterator[pb.ActionChunk] = client._act(iter(self._out.get, _END), metadata=client.metadata,
+                                                              timeout=timeout)
         self._next_id = 0
 
     def send(self, obs: Mapping[str, Any] | pb.Observation, **fields: Any) -> None:
@@ -128,8 +129,10 @@ class RobotClient:
                 "proprio_dim": r.proprio_dim, "instruction": r.instruction,
                 "cameras": [{"name": c.name, "height": c.height, "width": c.width} for c in r.cameras]}
 
-    def session(self, tenant: str) -> ActSession:
-        return ActSession(self, tenant)
+    def session(self, tenant: str, timeout: float | None = None) -> ActSession:
+        """An ``Act`` stream of ``tenant``; ``timeout`` (s): the stream's gRPC deadline, which every observation's
+        reply is also due by (the inference queue starts its group in time; see ``deadline_ms`` per observation)."""
+        return ActSession(self, tenant, timeout)
 
     def upload(self, job: str, episodes: Any, timeout: float = 600) -> dict[str, Any]:
         """Whole episodes (an ``EpisodeBuffer`` or its ``columns()``) into the RL job ``job``."""

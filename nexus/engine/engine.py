@@ -237,12 +237,13 @@ class InferenceEngine:
                 proprio = torch.as_tensor(np.stack([feats[idx[row]].proprio for row in rows]))
                 bank = self.heads.bank_of(tenant, policy) if isinstance(cond, BackboneFeatures) else None
                 units.append(_Unit(tenant, version, det, policy, [idx[row] for row in rows], cond[rows], proprio,
-                                   [group[idx[row]].seed for row in rows], bank))
+                                   [group[idx[row]].seed for row in rows], bank,
+                                   [group[idx[row]].obs.executed_prefix for row in rows]))
         by_bank: dict[HeadBank, list[_Unit]] = {}  # a bank hashes by identity
         for u in units:
-            if u.bank is not None:
+            if u.bank is not None and not u.rtc_flow:
                 by_bank.setdefault(u.bank, []).append(u)
-        alone = [u for u in units if u.bank is None]
+        alone = [u for u in units if u.bank is None or u.rtc_flow]
         for us in by_bank.values():
             if not _worth_batching(us):
                 alone += us
@@ -254,7 +255,7 @@ class InferenceEngine:
                 _emit(outs, group, u, action[at:at + n], logprob[at:at + n], value[at:at + n])
                 at += n
         for u in alone:
-            _emit(outs, group, u, *_act(u.policy, u.cond, u.proprio, u.deterministic, u.seeds))
+            _emit(outs, group, u, *_act(u.policy, u.cond, u.proprio, u.deterministic, u.seeds, u.prefixes))
         return outs  # type: ignore[return-value]
 
 
@@ -271,6 +272,27 @@ class _Unit:
     proprio: torch.Tensor
     seeds: list[int | None]
     bank: HeadBank | None  # the bank holding this head, if any
+    prefixes: list[np.ndarray | None]  # each row's executed prefix (real-time chunking), if any
+
+    @property
+    def rtc_flow(self) -> bool:
+        """A flow head with rows that bring an executed prefix: inpainted in its own call, never banked."""
+        return not self.policy.gaussian and any(p is not None for p in self.prefixes)
+
+
+def _prefix_tensors(prefixes: list[np.ndarray | None], chunk: int, action_dim: int
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows' executed prefixes as (actions [N, chunk, A] zero-padded, mask [N, chunk, 1]); None when no row has one."""
+    if all(p is None for p in prefixes):
+        return None
+    target = torch.zeros(len(prefixes), chunk, action_dim)
+    mask = torch.zeros(len(prefixes), chunk, 1)
+    for r, p in enumerate(prefixes):
+        if p is not None:
+            k = min(len(p), chunk)
+            target[r, :k] = torch.as_tensor(np.asarray(p, np.float32)[:k])
+            mask[r, :k] = 1.0
+    return target, mask
 
 
 def _worth_batching(units: list[_Unit]) -> bool:
@@ -310,6 +332,10 @@ def _emit(outs: list[dict[str, Any] | None], group: list[_Request], unit: _Unit,
     """A unit's answers into ``outs`` at its rows' places. A chunked policy answers its first action (receding
     horizon) and the chunk."""
     policy, actions = unit.policy, action.float().cpu().numpy()  # unclipped sample: its logprob is PPO's
+    for j, p in enumerate(unit.prefixes):  # real-time chunking: the chunk starts with what the robot executed
+        if p is not None:
+            k = min(len(p), policy.chunk)
+            actions[j, :k * policy.action_dim] = np.asarray(p, np.float32)[:k].reshape(-1)
     for j, i in enumerate(unit.rows):
         out = {"action": actions[j][:policy.action_dim], "logprob": float(logprob[j]), "value": float(value[j]),
                "version": unit.version}
@@ -341,16 +367,22 @@ def _one_reply(outputs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _act(policy, cond, proprio: torch.Tensor, deterministic: bool, seeds: list[int | None]):
+def _act(policy, cond, proprio: torch.Tensor, deterministic: bool, seeds: list[int | None],
+         prefixes: list[np.ndarray | None] | None = None):
     """The head's actions of some rows; a row with a seed draws its sample from its own generator, so the same
-    request gives the same sample in any group."""
+    request gives the same sample in any group. ``prefixes``: rows' executed prefixes, inpainted into a flow
+    head's denoising (a Gaussian head's are put in front by :func:`_emit`)."""
+    rtc = None if policy.gaussian else _prefix_tensors(prefixes or [None] * len(seeds), policy.chunk,
+                                                       policy.action_dim)
     if deterministic or all(s is None for s in seeds):  # plain: the engine's policies are plain modules
-        return policy.act(cond, proprio, deterministic=deterministic, plain=True)
+        return policy.act(cond, proprio, deterministic=deterministic, plain=True, prefix=rtc)
     if policy.gaussian:
         width = policy.chunk * policy.action_dim
         noise = torch.stack([torch.randn(width) if s is None else
                              torch.randn(width, generator=torch.Generator().manual_seed(s)) for s in seeds])
         return policy.act(cond, proprio, noise=noise, plain=True)
     parts = [policy.act(cond[[r]], proprio[r:r + 1], generator=None if s is None else
-                        torch.Generator().manual_seed(s)) for r, s in enumerate(seeds)]
+                        torch.Generator().manual_seed(s), prefix=None if rtc is None else (rtc[0][r:r + 1],
+                                                                                            rtc[1][r:r + 1]))
+             for r, s in enumerate(seeds)]
     return tuple(torch.cat([p[k] for p in parts]) for k in range(3))

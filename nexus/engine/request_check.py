@@ -47,3 +47,9 @@ def check_request(obs: Any, schema: TenantSchema, tenant: str = "") -> None:
             raise SpecError(f"{who}camera {name!r}: image dtype {dtype}, expected uint8 RGB")
     if not isinstance(obs.instruction, str):
         raise SpecError(f"{who}observation instruction must be a string")
+    prefix = getattr(obs, "executed_prefix", None)
+    if prefix is not None:
+        shape = getattr(prefix, "shape", None)
+        if shape is None or len(shape) != 2 or shape[0] < 1 or shape[1] != schema.action_dim \
+                or not np.isfinite(np.asarray(prefix, np.float64)).all():
+            raise SpecError(f"{who}executed_prefix must be finite numbers [k, {schema.action_dim}], got shape {shape}")

@@ -65,7 +65,7 @@ def create_app(config: ServiceConfig, backend: Backend, tokens: TokenStore, on_r
         reporter = asyncio.get_running_loop().create_task(gw.serving.report_forever())
         if config.openpi.enabled:
             bind_openpi = config.openpi.bind_address or openpi_host or config.host
-            gw.openpi = OpenpiServer(gw, config.openpi, bind_openpi, openpi_ssl)
+            gw.openpi = OpenpiServer(gw, config.openpi, bind_openpi, openpi_ssl, envs=app.state.envs)
             await gw.openpi.start()
         if on_ready is not None:
             on_ready()

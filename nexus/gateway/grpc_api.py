@@ -1,7 +1,9 @@
 """The gateway's gRPC robot API (issue 52 items 2 and 4): ``joynexus.v1.RobotPolicy`` of ``proto/nexus_robot.proto``.
 
 * ``Act``: a bidirectional stream: a robot's observations in (cameras as raw bytes + dtype + shape, state,
-  instruction, an optional deadline and the executed prefix of its previous chunk), one action chunk out per
+  instruction, an optional deadline — the message's ``deadline_ms`` or the call's gRPC deadline, the earlier: the
+  inference queue starts the observation's group in time for it — and the executed prefix of its previous chunk:
+  real-time chunking, the chunk starts with it), one action chunk out per
   observation, in order, with the policy version that acted and the queue / forward / total time. Each
   observation takes the HTTP predict's path (:meth:`nexus.gateway.serving.PredictServer.predict`: the same
   budgets, fair queues and gathered calls), so the robots of many tenants share grouped forwards with the HTTP
@@ -65,7 +67,7 @@ from nexus.errors import (
 )
 from nexus.gateway.auth import Principal
 from nexus.gateway.proto import nexus_robot_pb2 as pb
-from nexus.wire.inputs import MAX_ABS, MAX_ELEMENTS, WIRE_DTYPES, check_observation
+from nexus.wire.inputs import MAX_ELEMENTS, WIRE_DTYPES, check_observation
 
 logger = logging.getLogger("nexus.gateway.grpc")
 
@@ -171,7 +173,7 @@ class RobotPolicy:
                 who = self.who(context)  # again per observation: a token revoked meanwhile stops working
                 msg = _parse(pb.Observation, raw, "observation")
                 try:
-                    reply = await self.one(who, msg, t0)
+                    reply = await self.one(who, msg, t0, context.time_remaining())
                 except Overloaded as e:  # a transient refusal: the robot sends again; its stream stays open
                     reply = pb.ActionChunk(request_id=msg.request_id, retry_after_s=max(e.retry_after_s, 1e-3),
                                            timing=pb.Timing(total_ms=1e3 * (time.perf_counter() - t0)))
@@ -179,9 +181,13 @@ class RobotPolicy:
         except NexusError as e:
             await self._refuse(context, e)
 
-    async def one(self, who: Principal, msg: pb.Observation, t0: float) -> pb.ActionChunk:
-        """One observation's action chunk, through the HTTP predict's path."""
+    async def one(self, who: Principal, msg: pb.Observation, t0: float,
+                  call_remaining_s: float | None = None) -> pb.ActionChunk:
+        """One observation's action chunk, through the HTTP predict's path; its deadline (:func:`deadline_of`: the
+        message's ``deadline_ms``, the gRPC call's own deadline, the earlier) goes to the inference queue, whose
+        forming group starts in time for it, as an HTTP predict's or an openpi frame's."""
         gw = self.gw
+        due_ms = deadline_of(msg.deadline_ms, call_remaining_s, time.perf_counter() - t0)
         tenant = msg.tenant
         if not tenant:
             raise SpecError("observation.tenant: missing; name the tenant whose policy acts")
@@ -196,15 +202,16 @@ class RobotPolicy:
         if msg.HasField("state"):
             raw["state"] = to_array(msg.state, "observation.state")
         obs = check_observation(raw, schema, max_instruction_chars=lim.max_instruction_chars)
-        chunk = spec.chunk if spec is not None else 1
         if msg.HasField("executed_prefix"):
-            _check_prefix(to_array(msg.executed_prefix, "observation.executed_prefix"), chunk, schema.action_dim)
+            obs = gw.with_prefix(spec, schema, obs, to_array(msg.executed_prefix, "observation.executed_prefix"),
+                                 msg.sample, "observation.executed_prefix")
         version = msg.version if msg.HasField("version") else None
         if version is not None and version < 0:
             raise SpecError(f"observation.version: {version}; versions are 0 or more")
         spans: dict[str, float] = {"check": time.perf_counter() - t0}
+        deadline = time.monotonic() - (time.perf_counter() - t0) + due_ms / 1e3 if due_ms is not None else None
         out = await gw.serving.predict(tenant, obs, version, not msg.sample, spans,
-                                       msg.seed if msg.HasField("seed") else None)
+                                       msg.seed if msg.HasField("seed") else None, 1, deadline)
         actions = np.asarray(out.get("chunk", out["action"]), np.float32).reshape(-1, schema.action_dim)
         total = time.perf_counter() - t0
         gw.serving.observe(tenant, total, spans)  # the tenant's latency histogram, as an HTTP predict's
@@ -212,8 +219,9 @@ class RobotPolicy:
             request_id=msg.request_id, actions=to_tensor(actions), policy_version=int(out["version"]),
             logprob=float(out.get("logprob") or 0.0), value=float(out.get("value") or 0.0),
             timing=pb.Timing(queue_ms=1e3 * (spans.get("gateway_queue", 0.0) + spans.get("engine_queue", 0.0)),
-                             forward_ms=1e3 * spans.get("forward", 0.0), total_ms=1e3 * total),
-            deadline_missed=msg.deadline_ms > 0 and 1e3 * total > msg.deadline_ms)
+                             forward_ms=1e3 * spans.get("forward", 0.0), total_ms=1e3 * total,
+                             deadline_ms=due_ms or 0.0),
+            deadline_missed=due_ms is not None and 1e3 * total > due_ms)
 
     # UploadEpisodes -------------------------------------------------------------------------------
     async def upload_episodes(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -260,14 +268,21 @@ class RobotPolicy:
         })
 
 
-def _check_prefix(prefix: np.ndarray, chunk: int, action_dim: int) -> None:
-    """The executed prefix of the previous chunk: [k, action_dim] finite numbers, k <= chunk. Checked, not yet
-    used: the engines' heads do not take it (real-time chunking, issue 52 item 3)."""
-    if prefix.ndim != 2 or prefix.shape[1] != action_dim or not 0 < prefix.shape[0] <= chunk:
-        raise SpecError(f"observation.executed_prefix: [k, {action_dim}] with 1 <= k <= {chunk} (the tenant's chunk) "
-                        f"expected, got shape {tuple(prefix.shape)}")
-    if not np.isfinite(prefix).all() or (prefix.size and np.abs(prefix).max() > MAX_ABS):
-        raise SpecError("observation.executed_prefix: NaN, infinite or huge values")
+MAX_DEADLINE_MS = 600_000.0  # as HTTP's deadline_ms (nexus.gateway.state.PredictBody)
+
+
+def deadline_of(field_ms: float, call_remaining_s: float | None, elapsed_s: float) -> float | None:
+    """An observation's deadline in ms from its arrival: the message's ``deadline_ms`` (0: none) or what is left of
+    the gRPC call's deadline (``context.time_remaining()``, None: no deadline), counted back to the arrival
+    ``elapsed_s`` ago, whichever is earlier; None when neither is set. A field that is not a number of ms in
+    [0, 600000] is a SpecError."""
+    if not (math.isfinite(field_ms) and 0 <= field_ms <= MAX_DEADLINE_MS):
+        raise SpecError(f"observation.deadline_ms: expected milliseconds in [0, {MAX_DEADLINE_MS:g}] (0: none), got "
+                        f"{field_ms!r:.40}")
+    due = [field_ms] if field_ms > 0 else []
+    if call_remaining_s is not None and math.isfinite(call_remaining_s):
+        due.append(max(0.0, 1e3 * (call_remaining_s + elapsed_s)))
+    return min(due) if due else None
 
 
 async def start(gateway, envs, host: str, port: int, max_message_bytes: int, certfile: str | None = None,
@@ -292,4 +307,5 @@ async def start(gateway, envs, host: str, port: int, max_message_bytes: int, cer
     return server, bound
 
 
-__all__ = ["SERVICE", "STATUS", "RobotPolicy", "episode_columns", "start", "status_of", "to_array", "to_tensor"]
+__all__ = ["SERVICE", "STATUS", "RobotPolicy", "deadline_of", "episode_columns", "start", "status_of", "to_array",
+           "to_tensor"]

@@ -30,6 +30,12 @@ Here, in the gateway process (:class:`OpenpiServer`, a ``websockets`` server on 
   (n, horizon, action_dim), its observations queued together into one grouped forward.
 * a config frame ``{"config": {"version", "deadline_ms", "keys"}}`` changes the connection's settings and is
   answered with the new metadata.
+* ``executed_prefix`` in an observation (real-time chunking, [k, action_dim], k <= the chunk): the reply's chunk
+  starts with it (flow heads inpaint it while denoising, ``nexus.engine.engine``); ``"sample": true`` asks for a
+  sample with its ``logprob`` and ``value`` (an RL robot's action).
+* an episode frame ``{"episode": {columns}, "job": id}``: a robot's finished episodes into its tenant's RL job with
+  ``rollouts="external"``, through the HTTP upload's path (checks, store, staleness, back-pressure), answered with
+  ``{"episode": {job, accepted, rows, episodes, policy_version, pending}}``.
 
 Any bad frame (not msgpack, unknown or missing keys, wrong shapes or dtypes, over ``limits.max_request_bytes``)
 is answered with a text frame naming what was wrong, then the connection is closed (code 1008; 1013 for an
@@ -67,6 +73,7 @@ from websockets.http11 import Request, Response
 from nexus.config.service import OpenpiSettings
 from nexus.errors import LimitExceeded, NexusError, NotFound, Overloaded, SpecError, Unauthorized, Unavailable
 from nexus.features import TenantSchema
+from nexus.gateway.envs import store_episodes
 from nexus.gateway.msgpack_arrays import MalformedFrame, pack, unpack
 from nexus.wire.inputs import check_observation
 
@@ -75,7 +82,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("nexus.gateway.openpi")
 
-RESERVED = frozenset({"batch", "config", "deadline_ms"})  # frame keys that are not observation keys
+# frame keys that are not observation keys
+RESERVED = frozenset({"batch", "config", "deadline_ms", "executed_prefix", "sample", "episode", "job"})
 MAX_DEADLINE_MS = 600_000.0
 CLOSE_BAD_INPUT, CLOSE_TRY_LATER, CLOSE_INTERNAL = 1008, 1013, 1011
 
@@ -158,6 +166,8 @@ class Session:
     follow_live: bool = False
     deadline_ms: float | None = None
     limit_bytes: int = 0
+    spec: Any = None  # the tenant's TenantSpec (None: created inside the service): its chunk and head family
+    who: Any = None  # the connection's principal (nexus.gateway.auth.Principal): its episode uploads act as it
 
     def metadata(self, settings: OpenpiSettings) -> dict[str, Any]:
         return {"server": "joynexus", "protocol": "openpi", "tenant": self.tenant,
@@ -252,8 +262,10 @@ def error_text(e: BaseException) -> str:
 # -- the server -----------------------------------------------------------------------------------------------
 class OpenpiServer:
     def __init__(self, gw: Gateway, settings: OpenpiSettings, host: str,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
-        self.gw, self.settings, self.host, self.ssl = gw, settings, host, ssl_context
+                 ssl_context: ssl.SSLContext | None = None, envs: Any = None) -> None:
+        """``envs``: the environment service's side (:class:`nexus.gateway.envs.EnvBackend`) that episode frames
+        are stored through (None: episode frames are refused)."""
+        self.gw, self.settings, self.host, self.ssl, self.envs = gw, settings, host, ssl_context, envs
         self._server: Server | None = None
         self.port: int | None = None
         self.connections = 0  # open now
@@ -305,6 +317,7 @@ class OpenpiServer:
                                     f"{self.settings.max_connections} connections open (openpi.max_connections); "
                                     "close one first\n")
             conn.nexus_session = await self._session(tenant, options)  # type: ignore[attr-defined]
+            conn.nexus_session.who = who  # type: ignore[attr-defined]
         except NexusError as e:
             return conn.respond(e.http_status, error_text(e) + "\n")
         return None
@@ -314,7 +327,7 @@ class OpenpiServer:
         chunk = spec.chunk if spec is not None else 1
         keys = self.settings.keys.get(tenant)
         s = Session(tenant, schema, chunk, check_keys(keys, schema, f"openpi.keys.{tenant}") if keys
-                    else default_keys(schema), limit_bytes=self.gw.limits(tenant).max_request_bytes)
+                    else default_keys(schema), limit_bytes=self.gw.limits(tenant).max_request_bytes, spec=spec)
         s.configure(options)
         if not s.follow_live and s.version is None:  # pinned: the version the engine serves now
             try:
@@ -387,6 +400,11 @@ class OpenpiServer:
             if not s.follow_live and s.version is None:
                 s.version = await self.gw.backend.live_version(s.tenant)
             return pack(s.metadata(self.settings))
+        if "episode" in msg:
+            return pack({"episode": await self._episode(s, msg)})
+        sample = msg.pop("sample", False)
+        if not isinstance(sample, bool):
+            raise SpecError(f"sample: expected true or false, got {sample!r:.40}")
         frame_deadline = deadline_ms(msg.get("deadline_ms"), "deadline_ms")
         ms = frame_deadline if frame_deadline is not None else s.deadline_ms
         deadline = time.monotonic() - (time.perf_counter() - t0) + ms / 1e3 if ms is not None else None
@@ -401,20 +419,25 @@ class OpenpiServer:
             if len(batch) > self.settings.max_batch:
                 raise LimitExceeded(f"batch: {len(batch)} observations is over the limit openpi.max_batch="
                                     f"{self.settings.max_batch}")
-            obs = [to_observation(o, s.keys, s.schema, lim.max_instruction_chars, f"batch[{i}]")
+            obs = [self._observation(s, o, lim.max_instruction_chars, f"batch[{i}]", sample)
                    for i, o in enumerate(batch)]
             t_check = time.perf_counter()
-            outs = await self._admitted(t0, spans, self.gw.serving.predict_group, s.tenant, obs, s.version, True,
-                                        spans, deadline)
+            outs = await self._admitted(t0, spans, self.gw.serving.predict_group, s.tenant, obs, s.version,
+                                        not sample, spans, deadline)
             actions = np.stack([self._actions(s, o) for o in outs])
             reply: dict[str, Any] = {"actions": actions, "versions": [int(o["version"]) for o in outs]}
+            if sample:
+                reply["logprobs"] = [float(o.get("logprob") or 0.0) for o in outs]
+                reply["values"] = [float(o.get("value") or 0.0) for o in outs]
         else:
-            ob = {k: v for k, v in msg.items() if k != "deadline_ms"}
-            one = to_observation(ob, s.keys, s.schema, lim.max_instruction_chars)
+            one = self._observation(s, {k: v for k, v in msg.items() if k != "deadline_ms"}, lim.max_instruction_chars,
+                                    "", sample)
             t_check = time.perf_counter()
-            out = await self._admitted(t0, spans, self.gw.serving.predict, s.tenant, one, s.version, True, spans,
-                                       None, 1, deadline)
+            out = await self._admitted(t0, spans, self.gw.serving.predict, s.tenant, one, s.version, not sample,
+                                       spans, None, 1, deadline)
             reply = {"actions": self._actions(s, out), "version": int(out["version"])}
+            if sample:
+                reply["logprob"], reply["value"] = float(out.get("logprob") or 0.0), float(out.get("value") or 0.0)
         if s.version is None and not s.follow_live:
             s.version = int(reply.get("version", reply.get("versions", [0])[0]))
         t_end = time.perf_counter()
@@ -428,6 +451,32 @@ class OpenpiServer:
             timing["deadline_ms"] = ms
         reply["server_timing"] = timing
         return pack(reply)
+
+    def _observation(self, s: Session, frame: Any, max_instruction_chars: int, where: str = "",
+                     sample: bool = False) -> Any:
+        """A frame's observation, with its ``executed_prefix`` (real-time chunking) when it has one."""
+        prefix = frame.pop("executed_prefix", None) if isinstance(frame, dict) else None
+        obs = to_observation(frame, s.keys, s.schema, max_instruction_chars, where)
+        if prefix is None:
+            return obs
+        return self.gw.with_prefix(s.spec, s.schema, obs, prefix, sample,
+                                   f"{where}.executed_prefix" if where else "executed_prefix")
+
+    async def _episode(self, s: Session, msg: dict[str, Any]) -> dict[str, Any]:
+        """An episode frame ``{"episode": {columns}, "job": id}``: the robot's finished episodes into its tenant's
+        RL job with ``rollouts="external"``, through the HTTP upload's path (:func:`nexus.gateway.envs.store_episodes`:
+        its checks, store, staleness rule and back-pressure). The columns are the HTTP upload's (state, action,
+        reward, logprob, value, terminated, truncated, success, policy_version, images by camera)."""
+        if set(msg) != {"episode", "job"} or not isinstance(msg["job"], str) or not msg["job"]:
+            raise SpecError(f"an episode frame is {{'episode': {{columns}}, 'job': '<RL job id>'}}, got the keys "
+                            f"{sorted(map(str, msg))[:8]}")
+        if self.envs is None:
+            raise Unavailable("this endpoint stores no episodes (no environment service)")
+        job = await self.gw.own_job(s.who, msg["job"])
+        if job["tenant"] != s.tenant:  # the operator's connection drives one tenant: its jobs only
+            raise NotFound(f"unknown job {msg['job'][:80]!r} of tenant {s.tenant!r}")
+        out = await store_episodes(self.gw, self.envs, s.who, msg["job"], msg["episode"])
+        return {k: out[k] for k in ("job", "accepted", "rows", "episodes", "policy_version", "pending")}
 
     async def _admitted(self, t0: float, spans: dict[str, float], call, *args: Any) -> Any:
         """``call(*args)``, tried again while refused as :class:`Overloaded` (a budget, the fair share) for up to

@@ -24,14 +24,14 @@ from nexus.config.paths import dir_bytes
 from nexus.config.service import ServiceConfig, ServiceLimits
 from nexus.config.validation import validate_tenant
 from nexus.errors import LimitExceeded, NexusError, NotFound, Overloaded, SpecError, describe_errors, quote
-from nexus.features import TenantSchema
+from nexus.features import Observation, TenantSchema
 from nexus.gateway.auth import Principal, TokenStore
 from nexus.gateway.backend import Backend
 from nexus.gateway.backend import plain as jsonable
 from nexus.gateway.contract import relative_paths
 from nexus.gateway.serving import PredictServer
 from nexus.spec import TenantSpec
-from nexus.wire.inputs import check_observation
+from nexus.wire.inputs import attach_prefix, check_observation
 
 
 class NexusJSON(JSONResponse):
@@ -90,6 +90,9 @@ class PredictBody(StrictBody):
     n: int = Field(1, ge=1, le=64, description="samples of the action (deterministic=false): actions, logprobs")
     deadline_ms: float | None = Field(None, gt=0, le=600_000, description="the answer is due this long after the "
                                       "request arrived: the engine's group starts in time for it")
+    executed_prefix: Any = Field(None, description="real-time chunking: the actions of the previous chunk the "
+                                 "robot executed, [k, action_dim] (k <= the chunk; a list of lists or an encoded "
+                                 "array): the reply's chunk starts with them and a flow head plans the rest after them")
 
 
 class Gateway:
@@ -150,9 +153,11 @@ class Gateway:
         if body.deterministic and (body.seed is not None or body.n > 1):
             raise SpecError("seed and n > 1 draw samples: set deterministic to false")
         self.serving.shed(tenant)  # over its fair share while others are served: 429 before the checks' cost
-        _, schema = await self.spec_schema(tenant)
+        spec, schema = await self.spec_schema(tenant)
         lim = self.limits(tenant)
         obs = check_observation(body.observation, schema, max_instruction_chars=lim.max_instruction_chars)
+        if body.executed_prefix is not None:
+            obs = self.with_prefix(spec, schema, obs, body.executed_prefix, not body.deterministic)
         spans["check"] = time.perf_counter() - t_route
         deadline = None
         if body.deadline_ms is not None:  # from the request's arrival (the timing middleware's start when timed)
@@ -161,6 +166,13 @@ class Gateway:
                                          deadline)
         spans["_tenant"], spans["_t_done"] = tenant, time.perf_counter()
         return NexusJSON(out)  # rendered once here (numpy to lists, NaN to null)
+
+    @staticmethod
+    def with_prefix(spec: TenantSpec | None, schema: TenantSchema, obs: Observation, value: Any, sample: bool,
+                    field: str = "executed_prefix") -> Observation:
+        """``obs`` with a robot's executed prefix (real-time chunking), checked against the tenant's chunk."""
+        return attach_prefix(obs, value, spec.chunk if spec is not None else 1, schema.action_dim,
+                             spec.action_head if spec is not None else "oft", sample, field)
 
     async def predict_raw(self, tenant: str, raw: bytes, authorization: str | None,
                           spans: dict[str, Any]) -> Response | None:

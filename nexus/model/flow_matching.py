@@ -51,11 +51,15 @@ def interpolate(actions: torch.Tensor, noise: torch.Tensor, tau: torch.Tensor) -
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def integrate(velocity: Velocity, x0: torch.Tensor, steps: int) -> torch.Tensor:
-    """Euler integration of dx/dtau = velocity(x, tau) from tau = 0 (``x0``, noise) to tau = 1."""
-    x = x0
+def integrate(velocity: Velocity, x0: torch.Tensor, steps: int,
+              clamp: Callable[[torch.Tensor, float], torch.Tensor] | None = None) -> torch.Tensor:
+    """Euler integration of dx/dtau = velocity(x, tau) from tau = 0 (``x0``, noise) to tau = 1. ``clamp(x, tau)``:
+    applied after every step (and at tau = 0): inpainting puts known positions back on their path."""
+    x = x0 if clamp is None else clamp(x0, 0.0)
     dt = 1.0 / steps
     for i in range(steps):
         tau = torch.full((x.shape[0],), i * dt, device=x.device, dtype=x.dtype)
         x = x + dt * velocity(x, tau)
+        if clamp is not None:
+            x = clamp(x, (i + 1) * dt)
     return x

@@ -218,13 +218,24 @@ class TenantPolicy(nn.Module):
         return self.head.velocity(feats, proprio, x, tau)
 
     def _sample_flow(self, feats: BackboneFeatures, proprio: torch.Tensor, generator: torch.Generator | None,
-                     deterministic: bool) -> torch.Tensor:
+                     deterministic: bool, prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The flow integrated from noise (zeros when ``deterministic``). ``prefix``: (actions [N, chunk, A], mask
+        [N, chunk, 1], 1 where the robot executed the action): real-time chunking by inpainting — after every
+        step the masked positions are put back on their path from the start noise to the executed action
+        (``tau * prefix + (1 - tau) * x0``), so the velocity of the other positions is computed with the prefix
+        in the chunk's attention, and the chunk ends on the prefix exactly (the replacement form of the RTC
+        paper's inpainting, without its guidance term)."""
         n = len(feats)
         shape = (n, self.chunk, self.action_dim)
         p = next(self.parameters())
-        x0 = torch.zeros(shape) if deterministic else torch.randn(shape, generator=generator)
-        x = integrate(lambda x, tau: self.head.velocity(feats, proprio, x, tau), x0.to(p.device, p.dtype),
-                      self.cfg.flow.steps)
+        x0 = (torch.zeros(shape) if deterministic else torch.randn(shape, generator=generator)).to(p.device, p.dtype)
+        clamp = None
+        if prefix is not None:
+            target, mask = (t.to(p.device, p.dtype) for t in prefix)
+
+            def clamp(x: torch.Tensor, tau: float) -> torch.Tensor:
+                return torch.where(mask > 0, tau * target + (1.0 - tau) * x0, x)
+        x = integrate(lambda x, tau: self.head.velocity(feats, proprio, x, tau), x0, self.cfg.flow.steps, clamp)
         return x.flatten(1)
 
     def _dist(self, feat: BackboneFeatures, proprio: torch.Tensor) -> torch.distributions.Normal:
@@ -233,18 +244,20 @@ class TenantPolicy(nn.Module):
 
     @torch.no_grad()
     def act(self, feat: BackboneFeatures | torch.Tensor, proprio: torch.Tensor, deterministic: bool = False,
-            generator: torch.Generator | None = None, noise: torch.Tensor | None = None, plain: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            generator: torch.Generator | None = None, noise: torch.Tensor | None = None, plain: bool = False,
+            prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sample (or take the deterministic action) -> (unclipped action [N, A], logprob [N], value [N]).
 
         ``noise``: a Gaussian head's standard-normal draws [N, chunk * A] (each row's own; else from ``generator``).
         Flow families return logprob and value 0 (they have neither; RL is refused for them). ``plain``: a
         Gaussian head's layers as functional ops (the same numbers, a fraction of the calls' cost for a row or
         two), for a policy that is a plain module (an inference engine's, an exported one), never a ZeRO-3 one.
+        ``prefix``: a flow family's executed prefix (see :meth:`_sample_flow`); a Gaussian head decodes its chunk's
+        positions in parallel, independently, so it has nothing to condition (the engine puts the prefix in front).
         """
         feats, proprio = self._inputs(feat, proprio)
         if not self.gaussian:
-            action = self._sample_flow(feats, proprio, generator, deterministic)
+            action = self._sample_flow(feats, proprio, generator, deterministic, prefix)
             zeros = action.new_zeros(action.shape[0])
             return action, zeros, zeros
         mean = self.head(feats, proprio, plain=plain)  # log-probs: the same numbers as evaluate()'s

@@ -165,6 +165,31 @@ def _floats(value: Any, field: str, shape: tuple[int | None, ...], expected: str
     return arr.astype(np.float32)
 
 
+def check_prefix(value: Any, chunk: int, action_dim: int, field: str = "executed_prefix") -> np.ndarray:
+    """A robot's executed prefix of its previous chunk (real-time chunking): float32 [k, action_dim] finite numbers,
+    1 <= k <= ``chunk`` (the tenant's chunk); a list of k action lists, an encoded array or an array."""
+    expected = f"[k, {action_dim}] numbers with 1 <= k <= {chunk} (the tenant's chunk)"
+    arr = _floats(value, field, (None, action_dim), expected)
+    if not 1 <= arr.shape[0] <= chunk:
+        raise SpecError(f"{field}: expected {expected}, got shape {tuple(arr.shape)}")
+    return arr
+
+
+def attach_prefix(obs: Observation, value: Any, chunk: int, action_dim: int, action_head: str, sample: bool,
+                  field: str = "executed_prefix") -> Observation:
+    """``obs`` with its checked executed prefix (:func:`check_prefix`; None: none). A sample of the Gaussian (oft)
+    head is refused with one: its log-probability would not be the returned chunk's (the prefix replaces its first
+    actions), and RL trains on it."""
+    if value is None:
+        return obs
+    prefix = check_prefix(value, chunk, action_dim, field)
+    if sample and action_head == "oft":
+        raise SpecError(f"{field}: real-time chunking serves the oft head's mean chunk, not a sample (its "
+                        "log-probability would not be the returned chunk's): send it with a deterministic request")
+    obs.executed_prefix = prefix
+    return obs
+
+
 def check_observation(obs: Any, schema: TenantSchema, *, field: str = "observation",
                       max_instruction_chars: int = 2000) -> Observation:
     """A checked copy of a raw observation (an :class:`Observation` or a dict of its fields)."""
