@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,8 @@ class StepResult:
     terminated: bool
     truncated: bool
     success: bool
+    # the reward terms the env exposes after this step (nexus.sim.reward): success, env_reward, the catalog's own
+    terms: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
