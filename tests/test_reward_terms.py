@@ -140,5 +140,5 @@ def test_two_tenants_train_on_their_own_rewards_and_log_them_per_term(tmp_path):
                 assert all(h["reward/success"] == pytest.approx(h["success_rate"]) for h in rows)
             (run,) = client.search_runs(experiments, filter_string=f"tags.`nexus.job` = '{jobs[name].id}'")
             for k in keys:
-                logged = [m.value for m in client.get_metric_history(run.info.run_id, k)]
+                logged = [m.value for m in client.get_metric_history(run.info.run_id, f"rollout/{k}")]
                 assert logged == pytest.approx([h[k] for h in rows], rel=1e-5), k

@@ -21,8 +21,8 @@ from nexus.spec import RL_ACTION_HEADS, ExternalEnv, JobSpec, TenantSpec
 
 _JOB = TypeAdapter(JobSpec)
 
-__all__ = ["SpecError", "check_eval_version", "check_reward", "check_job_limits", "check_new_tenant", "check_tenant_limits",
-           "validate_job", "validate_tenant"]
+__all__ = ["SpecError", "check_eval_version", "check_job_limits", "check_new_tenant", "check_reward",
+           "check_tenant_limits", "validate_job", "validate_tenant"]
 
 # Episode seeds are derived from a tenant's seed (RL: seed * 1_000_003 + episode, eval: 7_000_003 * (1 + seed)
 # + episode) and simulators take seeds in [0, 2**32): ServiceLimits.max_seed keeps both formulas in range.

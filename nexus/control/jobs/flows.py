@@ -270,7 +270,8 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
                     for k in producer_totals:
                         producer_totals[k] += float(out.stats.get(k, 0.0))
                     ctx.log(js, {"return": out.stats["mean_return"], "success_rate": out.stats["success_rate"],
-                                 **reward_terms(out.stats), "episodes": episodes, "env_steps": env_steps, **producer_totals,
+                                 **reward_terms(out.stats), "episodes": episodes, "env_steps": env_steps,
+                                 **producer_totals,
                                  "version": out.batch.policy_version}, env_steps, "rollout")
                     item = TrainingItem(tenant=name, kind="rl", policy_version=out.batch.policy_version,
                                         work=work(out.batch), job=js.job_id,
