@@ -15,6 +15,10 @@ the jobs' histories (``reward/<term>``).
 
     python experiments/reward_terms/run.py                      # 40 updates each, ~25 min on 2 loaded cores
     python experiments/reward_terms/run.py --updates 10 --eval-every 5 --out /tmp/rt.json   # a smoke run
+    python experiments/reward_terms/run.py --from-root /tmp/nexus-reward-terms-XXXX/service  # an interrupted run
+
+``--from-root`` rebuilds the results of a run stopped early from its service root (the tenants' finished job
+records and evaluation reports); the json says which updates it covers.
 """
 
 from __future__ import annotations
@@ -42,13 +46,17 @@ def rl_job(updates: int, episodes: int) -> dict[str, Any]:
             "ppo": {"gamma": 0.8, "gae_lambda": 0.9, "update_epochs": 8, "minibatch_size": 200, "target_kl": 0.1}}
 
 
+def batch_row(r: dict[str, Any]) -> dict[str, Any]:
+    """An RL batch's history row: its policy version, return, success rate and per-term rewards."""
+    return {k: v for k, v in r.items() if k in ("version", "return", "success_rate") or k.startswith("reward/")}
+
+
 def rollouts(nx, tenant: str) -> list[dict[str, Any]]:
     """Every RL batch the tenant collected: return, success rate and each term's mean per episode."""
     rows = []
     for job in sorted(nx.tenant_log(tenant)["jobs"], key=lambda j: j["t_submit"]):
         if job["kind"] == "rl":
-            rows += [{k: v for k, v in r.items() if k in ("version", "return", "success_rate")
-                      or k.startswith("reward/")} for r in job.get("history", []) if r.get("kind") == "rollout"]
+            rows += [batch_row(r) for r in job.get("history", []) if r.get("kind") == "rollout"]
     return rows
 
 
@@ -60,7 +68,14 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=16, help="episodes per update")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=HERE / "reward_terms.json")
+    ap.add_argument("--from-root", type=Path, help="rebuild the results from a stopped run's service root")
     args = ap.parse_args()
+    if args.from_root is not None:
+        out = {"env": ENV, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+               "stopped_early": True, **from_root(args.from_root)}
+        args.out.write_text(json.dumps(out, indent=1))
+        table(out)
+        return
 
     from nexus.client.api import Nexus
 
@@ -94,6 +109,26 @@ def main() -> None:
            "wall_s_training": time.time() - t_ready, "wall_s_total": time.time() - t0, "results": results}
     args.out.write_text(json.dumps(out, indent=1))
     table(out)
+
+
+def from_root(root: Path) -> dict[str, Any]:
+    """The finished jobs of a run's tenants, read from their records under the service root (``jobs/<id>.json``:
+    spec, result, history), in submission order."""
+    results, t0, t1 = {}, float("inf"), 0.0
+    for name in REWARDS:
+        jobs = sorted((json.loads(f.read_text()) for f in (root / "tenants" / name / "jobs").glob("*.json")),
+                      key=lambda j: j["t_submit"])
+        done = [j for j in jobs if j["state"] == "done"]
+        t0 = min([t0, *(j["t_start"] for j in done)])
+        t1 = max([t1, *(j["t_end"] for j in done)])
+        rollouts = [batch_row(r) for j in done if j["kind"] == "rl" for r in j.get("history", [])
+                    if r.get("kind") == "rollout"]
+        evals = [{"update": j["result"]["version"], **{k: j["result"][k] for k in ("version", "success_rate",
+                                                                                 "mean_return", "episodes")}}
+                 for j in done if j["kind"] == "eval"]
+        results[name] = {"reward": REWARDS[name], "rollouts": rollouts, "evals": evals,
+                         "updates": sum(j["result"]["updates"] for j in done if j["kind"] == "rl")}
+    return {"wall_s_training": t1 - t0, "results": results}
 
 
 def table(out: dict[str, Any]) -> None:
