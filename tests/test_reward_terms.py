@@ -7,6 +7,8 @@ Whether a dense and a sparse tenant learn side by side is measured in experiment
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import numpy as np
 import pytest
@@ -68,8 +70,9 @@ class Scripted:
 
 def test_the_terms_come_from_the_simulator_and_their_sum_is_the_reward():
     """A real PushCube env: a distance term after a step is the distance in the next observation; the stored
-    reward is the weighted, transformed sum of the terms, and each term's per-episode share adds up to it."""
-    entry = catalog.env(PUSH)
+    reward is the weighted, transformed sum of the terms, and each term's per-episode share adds up to it; a
+    vector env's sub-envs give the same."""
+    entry = dataclasses.replace(catalog.env(PUSH), max_episode_steps=20, vector_mode="sync")
     env = make_env(entry, seed=0, device="cpu")
     try:
         obs = env.reset(seed=3)
@@ -84,6 +87,13 @@ def test_the_terms_come_from_the_simulator_and_their_sum_is_the_reward():
         plain = collect_episodes(env, Scripted(), episodes=2, seed=11, tenant="dense")
     finally:
         env.close()
+    vec = make_env(entry, seed=0, device="cpu", num_envs=2)  # the terms travel through the vector env's info
+    try:
+        vcols = collect_episodes(vec, Scripted(), episodes=2, seed=11, tenant="dense", reward=reward)
+    finally:
+        vec.close()
+    for key in ("state", "reward", "ep_reward/tcp_to_obj_dist", "ep_return"):
+        np.testing.assert_allclose(vcols[key], cols[key], rtol=1e-6, err_msg=key)
     states, steps = cols["state"], cols["step"]
     first = np.flatnonzero(steps == 0)
     # the reward after step t from the state of step t + 1 (within an episode), computed here independently

@@ -132,6 +132,9 @@ class _One:
     def step(self, actions: np.ndarray) -> list[StepResult]:
         return [self.env.step(actions[0])]
 
+    def want_terms(self, names: Any) -> None:
+        self.env.want_terms(names)
+
 
 Policy = Callable[[Observation], PolicyOutput]
 _TERMS = "terms"  # a record's per-step reward-term contributions (a tenant's own reward)
@@ -279,6 +282,8 @@ def collect_waves(waves: list[SimEnv | BatchedEnv], client: ActionClient, episod
     schema = first.schema
     low, high = first.action_bounds
     groups: list[Any] = [w if hasattr(w, "reset_some") else _One(w) for w in waves]  # type: ignore[arg-type]
+    for g in groups:  # the declared reward terms this tenant's reward reads, and no others (they cost queries)
+        g.want_terms(reward.names if reward is not None else ())
     cams = [c.name for c in schema.cameras]
     limit = first.max_episode_steps
     pending = list(range(episodes))[::-1]  # pop() gives the lowest pending episode

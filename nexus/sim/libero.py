@@ -157,7 +157,8 @@ class LiberoEnv(SimEnv):
         raw, _reward, _done, info = self._env.step(act)
         self._t += 1
         success = bool(self._env.check_success())
-        terms = builtin_terms(float(success), success) | robosuite_terms(self.entry, self._env.env, raw, info)
+        terms = builtin_terms(float(success), success) | robosuite_terms(self.entry, self._env.env, raw, info,
+                                                                          self.read_terms)
         return StepResult(obs=self._observation(raw), reward=float(success),
                           terminated=success and self.entry.terminate_on_success,
                           truncated=self._t >= self.entry.max_episode_steps, success=success, terms=terms)

@@ -152,7 +152,7 @@ class ManiSkillEnv(SimEnv):
         raw, reward, terminated, truncated, info = self._env.step(act_in)
         success = bool(_scalar(info.get("success", False)))
         reward = float(_scalar(reward))
-        terms = builtin_terms(reward, success) | maniskill_terms(self.entry, self.unwrapped, info)[0]
+        terms = builtin_terms(reward, success) | maniskill_terms(self.entry, self.unwrapped, info, self.read_terms)[0]
         return StepResult(obs=self._map(_first(raw, self._gpu)), reward=reward,
                           terminated=bool(_scalar(terminated)) and (self.entry.terminate_on_success or not success),
                           truncated=bool(_scalar(truncated)), success=success, terms=terms)
@@ -203,7 +203,7 @@ class ManiSkillBatchedEnv(BatchedSimEnv):
         reward, terminated, truncated = (x.reshape(-1).cpu().numpy() for x in (reward, terminated, truncated))
         success = info.get("success")
         success = success.reshape(-1).cpu().numpy() if success is not None else np.zeros(self.num_envs, bool)
-        declared = maniskill_terms(self.entry, self._env.unwrapped, info)
+        declared = maniskill_terms(self.entry, self._env.unwrapped, info, self.read_terms)
         declared = declared * self.num_envs if len(declared) == 1 else declared  # a term without a sub-env axis
         return [StepResult(obs=self._maps[i](_index(raw, i)), reward=float(reward[i]),
                            terminated=bool(terminated[i]) and (self.entry.terminate_on_success or not success[i]),

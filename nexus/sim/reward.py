@@ -8,7 +8,7 @@ term's name, a weight and one transform of a fixed set, evaluated here; nothing 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,12 +46,17 @@ def _distance(pa: np.ndarray, pb: np.ndarray, axes: str) -> np.ndarray:
     return np.linalg.norm(d, axis=1)
 
 
-def maniskill_terms(env: EnvEntry, base: Any, info: Mapping[str, Any]) -> list[dict[str, float]]:
+def _declared(entry: EnvEntry, names: Collection[str] | None) -> list[tuple[str, Any]]:
+    return [(k, v) for k, v in entry.reward_terms.items() if names is None or k in names]
+
+
+def maniskill_terms(env: EnvEntry, base: Any, info: Mapping[str, Any],
+                    names: Collection[str] | None = None) -> list[dict[str, float]]:
     """The declared terms of a ManiSkill task after a step, one dict per sub-env (``base``: the unwrapped
-    ``BaseEnv``; ``info``: its step info, batched or not). Objects are task attributes ("obj", "agent.tcp")
-    with a pose (or a position tensor)."""
+    ``BaseEnv``; ``info``: its step info, batched or not; ``names``: only these, None: all). Objects are task
+    attributes ("obj", "agent.tcp") with a pose (or a position tensor)."""
     cols: dict[str, np.ndarray] = {}
-    for name, src in env.reward_terms.items():
+    for name, src in _declared(env, names):
         if src.kind == "info":
             if src.args[0] not in info:
                 raise CatalogError(f"env {env.name!r}: reward term {name!r}: the step info has no "
@@ -74,12 +79,14 @@ def _robosuite_model(env: Any, name: str, entry: EnvEntry, term: str) -> Any:
     return env.robots[0].gripper if name == "gripper" else _attr(env, name, entry, term)
 
 
-def robosuite_terms(entry: EnvEntry, env: Any, raw: Mapping[str, Any], info: Mapping[str, Any]) -> dict[str, float]:
+def robosuite_terms(entry: EnvEntry, env: Any, raw: Mapping[str, Any], info: Mapping[str, Any],
+                    names: Collection[str] | None = None) -> dict[str, float]:
     """The declared terms of a robosuite (or LIBERO) task after a step (``env``: the robosuite environment;
     ``raw``: its observation dict). Positions are observation keys ("cube_pos", "robot0_eef_pos"); contacts and
-    grasps name models ("gripper": the robot's; else an attribute of the task, e.g. "cube")."""
+    grasps name models ("gripper": the robot's; else an attribute of the task, e.g. "cube"); ``names``: only
+    these, None: all."""
     out: dict[str, float] = {}
-    for name, src in entry.reward_terms.items():
+    for name, src in _declared(entry, names):
         if src.kind == "info":
             if src.args[0] not in info:
                 raise CatalogError(f"env {entry.name!r}: reward term {name!r}: the step info has no "

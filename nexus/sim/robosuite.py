@@ -145,7 +145,7 @@ class RobosuiteEnv(SimEnv):
         raw, reward, _done, info = self._env.step(act)
         self._t += 1
         success = bool(self._env._check_success())
-        terms = builtin_terms(reward, success) | robosuite_terms(self.entry, self._env, raw, info)
+        terms = builtin_terms(reward, success) | robosuite_terms(self.entry, self._env, raw, info, self.read_terms)
         return StepResult(obs=self._observation(raw), reward=float(reward),
                           terminated=success and self.entry.terminate_on_success,
                           truncated=self._t >= self.entry.max_episode_steps, success=success, terms=terms)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import warnings
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,9 @@ def _gym_env_class() -> type:
 
         def close(self) -> None:
             self.sim.close()
+
+        def want_terms(self, names: frozenset[str] | None) -> None:
+            self.sim.want_terms(names)
 
     return GymSimEnv
 
@@ -146,6 +150,10 @@ class VectorSimEnv(BatchedSimEnv):
                            truncated=bool(truncated[i]), success=bool(success[i]),
                            terms={k: float(v[i]) for k, v in terms.items()}) for i in range(self.num_envs)]
 
+    def want_terms(self, names: Collection[str] | None) -> None:
+        super().want_terms(names)
+        self._env.call("want_terms", self.read_terms)  # in every sub-env (its own process when async)
+
     def _observation(self, raw: dict[str, np.ndarray], i: int) -> Observation:
         # copies: the vector env reuses its (shared-memory) buffers on the next call
         return Observation(state=np.array(raw["state"][i], np.float32),
@@ -185,6 +193,11 @@ class LockstepEnvs(BatchedSimEnv):
 
     def reset_some(self, seeds: dict[int, int | None]) -> dict[int, Observation]:
         return {i: self.envs[i].reset(seed=s) for i, s in seeds.items()}
+
+    def want_terms(self, names: Collection[str] | None) -> None:
+        super().want_terms(names)
+        for e in self.envs:
+            e.want_terms(names)
 
     def step(self, actions: np.ndarray) -> list[StepResult]:
         return self.step_slots(list(range(self.num_envs)), np.asarray(actions, np.float32))
