@@ -15,7 +15,7 @@ from nexus.algorithms.ppo import PPOConfig
 from nexus.errors import SpecError
 
 __all__ = ["AdamParams", "GRPOConfig", "PPOConfig", "EvalJob", "ExternalEnv", "JobRequest", "JobSpec",
-           "LoraConfig", "RLJob", "SFTJob", "TenantSpec"]
+           "LoraConfig", "RLJob", "RewardTerm", "SFTJob", "TenantSpec"]
 
 TenantName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,39}$")]
 
@@ -103,6 +103,34 @@ class ExternalEnv(_Spec):
     instruction: str = Field("", max_length=2000, description="the task in words (the backbone's prompt)")
 
 
+# A reward term's name: a built-in ("success", "env_reward") or one the env's catalog entry declares
+# ("tcp_to_obj_dist", "info.is_grasped"); checked against the entry at validation (nexus.config.validation).
+REWARD_PREFIX = "reward/"  # a term's statistics and metrics: "reward/<term>", its mean sum per episode
+REWARD_TERM_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,63}(\.[A-Za-z_][A-Za-z0-9_]{0,63})?$"
+
+
+class RewardTerm(_Spec):
+    """One term of a tenant's own reward for a service-hosted env: ``weight * transform(value)``, per step, where
+    ``value`` is the named quantity the env exposes after the step (its catalog entry lists them). The terms
+    are data, evaluated by the service's fixed code: no expression or code of the tenant runs."""
+
+    term: str = Field(pattern=REWARD_TERM_PATTERN, max_length=129,
+                      description="what the env exposes: success (0/1), env_reward (the env's own reward), or a "
+                      "term of its catalog entry (distances, grasps/contacts, info.<key>)")
+    weight: float = Field(1.0, ge=-1e3, le=1e3)
+    transform: Literal["linear", "tanh", "exp", "below"] = Field(
+        "linear", description="linear: x; tanh: 1 - tanh(scale * x); exp: exp(-scale * x); below: 1 if x < "
+        "threshold else 0 (tanh and exp turn a distance into a closeness in (0, 1])")
+    scale: float = Field(1.0, gt=0, le=1e4, description="tanh / exp: how fast the closeness falls with x")
+    threshold: float | None = Field(None, description="below: the value under which the term is 1")
+
+    @model_validator(mode="after")
+    def _threshold_for_below(self) -> RewardTerm:
+        if (self.transform == "below") != (self.threshold is not None):
+            raise ValueError(f"reward term {self.term!r}: a threshold goes with transform='below' and only with it")
+        return self
+
+
 class TenantSpec(_Spec):
     """A tenant: its task (env for RL/eval, dataset for SFT), action module and limits."""
 
@@ -137,6 +165,9 @@ class TenantSpec(_Spec):
     lora: LoraConfig | None = Field(None, description="a LoRA adapter on the shared backbone (off by default)")
     init_from: str | None = Field(None, max_length=4096, description="an exported policy directory to initialise "
                                   "the head (and adapter) from, when the tenant has no checkpoint yet")
+    reward: tuple[RewardTerm, ...] | None = Field(
+        None, min_length=1, max_length=16, description="the tenant's own reward in its catalog env: the sum of these "
+        "weighted terms per step (RL and evaluation returns); unset: the env's own reward")
 
     @model_validator(mode="after")
     def _needs_a_source(self) -> TenantSpec:
@@ -145,6 +176,14 @@ class TenantSpec(_Spec):
                              "'dataset' (SFT)")
         if self.env is not None and self.external is not None:
             raise ValueError("a tenant has a catalog 'env' or an 'external' one, not both")
+        if self.reward is not None:
+            if self.env is None:
+                raise ValueError("a 'reward' needs a catalog 'env': its terms are what the service's simulator "
+                                 "exposes (an external env's episodes carry the tenant's own rewards)")
+            names = [t.term for t in self.reward]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"reward terms {twice} appear twice: one entry per term (each is logged by name)")
         return self
 
     @model_validator(mode="after")

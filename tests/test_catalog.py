@@ -133,6 +133,10 @@ instruction = "pick"
         catalog.env("mine/ycb")
 
 
+PUSH_X = ('simulator = "maniskill"\n[tasks.x]\nenv_id = "PushCube-v1"\ncontrol_mode = "c"\nmax_episode_steps = 5\n'
+          'proprio_dim = 1\naction_dim = 1\n')  # a valid task, for bad reward-term declarations
+
+
 @pytest.mark.parametrize("body, match", [
     ('simulator = "gazebo"\n', "simulator 'gazebo'"),
     ('simulator = "maniskill"\n[tasks.x]\nenv_id = "PushCube-v1"\nobs_mode = "rgb"\ncontrol_mode = "c"\n'
@@ -140,6 +144,11 @@ instruction = "pick"
     ('simulator = "robosuite"\n[tasks.x]\nenv_id = "Lift"\ncontrol_mode = "osc_pose"\nmax_episode_steps = 5\n'
      'proprio_dim = 1\naction_dim = 7\nsuccess = "evaluate"\n', "success"),
     ('simulator = "maniskill"\n[tasks.x]\nenv_id = "PushCube-v1"\nmax_episode_steps = 5\n', "lacks"),
+    (PUSH_X + 'reward_terms = { success = { distance = ["obj", "goal_region"] } }\n', "reward term 'success'"),
+    (PUSH_X + 'reward_terms = { d = { distance = ["obj"] } }\n', "distance takes two objects"),
+    (PUSH_X + 'reward_terms = { d = { grasp = "obj.__class__" } }\n', "grasp takes one object"),
+    (PUSH_X + 'reward_terms = { d = { distance = ["obj", "goal_region"], axes = "z" } }\n', "axes"),
+    (PUSH_X + 'info_terms = ["a b"]\n', "info_terms"),
 ])
 def test_bad_suite_files_are_reported(tmp_path, monkeypatch, body, match):
     monkeypatch.setenv("NEXUS_CATALOG_ROOT", str(_root(tmp_path, extra_env=body)))

@@ -9,6 +9,7 @@ refused here, at spec validation, with the reason; nothing is ever prompted or d
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -24,6 +25,13 @@ DATASET_FORMATS = ("arrow", "lerobot")
 SUCCESS_CRITERIA = {"maniskill": ("evaluate",), "robosuite": ("check_success",), "libero": ("check_success",)}
 
 
+# Reward terms every env exposes (a tenant's ``reward``, nexus.spec.RewardTerm): the task's success flag (0/1) and
+# the env's own reward (in the entry's reward_mode). An entry adds its own with ``reward_terms`` / ``info_terms``.
+BUILTIN_REWARD_TERMS = ("success", "env_reward")
+REWARD_SOURCES = ("distance", "contact", "grasp")  # what a catalog reward term measures
+_POINT = re.compile(r"[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*")  # an object / key path: no private names
+
+
 class CatalogError(ValueError):
     """A name that the catalog does not know, or a task that cannot run here."""
 
@@ -31,6 +39,21 @@ class CatalogError(ValueError):
 def catalog_root() -> Path:
     """The folder holding ``envs/`` and ``datasets/`` (the repository root by default)."""
     return Path(os.environ.get("NEXUS_CATALOG_ROOT", Path(__file__).resolve().parents[2]))
+
+
+@dataclass(frozen=True)
+class RewardSource:
+    """A reward term an env entry declares, read from the simulator after every step by the back-end's fixed code.
+
+    ``distance`` [a, b]: the Euclidean distance between two objects' positions (``axes`` "xy": on the table's
+    plane); ``contact`` [a, b]: whether they touch (ManiSkill: the contact force between them, in N; robosuite: 0/1);
+    ``grasp`` [a]: whether the robot grasps the object (0/1); ``info``: the simulator's step info value of that
+    key. Objects are named as the back-end knows them: ManiSkill task attributes ("obj", "agent.tcp"), robosuite
+    observation keys for positions ("cube_pos") and model attributes for contacts ("cube")."""
+
+    kind: str  # REWARD_SOURCES or "info"
+    args: tuple[str, ...]
+    axes: str = "xyz"
 
 
 @dataclass(frozen=True)
@@ -50,6 +73,12 @@ class EnvEntry:
     num_envs: int = 1  # sub-environments per rollout task (gymnasium vector env when > 1)
     vector_mode: str = "async"  # "async" (one process each, forkserver) or "sync" (in-process)
     description: str = ""
+    reward_terms: dict[str, RewardSource] = field(default_factory=dict)  # besides BUILTIN_REWARD_TERMS
+
+    @property
+    def reward_term_names(self) -> tuple[str, ...]:
+        """The terms a tenant's reward may use in this env."""
+        return (*BUILTIN_REWARD_TERMS, *self.reward_terms)
 
 
 @dataclass(frozen=True)
@@ -76,6 +105,31 @@ def _schema(d: dict[str, Any], where: str) -> TenantSchema:
         raise CatalogError(f"{where}: bad schema ({type(e).__name__}: {e})") from None
 
 
+def _reward_sources(t: dict[str, Any], where: str) -> dict[str, RewardSource]:
+    """An entry's ``reward_terms`` ({name = {distance = [a, b], axes = "xy"}}, {contact = [a, b]}, {grasp = a})
+    and ``info_terms`` (simulator info keys, exposed as ``info.<key>``)."""
+    out: dict[str, RewardSource] = {}
+    for name, d in dict(t.get("reward_terms", {})).items():
+        kinds = [k for k in REWARD_SOURCES if isinstance(d, dict) and k in d]
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", name) or name in BUILTIN_REWARD_TERMS or len(kinds) != 1:
+            raise CatalogError(f"{where}: reward term {name!r}: a plain name (not {BUILTIN_REWARD_TERMS}) with one "
+                               f"of {REWARD_SOURCES}")
+        args = d[kinds[0]]
+        args = (args,) if isinstance(args, str) else tuple(args)
+        axes = str(d.get("axes", "xyz"))
+        if len(args) != (1 if kinds[0] == "grasp" else 2) or not all(isinstance(a, str) and _POINT.fullmatch(a)
+                                                                       for a in args) or axes not in ("xyz", "xy"):
+            raise CatalogError(f"{where}: reward term {name!r}: {kinds[0]} takes "
+                               f"{'one object' if kinds[0] == 'grasp' else 'two objects'} (dotted names) and axes "
+                               f"'xyz' | 'xy', got {d}")
+        out[name] = RewardSource(kinds[0], args, axes)
+    for key in t.get("info_terms", []):
+        if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", key):
+            raise CatalogError(f"{where}: info_terms: {key!r} is not a plain key")
+        out[f"info.{key}"] = RewardSource("info", (key,))
+    return out
+
+
 def _env_entry(suite: str, task: str, simulator: str, t: dict[str, Any], where: str) -> EnvEntry:
     try:
         options = dict(t.get("options", {}))
@@ -87,7 +141,8 @@ def _env_entry(suite: str, task: str, simulator: str, t: dict[str, Any], where: 
             schema=_schema(t, where), options=options, proprio_keys=tuple(keys) if keys is not None else None,
             success=str(t.get("success", SUCCESS_CRITERIA.get(simulator, ("",))[0])),
             terminate_on_success=bool(t.get("terminate_on_success", True)), num_envs=int(t.get("num_envs", 1)),
-            vector_mode=str(t.get("vector_mode", "async")), description=str(t.get("description", "")))
+            vector_mode=str(t.get("vector_mode", "async")), description=str(t.get("description", "")),
+            reward_terms=_reward_sources(t, f"{where}: task {task!r}"))
     except KeyError as e:
         raise CatalogError(f"{where}: task {task!r} lacks {e.args[0]!r}") from None
     if entry.success not in SUCCESS_CRITERIA[simulator]:

@@ -21,8 +21,8 @@ from nexus.spec import RL_ACTION_HEADS, ExternalEnv, JobSpec, TenantSpec
 
 _JOB = TypeAdapter(JobSpec)
 
-__all__ = ["SpecError", "check_eval_version", "check_job_limits", "check_new_tenant", "check_tenant_limits",
-           "validate_job", "validate_tenant"]
+__all__ = ["SpecError", "check_eval_version", "check_job_limits", "check_new_tenant", "check_reward",
+           "check_tenant_limits", "validate_job", "validate_tenant"]
 
 # Episode seeds are derived from a tenant's seed (RL: seed * 1_000_003 + episode, eval: 7_000_003 * (1 + seed)
 # + episode) and simulators take seeds in [0, 2**32): ServiceLimits.max_seed keeps both formulas in range.
@@ -112,6 +112,8 @@ def validate_tenant(raw: dict[str, Any] | TenantSpec,
         ds = catalog.dataset(spec.dataset) if spec.dataset is not None else None
     except catalog.CatalogError as e:
         raise SpecError(f"invalid tenant spec {spec.name!r}: {e}") from None
+    if env is not None and spec.reward is not None:
+        check_reward(spec.name, env, spec.reward)
     own = external_schema(spec.external) if spec.external is not None else None
     schema = env.schema if env else own if own else ds.schema  # type: ignore[union-attr]
     source = env.schema if env else own
@@ -126,6 +128,17 @@ def validate_tenant(raw: dict[str, Any] | TenantSpec,
         raise SpecError(f"invalid tenant spec {spec.name!r}: action_dim={spec.action_dim} but {src!r} "
                         f"has {schema.action_dim}-dim actions")
     return spec, schema
+
+
+def check_reward(tenant: str, env: catalog.EnvEntry, terms: Any) -> None:
+    """Every term of a tenant's reward must be one its env exposes: a SpecError names the unknown ones and lists
+    the known ones."""
+    known = env.reward_term_names
+    unknown = [t.term for t in terms if t.term not in known]
+    if unknown:
+        raise SpecError(f"invalid tenant spec {tenant!r}: reward term{'s' * (len(unknown) > 1)} "
+                        f"{', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not exposed by env "
+                        f"{env.name!r}; it exposes: {', '.join(known)}")
 
 
 def schema_of(spec: TenantSpec) -> TenantSchema:

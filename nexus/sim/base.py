@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,8 @@ class StepResult:
     terminated: bool
     truncated: bool
     success: bool
+    # the reward terms the env exposes after this step (nexus.sim.reward): success, env_reward, the catalog's own
+    terms: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,13 @@ class CatalogEnv:
     """What every environment of a catalog entry exposes, single or batched."""
 
     entry: EnvEntry
+    # the catalog-declared reward terms read after each step (None: all; a producer asks for its tenant's only,
+    # since reading them costs simulator queries); success and env_reward are always there
+    read_terms: frozenset[str] | None = None
+
+    def want_terms(self, names: Collection[str] | None) -> None:
+        """Read only these declared reward terms after each step from now on (None: all of them)."""
+        self.read_terms = None if names is None else frozenset(names)
 
     @property
     def schema(self) -> TenantSchema:

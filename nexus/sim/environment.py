@@ -26,6 +26,7 @@ from nexus.data.trajectory_store import episode_stats
 from nexus.features import Observation, TenantSchema
 from nexus.sim.base import EnvSchemaError, PolicyOutput, SimEnv, StepResult
 from nexus.sim.maniskill import PROPRIO_GROUPS, ManiSkillBatchedEnv, ManiSkillEnv, cuda_available
+from nexus.sim.reward import REWARD_PREFIX, TenantReward
 from nexus.sim.robosuite import RobosuiteEnv
 from nexus.sim.vector import LockstepEnvs, VectorSimEnv, make_single
 
@@ -131,8 +132,12 @@ class _One:
     def step(self, actions: np.ndarray) -> list[StepResult]:
         return [self.env.step(actions[0])]
 
+    def want_terms(self, names: Any) -> None:
+        self.env.want_terms(names)
+
 
 Policy = Callable[[Observation], PolicyOutput]
+_TERMS = "terms"  # a record's per-step reward-term contributions (a tenant's own reward)
 _STEP_KEYS = ("episode", "step", "state", "action", "reward", "terminated", "truncated", "success",
               "logprob", "value", "policy_version")
 
@@ -226,7 +231,7 @@ def step_slots(env: Any, slots: list[int], actions: np.ndarray) -> list[StepResu
 
 
 def collect_episodes(env: SimEnv | BatchedEnv, policy: Policy, episodes: int, seed: int, tenant: str,
-                     episode_offset: int = 0) -> dict[str, np.ndarray]:
+                     episode_offset: int = 0, reward: TenantReward | None = None) -> dict[str, np.ndarray]:
     """Run ``episodes`` whole episodes and return trajectory columns.
 
     Episode ``i`` is reset with seed ``seed + episode_offset + i`` and gets episode id
@@ -243,16 +248,20 @@ def collect_episodes(env: SimEnv | BatchedEnv, policy: Policy, episodes: int, se
     policy_version. Per-episode summaries (length E) use the ``ep_`` prefix: ep_episode, ep_return,
     ep_length, ep_success (success at any step); the trajectory store ignores them.
 
+    ``reward``: the tenant's own reward terms: the reward column is their weighted sum (not the env's reward),
+    and ``ep_reward/<term>`` holds each term's sum per episode.
+
     The observation after an episode's last step is not recorded: a learner that bootstraps
     truncated episodes must treat their last value as the bootstrap estimate.
     """
-    columns, _ = collect_waves([env], PolicyClient(policy), episodes, seed, tenant, episode_offset)
+    columns, _ = collect_waves([env], PolicyClient(policy), episodes, seed, tenant, episode_offset, reward=reward)
     return columns
 
 
 def collect_waves(waves: list[SimEnv | BatchedEnv], client: ActionClient, episodes: int, seed: int,
                   tenant: str, episode_offset: int = 0,
-                  keep_features: bool = False, group_size: int = 1) -> tuple[dict[str, np.ndarray], ProducerStats]:
+                  keep_features: bool = False, group_size: int = 1,
+                  reward: TenantReward | None = None) -> tuple[dict[str, np.ndarray], ProducerStats]:
     """:func:`collect_episodes` over several groups ("waves") of envs, each asking ``client`` for
     the actions of all its running envs in one request.
 
@@ -263,6 +272,7 @@ def collect_waves(waves: list[SimEnv | BatchedEnv], client: ActionClient, episod
     reply carries features of one backbone, they become a ``feature`` column [N, H] (float32) and
     ``stats.feature_key`` names that backbone. ``group_size`` > 1 (GRPO): episode id ``e`` is reset with seed
     ``seed + e // group_size``, so each group of ``group_size`` consecutive episodes starts from one state.
+    ``reward``: the tenant's reward terms replace the env's reward (:func:`collect_episodes`).
     """
     if episodes < 0:
         raise ValueError("episodes must be >= 0")
@@ -272,6 +282,8 @@ def collect_waves(waves: list[SimEnv | BatchedEnv], client: ActionClient, episod
     schema = first.schema
     low, high = first.action_bounds
     groups: list[Any] = [w if hasattr(w, "reset_some") else _One(w) for w in waves]  # type: ignore[arg-type]
+    for g in groups:  # the declared reward terms this tenant's reward reads, and no others (they cost queries)
+        g.want_terms(reward.names if reward is not None else ())
     cams = [c.name for c in schema.cameras]
     limit = first.max_episode_steps
     pending = list(range(episodes))[::-1]  # pop() gives the lowest pending episode
@@ -288,7 +300,7 @@ def collect_waves(waves: list[SimEnv | BatchedEnv], client: ActionClient, episod
             if pending:
                 i = pending.pop()
                 slot_ep[(w, s)], seeds[s] = i, seed + (episode_offset + i) // group_size
-                records[i] = {k: [] for k in (*_STEP_KEYS, *(f"image.{c}" for c in cams))}
+                records[i] = {k: [] for k in (*_STEP_KEYS, *(f"image.{c}" for c in cams), _TERMS)}
                 features[i] = []
         if seeds:
             for s, o in groups[w].reset_some(seeds).items():
@@ -337,8 +349,13 @@ def collect_waves(waves: list[SimEnv | BatchedEnv], client: ActionClient, episod
                 rec = records[i]
                 t = len(rec["step"])
                 last = t == limit - 1  # the catalog's step limit is authoritative
+                r = res.reward
+                if reward is not None:
+                    parts = reward.contributions(res.terms)
+                    rec[_TERMS].append(parts)
+                    r = float(np.sum(parts, dtype=np.float64))
                 for key, value in (("episode", episode_offset + i), ("step", t), ("state", obs[(w, s)].state),
-                                   ("action", raws[j]), ("reward", res.reward), ("terminated", res.terminated),
+                                   ("action", raws[j]), ("reward", r), ("terminated", res.terminated),
                                    ("truncated", res.truncated or (last and not res.terminated)),
                                    ("success", res.success), ("logprob", out.logprob), ("value", out.value),
                                    ("policy_version", out.version)):
@@ -355,6 +372,11 @@ def collect_waves(waves: list[SimEnv | BatchedEnv], client: ActionClient, episod
             stats.sim_s += time.perf_counter() - t_sim
             submit(w)
     cols = _columns([records[i] for i in range(episodes)], schema, tenant, episode_offset)
+    if reward is not None:  # each term's share of every episode's return
+        for k, name in enumerate(reward.names):
+            cols[f"ep_{REWARD_PREFIX}{name}"] = np.asarray(
+                [float(np.sum([p[k] for p in records[i][_TERMS]], dtype=np.float64)) for i in range(episodes)],
+                np.float32)
     keys = set(feature_key)
     if keep_features and episodes and len(keys) == 1 and None not in keys:
         cols["feature"] = np.stack([f for i in range(episodes) for f in features[i]]).astype(np.float32, copy=False)
@@ -386,6 +408,13 @@ def _columns(records: list[dict[str, list[Any]]], schema: TenantSchema, tenant: 
     cols["ep_length"] = np.asarray([len(r["step"]) for r in records], np.int64)
     cols["ep_success"] = np.asarray([any(r["success"]) for r in records], np.bool_)
     return cols
+
+
+def term_stats(columns: dict[str, np.ndarray]) -> dict[str, float]:
+    """``reward/<term>``: each reward term's mean sum per episode (they add up to the mean return)."""
+    prefix = f"ep_{REWARD_PREFIX}"
+    return {k.removeprefix("ep_"): float(np.mean(v, dtype=np.float64)) for k, v in columns.items()
+            if k.startswith(prefix) and len(v)}
 
 
 def _stack(items: list[np.ndarray], shape: tuple[int, ...], dtype: type) -> np.ndarray:

@@ -37,6 +37,7 @@ import numpy as np
 from nexus.config.catalog import CatalogError, EnvEntry
 from nexus.features import Observation
 from nexus.sim.base import EnvSchemaError, SimEnv, StepResult, check_observation
+from nexus.sim.reward import builtin_terms, robosuite_terms
 from nexus.sim.robosuite import _prepare_process as _prepare_mujoco
 from nexus.sim.robosuite import clear_gripper_actions, quat_to_axisangle
 
@@ -153,12 +154,14 @@ class LiberoEnv(SimEnv):
         act = np.asarray(action, np.float32).reshape(-1)
         if act.shape != self._low.shape:
             raise ValueError(f"env {self.entry.name!r}: action shape {act.shape} != ({self._low.shape[0]},)")
-        raw, _reward, _done, _info = self._env.step(act)
+        raw, _reward, _done, info = self._env.step(act)
         self._t += 1
         success = bool(self._env.check_success())
+        terms = builtin_terms(float(success), success) | robosuite_terms(self.entry, self._env.env, raw, info,
+                                                                          self.read_terms)
         return StepResult(obs=self._observation(raw), reward=float(success),
                           terminated=success and self.entry.terminate_on_success,
-                          truncated=self._t >= self.entry.max_episode_steps, success=success)
+                          truncated=self._t >= self.entry.max_episode_steps, success=success, terms=terms)
 
     def close(self) -> None:
         env, self._env = getattr(self, "_env", None), None

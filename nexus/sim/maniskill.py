@@ -23,6 +23,7 @@ from nexus.sim.base import (
     leaf_keys,
     lookup,
 )
+from nexus.sim.reward import builtin_terms, maniskill_terms
 
 # ManiSkill observation groups flattened, in this order, into Observation.state for camera obs
 # modes (obs_mode "rgb", "rgbd", ...). Within a group the simulator's own key order is kept, which
@@ -150,9 +151,11 @@ class ManiSkillEnv(SimEnv):
             act_in = act
         raw, reward, terminated, truncated, info = self._env.step(act_in)
         success = bool(_scalar(info.get("success", False)))
-        return StepResult(obs=self._map(_first(raw, self._gpu)), reward=float(_scalar(reward)),
+        reward = float(_scalar(reward))
+        terms = builtin_terms(reward, success) | maniskill_terms(self.entry, self.unwrapped, info, self.read_terms)[0]
+        return StepResult(obs=self._map(_first(raw, self._gpu)), reward=reward,
                           terminated=bool(_scalar(terminated)) and (self.entry.terminate_on_success or not success),
-                          truncated=bool(_scalar(truncated)), success=success)
+                          truncated=bool(_scalar(truncated)), success=success, terms=terms)
 
     def close(self) -> None:
         env, self._env = getattr(self, "_env", None), None
@@ -200,9 +203,12 @@ class ManiSkillBatchedEnv(BatchedSimEnv):
         reward, terminated, truncated = (x.reshape(-1).cpu().numpy() for x in (reward, terminated, truncated))
         success = info.get("success")
         success = success.reshape(-1).cpu().numpy() if success is not None else np.zeros(self.num_envs, bool)
+        declared = maniskill_terms(self.entry, self._env.unwrapped, info, self.read_terms)
+        declared = declared * self.num_envs if len(declared) == 1 else declared  # a term without a sub-env axis
         return [StepResult(obs=self._maps[i](_index(raw, i)), reward=float(reward[i]),
                            terminated=bool(terminated[i]) and (self.entry.terminate_on_success or not success[i]),
-                           truncated=bool(truncated[i]), success=bool(success[i])) for i in range(self.num_envs)]
+                           truncated=bool(truncated[i]), success=bool(success[i]),
+                           terms=builtin_terms(reward[i], success[i]) | declared[i]) for i in range(self.num_envs)]
 
     def close(self) -> None:
         env, self._env = getattr(self, "_env", None), None

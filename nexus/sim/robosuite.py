@@ -25,6 +25,7 @@ import numpy as np
 from nexus.config.catalog import CatalogError, EnvEntry
 from nexus.features import Observation
 from nexus.sim.base import EnvSchemaError, SimEnv, StepResult, check_observation
+from nexus.sim.reward import builtin_terms, robosuite_terms
 
 # catalog control_mode -> robosuite 1.4 controller (IK_POSE is left out: it needs pybullet)
 CONTROLLERS = {"osc_pose": "OSC_POSE", "osc_position": "OSC_POSITION", "joint_position": "JOINT_POSITION"}
@@ -141,12 +142,13 @@ class RobosuiteEnv(SimEnv):
         act = np.asarray(action, np.float32).reshape(-1)
         if act.shape != self._low.shape:
             raise ValueError(f"env {self.entry.name!r}: action shape {act.shape} != ({self._low.shape[0]},)")
-        raw, reward, _done, _info = self._env.step(act)
+        raw, reward, _done, info = self._env.step(act)
         self._t += 1
         success = bool(self._env._check_success())
+        terms = builtin_terms(reward, success) | robosuite_terms(self.entry, self._env, raw, info, self.read_terms)
         return StepResult(obs=self._observation(raw), reward=float(reward),
                           terminated=success and self.entry.terminate_on_success,
-                          truncated=self._t >= self.entry.max_episode_steps, success=success)
+                          truncated=self._t >= self.entry.max_episode_steps, success=success, terms=terms)
 
     def close(self) -> None:
         env, self._env = getattr(self, "_env", None), None

@@ -18,8 +18,10 @@ from nexus.config.service import DataPathSettings
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.trajectory_store import TrajectoryStore, episode_stats
 from nexus.features import TenantSchema
-from nexus.sim.environment import ActionReply, PolicyOutput, collect_waves
+from nexus.sim.environment import ActionReply, PolicyOutput, collect_waves, term_stats
 from nexus.sim.host import EnvPool
+from nexus.sim.reward import TenantReward
+from nexus.spec import RewardTerm
 from nexus.wire.messages import RolloutResult
 from nexus.wire.signals import emit
 
@@ -106,7 +108,7 @@ def collect(pool: EnvPool, tenant: str, env_name: str, output_dir: str, schema: 
             seed: int, episode_offset: int, deterministic: bool, version: int | None, engine,
             job: str | None = None, producer: DataPathSettings | None = None,
             t_start: float | None = None, stopped: Callable[[], bool] = lambda: False,
-            group_size: int = 1) -> RolloutResult:
+            group_size: int = 1, reward: tuple[RewardTerm, ...] | None = None) -> RolloutResult:
     """Run ``episodes`` episodes (ids from ``episode_offset``) with envs from ``pool``; RL batches are
     stored, eval episodes (pinned ``version``) are not.
 
@@ -115,7 +117,9 @@ def collect(pool: EnvPool, tenant: str, env_name: str, output_dir: str, schema: 
     keep the rollout's backbone features when ``cache_features``. ``t_start``: when the task began (its
     simulator slot is the tenant's from then on; default now). ``stopped``: asked before every step; True
     (its job was cancelled) ends the rollout with :class:`ProducerStopped`. ``group_size``: GRPO's groups
-    of episodes reset with one seed (``environment.collect_waves``)."""
+    of episodes reset with one seed (``environment.collect_waves``). ``reward``: the tenant's own reward terms
+    (``TenantSpec.reward``; None: the env's reward); each term's mean per episode lands in the stats as
+    ``reward/<term>``."""
     t_start = time.time() if t_start is None else t_start
     dp = producer or DataPathSettings()
     entry = catalog.env(env_name)
@@ -131,7 +135,8 @@ def collect(pool: EnvPool, tenant: str, env_name: str, output_dir: str, schema: 
         try:
             columns, pstats = collect_waves(groups, link, episodes=episodes, seed=seed, tenant=tenant,
                                             episode_offset=episode_offset, keep_features=rl and dp.cache_features,
-                                            group_size=group_size)
+                                            group_size=group_size,
+                                            reward=TenantReward(reward) if reward else None)
         finally:
             link.close()
     except BaseException:
@@ -139,7 +144,7 @@ def collect(pool: EnvPool, tenant: str, env_name: str, output_dir: str, schema: 
             g.close()
         raise
     pool.checkin(entry, groups, mode)
-    stats = episode_stats(columns) | {"envs": k, "waves": len(groups), **pstats.to_dict()}
+    stats = episode_stats(columns) | term_stats(columns) | {"envs": k, "waves": len(groups), **pstats.to_dict()}
     batch = None
     if rl:
         store = TrajectoryStore(TenantOutputDir(output_dir).trajectories, tenant, schema)

@@ -35,7 +35,8 @@ def run_rollout(sim: SimHost, req: RolloutRequest) -> RolloutResult:
         engine = EngineClient(get_worker(), routes=routes, on_answer=progress.tick)
         return rollout.collect(sim.pool, req.tenant.name, req.env, req.tenant.output_dir, req.tenant.schema,
                                req.episodes, req.seed, req.offset, req.deterministic, req.version, engine, req.job,
-                               datapath, t_start, stopped=lambda: progress.stopped, group_size=req.group_size)
+                               datapath, t_start, stopped=lambda: progress.stopped, group_size=req.group_size,
+                               reward=req.tenant.spec.reward)
 
 
 def prewarm(sim: SimHost, env_name: str, envs: int, waves: int = 1, vector_mode: str = "lockstep") -> int:

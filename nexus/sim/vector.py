@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import warnings
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from nexus.features import Observation
 from nexus.sim.base import BatchedSimEnv, StepResult
 
 IMAGE_PREFIX = "image."
+TERM_PREFIX = "term."  # a sub-env's reward terms in the vector env's info (flat keys: gymnasium stacks them)
 
 
 def make_single(entry: EnvEntry, device: str = "cpu") -> Any:
@@ -72,10 +74,14 @@ def _gym_env_class() -> type:
 
         def step(self, action: np.ndarray) -> tuple[dict, float, bool, bool, dict]:
             r = self.sim.step(action)
-            return _to_dict(r.obs), r.reward, r.terminated, r.truncated, {"success": r.success}
+            return _to_dict(r.obs), r.reward, r.terminated, r.truncated, {
+                "success": r.success, **{f"{TERM_PREFIX}{k}": v for k, v in r.terms.items()}}
 
         def close(self) -> None:
             self.sim.close()
+
+        def want_terms(self, names: frozenset[str] | None) -> None:
+            self.sim.want_terms(names)
 
     return GymSimEnv
 
@@ -138,8 +144,15 @@ class VectorSimEnv(BatchedSimEnv):
         raw, reward, terminated, truncated, info = self._env.step(np.asarray(actions, np.float32))
         self._ended = np.asarray(terminated, bool) | np.asarray(truncated, bool)
         success = np.asarray(info.get("success", np.zeros(self.num_envs, bool)), bool)
+        terms = {k.removeprefix(TERM_PREFIX): np.asarray(v, np.float64) for k, v in info.items()
+                 if k.startswith(TERM_PREFIX)}
         return [StepResult(obs=self._observation(raw, i), reward=float(reward[i]), terminated=bool(terminated[i]),
-                           truncated=bool(truncated[i]), success=bool(success[i])) for i in range(self.num_envs)]
+                           truncated=bool(truncated[i]), success=bool(success[i]),
+                           terms={k: float(v[i]) for k, v in terms.items()}) for i in range(self.num_envs)]
+
+    def want_terms(self, names: Collection[str] | None) -> None:
+        super().want_terms(names)
+        self._env.call("want_terms", self.read_terms)  # in every sub-env (its own process when async)
 
     def _observation(self, raw: dict[str, np.ndarray], i: int) -> Observation:
         # copies: the vector env reuses its (shared-memory) buffers on the next call
@@ -180,6 +193,11 @@ class LockstepEnvs(BatchedSimEnv):
 
     def reset_some(self, seeds: dict[int, int | None]) -> dict[int, Observation]:
         return {i: self.envs[i].reset(seed=s) for i, s in seeds.items()}
+
+    def want_terms(self, names: Collection[str] | None) -> None:
+        super().want_terms(names)
+        for e in self.envs:
+            e.want_terms(names)
 
     def step(self, actions: np.ndarray) -> list[StepResult]:
         return self.step_slots(list(range(self.num_envs)), np.asarray(actions, np.float32))

@@ -23,6 +23,7 @@ from nexus.control.dispatch.shares import even_shares
 from nexus.control.dispatch.sim_share import SimSlots, ready_from
 from nexus.control.dispatch.training_queue import TrainingItem
 from nexus.errors import JobFailed
+from nexus.spec import REWARD_PREFIX
 from nexus.wire.messages import BatchRef, GRPOWork, OpWork, RLWork, RolloutRequest, RolloutResult, SFTWork, SyncRule
 
 if TYPE_CHECKING:
@@ -269,7 +270,8 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
                     for k in producer_totals:
                         producer_totals[k] += float(out.stats.get(k, 0.0))
                     ctx.log(js, {"return": out.stats["mean_return"], "success_rate": out.stats["success_rate"],
-                                 "episodes": episodes, "env_steps": env_steps, **producer_totals,
+                                 **reward_terms(out.stats), "episodes": episodes, "env_steps": env_steps,
+                                 **producer_totals,
                                  "version": out.batch.policy_version}, env_steps, "rollout")
                     item = TrainingItem(tenant=name, kind="rl", policy_version=out.batch.policy_version,
                                         work=work(out.batch), job=js.job_id,
@@ -290,7 +292,8 @@ async def _train_rl(ctx: FlowContext, js: JobState, t: TenantState, ref_version:
         ctx.health.remove(role)
     return {"version": t.version, "updates": tally.updates, "dropped_stale": tally.dropped, "episodes": episodes,
             "env_steps": env_steps, **producer_totals,
-            **{k: js.progress[k] for k in ("return", "success_rate") if k in js.progress}}
+            **{k: js.progress[k] for k in ("return", "success_rate") if k in js.progress},
+            **reward_terms(js.progress)}
 
 
 async def _batch_rollout(ctx: FlowContext, t: TenantState, js: JobState, key: str, episodes: int, offset: int,
@@ -333,9 +336,17 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     n = sum(p["episodes"] for p in parts)
     if n == 0:
         return {"episodes": 0, "steps": 0, "mean_return": 0.0, "success_rate": 0.0}
+    # a tenant's own reward: each term's mean per episode ("reward/<term>", nexus.sim.reward), in every part
+    terms = [k for k in parts[0] if k.startswith(REWARD_PREFIX) and all(k in p for p in parts)]
     return {"episodes": n, "steps": sum(p["steps"] for p in parts),
             "mean_return": sum(p["mean_return"] * p["episodes"] for p in parts) / n,
-            "success_rate": sum(p["success_rate"] * p["episodes"] for p in parts) / n}
+            "success_rate": sum(p["success_rate"] * p["episodes"] for p in parts) / n,
+            **{k: sum(p[k] * p["episodes"] for p in parts) / n for k in terms}}
+
+
+def reward_terms(stats: dict[str, Any]) -> dict[str, float]:
+    """The per-term rewards of a rollout's statistics (a tenant with its own reward), for its metrics."""
+    return {k: float(v) for k, v in stats.items() if k.startswith(REWARD_PREFIX)}
 
 
 # Eval: pins a version on every engine (present and future), runs inference + simulators only.
@@ -443,7 +454,7 @@ async def _evaluate(ctx: FlowContext, js: JobState, t: TenantState, version: int
     report["report_path"] = await ctx.runtime.run(tasks.WRITE_EVAL_REPORT, t.output_dir, report,
                                                   key=f"nexus-evalreport-{js.job_id}", resources={"SIM": 1})
     ctx.log(js, {"success_rate": stats["success_rate"], "return": stats["mean_return"],
-                 "episodes": stats["episodes"]}, version, "eval")
+                 "episodes": stats["episodes"], **reward_terms(stats)}, version, "eval")
     return report
 
 
