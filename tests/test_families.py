@@ -61,33 +61,37 @@ def test_shapes_and_deterministic_init(family, framework):
     b = TenantPolicy.from_spec(spec("p", family, seed=3), LIBERO_LIKE, 64)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     assert a.family == family and a.chunk == CHUNK and a.action_size == CHUNK * 7
-    assert a.gaussian == (family == "oft") and (a.value is not None) == a.gaussian
+    assert a.gaussian == (family == "oft") and a.value is not None  # every family has a critic (RL)
     assert a.prefix_layers == {"oft": (), "groot": (-1,), "pi": (-2, -1)}[family]
 
     action, logprob, value = a.act(cond, proprio)
     assert action.shape == (6, CHUNK * 7) and logprob.shape == value.shape == (6,)
-    assert torch.isfinite(action).all()
+    assert torch.isfinite(action).all() and torch.isfinite(logprob).all()
     det = a.mean_action(cond, proprio)
     assert det.shape == (6, CHUNK * 7)
     torch.testing.assert_close(a.act(cond, proprio, deterministic=True)[0], det)
     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     assert torch.equal(a.act(cond, proprio, generator=g1)[0], a.act(cond, proprio, generator=g2)[0])
+    # the sampled action's log-probability (a flow's: its last denoising step's Gaussian) is evaluate()'s,
+    # recomputed with autograd, also at the deterministic action, where it is the density's peak
+    lp, ent, v = a.evaluate(cond, proprio, action)
+    torch.testing.assert_close(lp, logprob)
+    torch.testing.assert_close(v, value)
+    at_mean = a.act(cond, proprio, deterministic=True)[1]
+    torch.testing.assert_close(a.evaluate(cond, proprio, det)[0], at_mean)
+    assert (at_mean > logprob).all()
+    assert lp.requires_grad and ent.shape == v.shape == (6,)
+    lp.sum().backward()  # the gradient reaches the head's own weights (a flow's: back through its Euler chain)
+    assert a.head.log_std.grad is not None
+    assert sum(p.grad.abs().sum() for n, p in a.head.named_parameters() if p.grad is not None and n != "log_std") > 0
     if family == "oft":
-        lp, ent, v = a.evaluate(cond, proprio, action)
-        torch.testing.assert_close(lp, logprob)
-        # act's log-probability (the Normal's arithmetic, no distribution object) is evaluate()'s, also at the mean
-        torch.testing.assert_close(a.evaluate(cond, proprio, det)[0], a.act(cond, proprio, deterministic=True)[1])
         # plain (an engine's functional layers): the same answers as the modules'
         for kw in ({"deterministic": True}, {"noise": torch.randn(6, CHUNK * 7)}):
             for x, y in zip(a.act(cond, proprio, plain=True, **kw), a.act(cond, proprio, **kw), strict=True):
                 torch.testing.assert_close(x, y)
-        assert lp.requires_grad and ent.shape == v.shape == (6,)
     else:
-        assert torch.equal(logprob, torch.zeros(6)) and torch.equal(value, torch.zeros(6))
         x = torch.randn(6, CHUNK, 7)
         assert a.velocity(cond, proprio, x, torch.rand(6)).shape == (6, CHUNK, 7)
-        with pytest.raises(TypeError, match="flow-matching"):
-            a.evaluate(cond, proprio, action)
         with pytest.raises(ValueError, match="no prefix tokens|not in these features"):
             a.mean_action(cond.pooled, proprio)  # flow experts need the prefix tokens
 
@@ -304,13 +308,14 @@ def test_checkpoint_and_weights_roundtrip(family, framework, tmp_path):
 # -- service integration: spec validation, inference engine, chunked SFT targets ------------------------
 
 
-def test_rl_is_refused_for_flow_families_and_chunks():
-    for family in ("groot", "pi"):
-        with pytest.raises(SpecError, match="Gaussian action head"):
-            validate_job(spec("f", family, chunk=1), {"kind": "rl"})
+def test_rl_is_accepted_for_every_family_and_refused_for_chunks():
+    for family in FAMILIES:
+        assert validate_job(spec("f", family, chunk=1), {"kind": "rl"}).algorithm == "ppo"
+        assert validate_job(spec("f", family, chunk=1), {"kind": "rl", "algorithm": "grpo", "episodes_per_batch": 4}
+                            ).algorithm == "grpo"
         validate_job(spec("f", family), {"kind": "eval"})
-    with pytest.raises(SpecError, match="chunk=4"):
-        validate_job(spec("c", "oft", chunk=4), {"kind": "rl"})
+        with pytest.raises(SpecError, match="chunk=4"):
+            validate_job(spec("c", family, chunk=4), {"kind": "rl"})
     validate_job(spec("o", "oft", chunk=1), {"kind": "rl"})
     with pytest.raises(ValueError, match="multiple of 4"):
         TenantSpec(name="w", env="maniskill/pushcube-state", action_head="pi", hidden_dim=30)
