@@ -2,22 +2,23 @@
 
 One ``Nexus.local`` service; for each seed, two tenants that differ only in ``action_head`` (``pi`` and ``oft``)
 run the demo's PPO job (``configs/demo/push-rl.toml``: tenant and job as the demo submits them, 120 annealed
-updates of 16 episodes), one after the other, the order alternating from seed to seed so that a drift of the
-machine's load falls on both families alike; each is then scored by a deterministic evaluation. Optionally a
-π-head GRPO tenant runs the same job with ``algorithm = "grpo"`` (groups of 4 episodes reset with one seed) and is
-evaluated before and after.
+updates of 16 episodes) at the same time, so that the machine's load falls on both alike; each is then scored by a
+deterministic evaluation. Beside the first pair, a π-head GRPO tenant runs the same job with ``algorithm = "grpo"``
+(groups of 4 episodes reset with one seed), evaluated before and after.
 
 The wall time of a job is from its submission to its result (training only: rollouts and updates, not the
-evaluation). The π head's RL policy is Flow-Noise with the noise on the last denoising step
+evaluation); when one job of a pair ends first, the other runs on with the machine to itself, which flatters the
+slower one's ratio. The π head's RL policy is Flow-Noise with the noise on the last denoising step
 (``nexus.model.policy``): the deterministic action is the flow from zero noise, as before.
 
     nice -n 10 python experiments/flow_rl/flow_rl.py                                # 3 seeds x {pi, oft}, grpo
-    nice -n 10 python experiments/flow_rl/flow_rl.py --seeds 1 --grpo-updates 0     # one pair
+    nice -n 10 python experiments/flow_rl/flow_rl.py --seeds 1 --grpo-updates 0     # one pair, no GRPO
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -34,41 +35,65 @@ def loadavg() -> float:
     return os.getloadavg()[0]
 
 
-def rollout_returns(nx, tenant: str) -> list[float]:
+def rollouts(nx, tenant: str) -> list[dict[str, float]]:
+    """The tenant's RL batches so far: (version, return, success rate) of each."""
     log = nx.tenant_log(tenant)
-    return [float(r["return"]) for j in sorted(log["jobs"], key=lambda j: j["t_submit"]) if j["kind"] == "rl"
+    return [{"version": int(r["version"]), "return": float(r["return"]), "success_rate": float(r["success_rate"])}
+            for j in sorted(log["jobs"], key=lambda j: j["t_submit"]) if j["kind"] == "rl"
             for r in j.get("history", []) if r.get("kind") == "rollout"]
 
 
-def train_and_evaluate(nx, sub, family: str, seed: int, args: argparse.Namespace, algorithm: str = "ppo",
-                       evaluate_start: bool = False) -> dict[str, Any]:
-    """One tenant of the demo's submission with ``family`` and ``seed``: its RL job's wall time, its evaluations."""
-    name = f"{family}-{algorithm}-s{seed}"
-    spec = sub.tenant.model_copy(update={"name": name, "action_head": family, "seed": seed})
-    job = sub.jobs[0].model_dump(exclude_unset=False) | {"updates": args.updates, "algorithm": algorithm}
-    if algorithm == "grpo":  # the PPO section's shared fields, GRPO's groups
+def job_of(sub, updates: int, algorithm: str, group_size: int) -> dict[str, Any]:
+    """The demo's RL job, ``updates`` long; GRPO takes the PPO section's shared fields and groups of episodes."""
+    job = copy.deepcopy(sub.jobs[0]) | {"updates": updates, "algorithm": algorithm}
+    if algorithm == "grpo":
         ppo = job.pop("ppo")
-        job["grpo"] = {k: ppo[k] for k in ("update_epochs", "minibatch_size", "target_kl", "anneal_lr")} | {
-            "group_size": args.group_size}
-    t = nx.create_tenant(spec)
-    row: dict[str, Any] = {"tenant": name, "family": family, "algorithm": algorithm, "seed": seed}
-    if evaluate_start:
-        start = t.evaluate(episodes=args.eval_episodes).result()
-        row["start"] = {"success_rate": start["success_rate"], "return": start["mean_return"]}
-    load0, t0 = loadavg(), time.time()
-    res = t.submit(job).result()
-    row["wall_s"] = time.time() - t0
-    row["load"] = [load0, loadavg()]
-    ev = t.evaluate(episodes=args.eval_episodes).result()
-    returns = rollout_returns(nx, name)
-    k = max(1, len(returns) // 10)
-    row |= {"version": res["version"], "success_rate": ev["success_rate"], "return": ev["mean_return"],
-            "episodes": ev["episodes"], "rollout_return_first": sum(returns[:k]) / k,
-            "rollout_return_last": sum(returns[-k:]) / k}
-    print(f"{name:16s} v{row['version']:<4d} wall {row['wall_s']:7.0f} s  eval success {row['success_rate']:.2f} "
-          f"return {row['return']:.1f}  rollout return {row['rollout_return_first']:.1f} -> "
-          f"{row['rollout_return_last']:.1f}  load {row['load'][0]:.1f}/{row['load'][1]:.1f}", flush=True)
-    return row
+        job["grpo"] = {k: ppo[k] for k in ("update_epochs", "minibatch_size", "target_kl", "anneal_lr") if k in ppo} | {
+            "group_size": group_size}
+    return job
+
+
+def run_together(nx, sub, runs: list[tuple[str, str, int, int]], args: argparse.Namespace,
+                 out: dict[str, Any]) -> None:
+    """Tenants (family, algorithm, seed, updates) of the demo's submission, their RL jobs submitted at once (the
+    same load on each); each job's wall time from submission to result; then each one's final evaluation."""
+    tenants, jobs, rows = {}, {}, {}
+    for family, algorithm, seed, _updates in runs:
+        name = f"{family}-{algorithm}-s{seed}"
+        spec = {**sub.tenant, "name": name, "action_head": family, "seed": seed}
+        tenants[name] = nx.create_tenant(spec)
+        rows[name] = {"tenant": name, "family": family, "algorithm": algorithm, "seed": seed}
+        out[algorithm].append(rows[name])
+    for name, t in tenants.items():
+        if rows[name]["algorithm"] == "grpo":  # the start, to show GRPO learns (PPO's start: success 0)
+            start = t.evaluate(episodes=args.eval_episodes).result()
+            rows[name]["start"] = {"success_rate": start["success_rate"], "return": start["mean_return"]}
+    t0, load0 = time.time(), loadavg()
+    for (_, algorithm, _, updates), (name, t) in zip(runs, tenants.items(), strict=True):
+        jobs[name] = t.submit(job_of(sub, updates, algorithm, args.group_size))
+    running = dict(jobs)
+    while running:
+        time.sleep(30)
+        for name in list(running):
+            rows[name]["rollouts"] = rollouts(nx, name)
+            if running[name].progress().finished:
+                res = running.pop(name).result()
+                rows[name] |= {"wall_s": time.time() - t0, "version": res["version"]}
+                print(f"{name:16s} v{res['version']:<4d} trained in {rows[name]['wall_s']:.0f} s", flush=True)
+        for name in running:
+            rows[name]["load"] = [load0, loadavg()]
+        args.out.write_text(json.dumps(out, indent=1))
+    evals = {name: t.evaluate(episodes=args.eval_episodes) for name, t in tenants.items()}
+    for name, ev in evals.items():
+        r, row = ev.result(), rows[name]
+        row |= {"success_rate": r["success_rate"], "return": r["mean_return"], "episodes": r["episodes"],
+                "load": [load0, loadavg()]}
+        returns = [b["return"] for b in row["rollouts"]]
+        k = max(1, len(returns) // 10)
+        row |= {"rollout_return_first": sum(returns[:k]) / k, "rollout_return_last": sum(returns[-k:]) / k}
+        print(f"{name:16s} eval success {row['success_rate']:.2f} return {row['return']:.1f}  rollout return "
+              f"{row['rollout_return_first']:.1f} -> {row['rollout_return_last']:.1f}", flush=True)
+    args.out.write_text(json.dumps(out, indent=1))
 
 
 def main() -> None:
@@ -76,7 +101,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--updates", type=int, default=120, help="updates per job (the demo's 120)")
     ap.add_argument("--eval-episodes", type=int, default=50)
-    ap.add_argument("--grpo-updates", type=int, default=120, help="the π GRPO tenant's updates (0: none)")
+    ap.add_argument("--grpo-updates", type=int, default=120, help="the π GRPO tenant's updates, beside the first "
+                                                                  "seed's pair (0: none)")
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--out", type=Path, default=HERE / "flow_rl.json")
     args = ap.parse_args()
@@ -86,19 +112,15 @@ def main() -> None:
 
     sub = load_submission([DEMO])
     root = Path(tempfile.mkdtemp(prefix="nexus-flow-rl-")) / "service"
-    out: dict[str, Any] = {"env": sub.tenant.env, "demo": str(DEMO.relative_to(HERE.parents[1])),
+    out: dict[str, Any] = {"env": sub.tenant["env"], "demo": str(DEMO.relative_to(HERE.parents[1])),
                            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                            "ppo": [], "grpo": []}
     with Nexus.local(root, checkpoint_every=50) as nx:  # the demo's checkpoint interval
         for i, seed in enumerate(int(s) for s in args.seeds.split(",")):
-            for family in ("pi", "oft") if i % 2 == 0 else ("oft", "pi"):
-                out["ppo"].append(train_and_evaluate(nx, sub, family, seed, args))
-                args.out.write_text(json.dumps(out, indent=1))
-        if args.grpo_updates:
-            grpo_args = argparse.Namespace(**{**vars(args), "updates": args.grpo_updates})
-            out["grpo"].append(train_and_evaluate(nx, sub, "pi", int(args.seeds.split(",")[0]), grpo_args, "grpo",
-                                                  evaluate_start=True))
-            args.out.write_text(json.dumps(out, indent=1))
+            runs = [("pi", "ppo", seed, args.updates), ("oft", "ppo", seed, args.updates)]
+            if i == 0 and args.grpo_updates:
+                runs.append(("pi", "grpo", seed, args.grpo_updates))
+            run_together(nx, sub, runs, args, out)
     table(out)
 
 

@@ -58,7 +58,7 @@ async def forward_backward(tenant: str, body: ForwardBackwardBody, who: Who, gw:
 @router.post("/v1/tenants/{tenant}/forward", tags=["low level"], responses={429: OVERLOADED_RESPONSE})
 async def forward(tenant: str, body: ForwardBody, who: Who, gw: GW, session: OpSession) -> dict[str, Any]:
     """Without a gradient, ordered with the tenant's training calls: each row's log-probability of its action
-    (``outputs.logprobs``), the policy's entropy and value there (Gaussian heads)."""
+    (``outputs.logprobs``), the policy's entropy and value there."""
     who.may_act_on(tenant)
     spec, schema = await gw.spec_schema(tenant)
     lim = gw.limits(tenant)
