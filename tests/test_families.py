@@ -355,16 +355,18 @@ def test_action_chunks_targets():
     np.testing.assert_array_equal(got, [[2, 3, 4, 5, 4, 5], [6, 7, 8, 9, 8, 9], [4, 5, 4, 5, 4, 5]])
 
 
-def test_grpo_group_advantages_and_loss(framework):
+@pytest.mark.parametrize("family", ["oft", "pi"])
+def test_grpo_group_advantages_and_loss(framework, family):
     adv = group_advantages(np.array([1.0, 3.0, 5.0, 5.0, 2.0]), np.array([0, 0, 0, 1, 1]))
     np.testing.assert_allclose(adv[:3], [-1.2247, 0.0, 1.2247], atol=1e-3)
     np.testing.assert_allclose(adv[3:], [1.0, -1.0], atol=1e-3)
-    cond, proprio, _ = encode(framework, "oft", LIBERO_LIKE, 6, n=8)
-    policy = TenantPolicy.from_spec(spec("grpo", "oft", chunk=1), LIBERO_LIKE, 64)
+    cond, proprio, _ = encode(framework, family, LIBERO_LIKE, 6, n=8)
+    policy = TenantPolicy.from_spec(spec("grpo", family, chunk=1), LIBERO_LIKE, 64)
     actions, old_logprob, _ = policy.act(cond, proprio, generator=torch.Generator().manual_seed(0))
     returns = torch.tensor([1.0, 0.0, 2.0, 1.0, 0.5, 3.0, 0.0, 1.0])
     advantages = group_advantages(returns, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    # small steps: a flow's mean is its whole Euler chain, which moves more per step than an MLP's output
+    opt = torch.optim.AdamW(policy.parameters(), lr=2e-4)
     first = None
     for _ in range(6):
         loss, stats = grpo_loss(policy, cond, proprio, actions, old_logprob, advantages, GRPOConfig(kl_coef=0.1),
@@ -378,9 +380,6 @@ def test_grpo_group_advantages_and_loss(framework):
     # better-than-group actions became more likely
     new_lp, _, _ = policy.evaluate(cond, proprio, actions)
     assert float(((new_lp.detach() - old_logprob) * advantages).sum()) > 0
-    with pytest.raises(TypeError):
-        grpo_loss(TenantPolicy.from_spec(spec("g", "pi"), LIBERO_LIKE, 64), BackboneFeatures.of(cond.pooled),
-                  proprio, actions, old_logprob, advantages, GRPOConfig())
 
 
 def test_service_sft_update_trains_a_chunked_flow_tenant(tmp_path):
