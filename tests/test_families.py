@@ -308,6 +308,23 @@ def test_checkpoint_and_weights_roundtrip(family, framework, tmp_path):
 # -- service integration: spec validation, inference engine, chunked SFT targets ------------------------
 
 
+@pytest.mark.parametrize("family", ["groot", "pi"])
+def test_flow_weights_saved_before_rl_load_with_initial_noise_and_critic(family):
+    """A flow policy's weights from before flow RL (no ``head.log_std``, no critic) load: those keep their
+    initial values, the rest is the saved policy's; a state with a different std is loaded as saved."""
+    saved = TenantPolicy.from_spec(spec("old", family, seed=1), LIBERO_LIKE, 64)
+    old = {k: v for k, v in saved.state_dict().items() if k != "head.log_std" and not k.startswith("value.")}
+    fresh = TenantPolicy.from_spec(spec("old", family, seed=2), LIBERO_LIKE, 64)
+    init_value = {k: v.clone() for k, v in fresh.state_dict().items() if k.startswith("value.")}
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.head.log_std, torch.full_like(fresh.head.log_std, -0.5))
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in init_value.items())
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in old.items())
+    new = saved.state_dict() | {"head.log_std": torch.zeros_like(saved.head.log_std)}
+    fresh.load_state_dict(new)
+    assert torch.equal(fresh.head.log_std, torch.zeros_like(fresh.head.log_std))
+
+
 def test_rl_is_accepted_for_every_family_and_refused_for_chunks():
     for family in FAMILIES:
         assert validate_job(spec("f", family, chunk=1), {"kind": "rl"}).algorithm == "ppo"
