@@ -47,10 +47,6 @@ def check_state_name(name: object) -> str:
     return name
 
 
-# Action-module families with exact action log-probabilities (Gaussian policies): the only ones RL can train.
-RL_ACTION_HEADS = frozenset({"oft"})
-
-
 class _Spec(BaseModel):
     # NaN / inf are refused in every float field (a NaN lr or init_log_std would poison a slot silently)
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -141,7 +137,8 @@ class TenantSpec(_Spec):
                                          "tenant's own environment or robot, whose episodes it uploads")
     action_dim: int | None = Field(None, ge=1, description="checked against the env/dataset schema")
     action_head: Literal["oft", "groot", "pi"] = Field(
-        "oft", description="action-module family: oft (Gaussian, SFT + RL), groot / pi (flow matching, SFT + eval)")
+        "oft", description="action-module family: oft (Gaussian head), groot / pi (flow matching); all train by SFT "
+        "and RL")
     chunk: int = Field(1, ge=1, le=64, description="actions predicted per observation (RL needs 1)")
     hidden_dim: int = Field(256, ge=8)
     init_log_std: float = -0.5

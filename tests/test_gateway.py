@@ -195,8 +195,6 @@ MALFORMED = [
      NotFound, "no version 999"),
     ("sft steps=10**7", "POST", "/v1/tenants/sft/jobs", "sft", {"json": {"kind": "sft", "steps": 10**7}},
      LimitExceeded, "max_sft_steps"),
-    ("rl on a flow-matching head", "POST", "/v1/tenants/flow/jobs", "flow", {"json": {"kind": "rl"}}, SpecError,
-     "Gaussian"),
     # -- low-level batches
     ("empty batch", "POST", FB, "a", {"json": {"batch": {"observations": [], "actions": []}}}, SpecError,
      "the batch is empty"),
@@ -221,8 +219,6 @@ MALFORMED = [
     ("ppo without advantages", "POST", FB, "a",
      {"json": {"batch": _wire_batch(logprobs=[0, 0], returns=[0, 0]), "loss": "ppo"}}, SpecError,
      "batch.advantages: missing"),
-    ("ppo on a flow head", "POST", "/v1/tenants/flow/forward_backward", "flow",
-     {"json": {"batch": _wire_batch(), "loss": "ppo"}}, SpecError, "Gaussian"),
     ("rows over max_batch_rows", "POST", FB, "a",
      {"json": {"batch": {"observations": [{"state": [0] * 35}] * 4097, "actions": [[0] * 4] * 4097}}},
      LimitExceeded, "max_batch_rows=4096"),

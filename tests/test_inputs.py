@@ -109,7 +109,6 @@ def test_good_batches():
     (_batch(logprobs=[0, 0], advantages=[0], returns=[0, 0]), "ppo", {}, "batch.advantages: expected 2 numbers"),
     (_batch(logprobs=[0, 0], advantages=[0, 0], returns=[0, 0], ppo={"gamma": 2}), "ppo", {}, "batch.ppo: gamma"),
     (_batch(logprobs=[0, 0], advantages=[0, 0], grpo={"beta": 1}), "grpo", {}, "unknown field(s) ['beta']"),
-    (_batch(), "ppo", {"gaussian": False}, "need a Gaussian action head"),
     (_batch(), "ppo", {"chunk": 4}, "chunk=4"),
     (_batch(n=5), "sft", {"max_rows": 4}, "max_batch_rows=4"),
     ({"observations": [_obs(state=[1])], "actions": [[0, 0]]}, "sft", {}, "batch.observations[0].state"),

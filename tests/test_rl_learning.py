@@ -1,9 +1,11 @@
 """RL through the service's own simulators learns: a PushCube tenant's PPO job, run by a real local service
 (scheduler plugin, SIM workers, actor, inference engine), must raise the deterministic evaluation return of
-its policy above that of its start by a stated margin; and an evaluation reports what its policy scores."""
+its policy above that of its start by a stated margin; an evaluation reports what its policy scores; and a
+flow-matching (π) tenant trains by PPO and GRPO, its export acting deterministically."""
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 from nexus.client.api import Nexus
+from nexus.export import policy as exported
 from nexus.features import Observation
 from nexus.spec import TenantSpec
 
@@ -136,6 +139,46 @@ def test_an_evaluation_reports_what_its_policy_scores(nx, learned):
     assert (four["episodes"], four["steps"]) == (4, 200)
     assert abs(four["success_rate"] - np.mean(successes)) <= 0.25 + 1e-9, (four, successes)
     assert four["mean_return"] == pytest.approx(np.mean(returns), rel=0.10), (four, returns)
+
+
+def test_ppo_and_grpo_train_a_pi_tenant_whose_export_acts_deterministically(nx, tmp_path):
+    """RL for a flow-matching family: a π-head tenant's PPO and GRPO jobs run and change its policy; the
+    log-probability the engine reports for a sampled action is the one the actor recomputes (``forward``); the
+    exported policy acts deterministically, as the service's deterministic predict does. (How well such a tenant
+    learns: ``experiments/flow_rl``.)"""
+    t = nx.create_tenant(TenantSpec(name="pi-rl", env=ENV, action_head="pi", hidden_dim=32, seed=SEED))
+    obs = Observation(state=np.linspace(-0.5, 0.5, 35).astype(np.float32), instruction="push the cube")
+    v0 = t.predict_action(obs).result(60)["action"]
+
+    # the engine's sample and its log-probability; the actor's recomputation of it, on the same weights
+    sample = t.predict_action(obs, deterministic=False, seed=7).result(60)
+    again = t.forward({"observations": [{"state": obs.state, "instruction": obs.instruction}],
+                       "actions": [sample["action"]]}).result(60)
+    assert math.isfinite(sample["logprob"])
+    assert again["logprobs"][0] == pytest.approx(sample["logprob"], abs=1e-4)
+
+    ppo = t.submit({"kind": "rl", "updates": 2, "episodes_per_batch": 2,
+                    "ppo": {"update_epochs": 2, "minibatch_size": 50}}).result(timeout=600)
+    grpo = t.submit({"kind": "rl", "algorithm": "grpo", "updates": 1, "episodes_per_batch": 4,
+                     "grpo": {"group_size": 2, "update_epochs": 2, "minibatch_size": 100}}).result(timeout=600)
+    assert (ppo["updates"], grpo["updates"]) == (2, 1)
+    train = [h for j in nx.tenant_log("pi-rl")["jobs"] for h in j.get("history", []) if h.get("kind") == "train"]
+    assert len(train) == 3
+    for h in train:  # the losses of both algorithms were computed on real log-probabilities
+        assert all(math.isfinite(h[k]) for k in ("pg_loss", "approx_kl", "entropy")), h
+    assert "v_loss" in train[0] and "group_return_std" in train[-1]
+
+    live = t.predict_action(obs).result(60)
+    assert live["version"] == 3
+    assert np.abs(live["action"] - v0).max() > 1e-6  # the updates moved the deterministic action
+
+    info = t.export(path=tmp_path / "pi-rl")
+    policy = exported.load(info["local_path"])
+    first = policy.predict_action({"state": obs.state, "instruction": obs.instruction})
+    second = policy.predict_action({"state": obs.state, "instruction": obs.instruction})
+    assert first["version"] == 3
+    np.testing.assert_array_equal(first["action"], second["action"])  # noise off: the same action twice
+    np.testing.assert_allclose(first["action"], live["action"], atol=1e-5)  # ... and the service's deterministic one
 
 
 if __name__ == "__main__":  # calibration: python tests/test_rl_learning.py 2 3 4

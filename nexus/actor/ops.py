@@ -45,7 +45,7 @@ def forward_backward(actor: ActorHost, slot: TenantSlot, loss: str, batch: Any) 
     """The loss of a client's batch backpropagated into the slot (gradients wait for ``optim_step``): every rank
     checks the whole batch, then computes its shard of it (``nexus.algorithms.shards``)."""
     limits = actor.config.limits_for(slot.name)
-    data = check_batch(batch, slot.schema, loss, chunk=slot.chunk, gaussian=slot.policy.gaussian,
+    data = check_batch(batch, slot.schema, loss, chunk=slot.chunk,
                        max_rows=limits.max_batch_rows, max_instruction_chars=limits.max_instruction_chars)
     part = shard(len(data["observations"]), slot.rank, slot.world_size)
     rows = torch.as_tensor(part.rows)
@@ -73,10 +73,7 @@ def forward(actor: ActorHost, slot: TenantSlot, batch: Any) -> dict[str, Any]:
     """Without gradients, on the slot's current weights (saved or not): each row's log-probability of its given
     action, the policy's entropy and value there. Every rank computes the whole (small) batch."""
     limits = actor.config.limits_for(slot.name)
-    if not slot.policy.gaussian:
-        raise SpecError(f"tenant {slot.name!r}: forward gives log-probabilities of actions, and its "
-                        f"{slot.policy.family!r} head is a flow-matching expert without them")
-    data = check_batch(batch, slot.schema, "sft", chunk=slot.chunk, gaussian=True, max_rows=limits.max_batch_rows,
+    data = check_batch(batch, slot.schema, "sft", chunk=slot.chunk, max_rows=limits.max_batch_rows,
                        max_instruction_chars=limits.max_instruction_chars)
     feats, proprio = actor.features(slot.name, list(data["observations"]))
     slot.policy.eval()

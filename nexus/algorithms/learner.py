@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 class GaussianPolicy(Protocol):
-    """A policy with exact action log-probabilities (``nexus.model.policy.TenantPolicy`` of an OFT head)."""
+    """A policy with exact action log-probabilities (``nexus.model.policy.TenantPolicy``, every family)."""
 
     def evaluate(self, feats: BackboneFeatures | torch.Tensor, proprio: torch.Tensor, actions: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from nexus.config import catalog
 from nexus.config.service import ServiceLimits
 from nexus.errors import LimitExceeded, NotFound, SpecError, describe_errors
 from nexus.features import CameraSpec, TenantSchema
-from nexus.spec import RL_ACTION_HEADS, ExternalEnv, JobSpec, TenantSpec
+from nexus.spec import ExternalEnv, JobSpec, TenantSpec
 
 _JOB = TypeAdapter(JobSpec)
 
@@ -196,11 +196,6 @@ def validate_job(spec: TenantSpec, raw: dict[str, Any], limits: ServiceLimits | 
         raise SpecError(f"tenant {spec.name!r} has no dataset: an sft job needs one")
     if job.kind == "eval" and job.protocol == "suite":
         _check_suite_eval(spec, job, limits)
-    if job.kind == "rl" and spec.action_head not in RL_ACTION_HEADS:
-        heads = ", ".join(sorted(RL_ACTION_HEADS))
-        raise SpecError(f"tenant {spec.name!r}: RL needs a Gaussian action head ({heads}); "
-                        f"{spec.action_head!r} is a flow-matching expert without action log-probabilities "
-                        "(SFT and eval only)")
     if job.kind == "rl" and spec.chunk != 1:
         raise SpecError(f"tenant {spec.name!r}: RL trains one action per step, but chunk={spec.chunk}")
     if job.kind == "rl" and job.algorithm == "grpo" and job.grpo.kl_coef > 0 and spec.lora is not None:

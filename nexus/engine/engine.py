@@ -376,13 +376,7 @@ def _act(policy, cond, proprio: torch.Tensor, deterministic: bool, seeds: list[i
                                                        policy.action_dim)
     if deterministic or all(s is None for s in seeds):  # plain: the engine's policies are plain modules
         return policy.act(cond, proprio, deterministic=deterministic, plain=True, prefix=rtc)
-    if policy.gaussian:
-        width = policy.chunk * policy.action_dim
-        noise = torch.stack([torch.randn(width) if s is None else
-                             torch.randn(width, generator=torch.Generator().manual_seed(s)) for s in seeds])
-        return policy.act(cond, proprio, noise=noise, plain=True)
-    parts = [policy.act(cond[[r]], proprio[r:r + 1], generator=None if s is None else
-                        torch.Generator().manual_seed(s), prefix=None if rtc is None else (rtc[0][r:r + 1],
-                                                                                            rtc[1][r:r + 1]))
-             for r, s in enumerate(seeds)]
-    return tuple(torch.cat([p[k] for p in parts]) for k in range(3))
+    width = policy.chunk * policy.action_dim
+    noise = torch.stack([torch.randn(width) if s is None else
+                         torch.randn(width, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    return policy.act(cond, proprio, noise=noise, plain=True, prefix=rtc)

@@ -50,10 +50,13 @@ class GR00TActionHead(nn.Module):
     prefix_layers: tuple[int, ...] = (-1,)
 
     def __init__(self, feat_dim: int, proprio_dim: int, action_dim: int, hidden_dim: int = 256, chunk: int = 1,
-                 depth: int = 4, heads: int = 4) -> None:
+                 depth: int = 4, heads: int = 4,
+                 init_log_std: float = -0.5) -> None:
         super().__init__()
         w = hidden_dim
         self.action_dim, self.chunk, self.width = action_dim, chunk, w
+        # RL's exploration noise on the last denoising step (TenantPolicy), one std per action of the chunk
+        self.log_std = nn.Parameter(torch.full((chunk * action_dim,), float(init_log_std)))
         self.vl_norm = nn.LayerNorm(feat_dim)
         self.state_encoder = mlp(proprio_dim, w, w) if proprio_dim > 0 else None
         # action encoder: W1 a ; [W1 a, emb(t)] -> W2 -> swish -> W3

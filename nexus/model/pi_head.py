@@ -50,10 +50,13 @@ class PiActionExpert(nn.Module):
     """Flow-matching action expert attending layer-wise to the backbone's prefix; takes the proprio state."""
 
     def __init__(self, feat_dim: int, proprio_dim: int, action_dim: int, hidden_dim: int = 256, chunk: int = 1,
-                 depth: int = 2, heads: int = 4) -> None:
+                 depth: int = 2, heads: int = 4,
+                 init_log_std: float = -0.5) -> None:
         super().__init__()
         w = hidden_dim
         self.action_dim, self.chunk, self.width = action_dim, chunk, w
+        # RL's exploration noise on the last denoising step (TenantPolicy), one std per action of the chunk
+        self.log_std = nn.Parameter(torch.full((chunk * action_dim,), float(init_log_std)))
         self.prefix_layers: tuple[int, ...] = tuple(range(-depth, 0))  # layer l <-> backbone layer -(depth-l)
         self.state_proj = nn.Linear(proprio_dim, w) if proprio_dim > 0 else None
         self.action_in_proj = nn.Linear(action_dim, w)

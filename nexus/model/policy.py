@@ -2,15 +2,17 @@
 
 Families (``TenantSpec.action_head``):
 
-| family | module | reads from the backbone | SFT loss | RL |
+| family | module | reads from the backbone | SFT loss | deterministic action |
 |---|---|---|---|---|
-| ``oft`` | :class:`OFTActionHead` | pooled feature | MSE of the Gaussian mean | PPO, GRPO |
-| ``groot`` | :class:`GR00TActionHead` | last-layer prefix tokens | flow matching | no |
-| ``pi`` | :class:`PiActionExpert` | last ``depth`` layers of prefix tokens | flow matching | no |
+| ``oft`` | :class:`OFTActionHead` | pooled feature | MSE of the Gaussian mean | the mean |
+| ``groot`` | :class:`GR00TActionHead` | last-layer prefix tokens | flow matching | the flow from zero |
+| ``pi`` | :class:`PiActionExpert` | last ``depth`` layers of prefix tokens | flow matching | the flow from zero |
 
-Flow-matching families have no tractable action likelihood, so they serve SFT and evaluation; RL jobs
-for them are refused at spec validation. Their deterministic action integrates the flow from zero
-noise; a stochastic one from Gaussian noise.
+Every family is a Gaussian policy around its deterministic action (RL: PPO, GRPO), with a learned state-independent std
+(``head.log_std``, from ``init_log_std``) and a critic. For the flow families this is Flow-Noise (πRL) with the
+noise on one denoising step: the Euler chain starts at zero noise, its steps are deterministic but the last, which
+is Gaussian, so the sampled action's log-likelihood is exact — ``log N(a; flow(s), std²)`` — and needs no stored
+denoising chain. Exported policies and evaluations take the deterministic action.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from nexus.model.lora import TenantAdapter
 from nexus.model.oft_head import OFTActionHead
 from nexus.model.pi_head import PiActionExpert
 from nexus.model.proprio_norm import build_proprio_norm
-from nexus.spec import RL_ACTION_HEADS, TenantSpec
+from nexus.spec import TenantSpec
 
 FAMILIES = ("oft", "groot", "pi")
-GAUSSIAN_FAMILIES = RL_ACTION_HEADS  # the families that support RL (exact log-probabilities)
+GAUSSIAN_FAMILIES = ("oft",)  # the head's output is the Gaussian mean (the others integrate a flow to it)
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))  # as torch.distributions.Normal.log_prob has it
 
 
@@ -52,7 +54,7 @@ class ActionHeadConfig:
     family: str = "oft"
     hidden_dim: int = 256  # width of the head / expert
     chunk: int = 1  # actions predicted per observation
-    init_log_std: float = -0.5  # oft: initial Gaussian std (log)
+    init_log_std: float = -0.5  # initial Gaussian std (log) of the sampled actions
     proprio_norm: str = "tanh"  # how the state is scaled before the head reads it (nexus.model.proprio_norm)
     heads: int = 4  # groot / pi: attention heads
     depth: int | None = None  # groot: DiT blocks (4); pi: expert layers = backbone layers attended (2)
@@ -86,8 +88,10 @@ def build_action_head(cfg: ActionHeadConfig, feat_dim: int, schema: TenantSchema
     if cfg.family == "oft":
         return OFTActionHead(feat_dim, p, a, w, cfg.chunk, cfg.init_log_std)
     if cfg.family == "groot":
-        return GR00TActionHead(feat_dim, p, a, w, cfg.chunk, depth=cfg.resolved_depth, heads=cfg.heads)
-    return PiActionExpert(feat_dim, p, a, w, cfg.chunk, depth=cfg.resolved_depth, heads=cfg.heads)
+        return GR00TActionHead(feat_dim, p, a, w, cfg.chunk, depth=cfg.resolved_depth, heads=cfg.heads,
+                               init_log_std=cfg.init_log_std)
+    return PiActionExpert(feat_dim, p, a, w, cfg.chunk, depth=cfg.resolved_depth, heads=cfg.heads,
+                          init_log_std=cfg.init_log_std)
 
 
 class ValueHead(nn.Module):
@@ -105,7 +109,7 @@ class ValueHead(nn.Module):
 
 
 class TenantPolicy(nn.Module):
-    """Everything a tenant trains: its action module (``head``), for RL families a critic (``value``), and
+    """Everything a tenant trains: its action module (``head``), a critic (``value``, for PPO), and
     optionally a LoRA adapter on the shared backbone (``lora``, applied inside the backbone's forward).
 
     ``feat`` arguments accept :class:`BackboneFeatures` (with the prefix layers this policy asks for in
@@ -122,6 +126,17 @@ class TenantPolicy(nn.Module):
         self.lora = lora
         # the state as the head and critic read it; "running" statistics are buffers (they sync with the weights)
         self.proprio_norm = build_proprio_norm(cfg.proprio_norm, proprio_dim)
+        if not self.gaussian:
+            self._register_load_state_dict_pre_hook(self._fill_rl_parameters)
+
+    def _fill_rl_parameters(self, state: dict, prefix: str, *args: object) -> None:
+        """A flow policy's weights saved before flow families trained by RL lack the noise std and the critic:
+        those keep their initial values (SFT never trained them)."""
+        if prefix + "head.log_std" in state:
+            return
+        for name, tensor in self.state_dict().items():
+            if name == "head.log_std" or name.startswith("value."):
+                state.setdefault(prefix + name, tensor)
 
     @classmethod
     def from_spec(cls, spec: TenantSpec, schema: TenantSchema, feat_dim: int, chunk: int | None = None,
@@ -139,7 +154,7 @@ class TenantPolicy(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed)
             head = build_action_head(cfg, feat_dim, schema)
-            value = ValueHead(feat_dim, schema.proprio_dim, cfg.hidden_dim) if cfg.family in GAUSSIAN_FAMILIES else None
+            value = ValueHead(feat_dim, schema.proprio_dim, cfg.hidden_dim)
             lora = None
             if spec.lora is not None:  # built last: heads of tenants with and without LoRA init the same
                 if not lora_shapes:
@@ -165,7 +180,7 @@ class TenantPolicy(nn.Module):
 
     @property
     def gaussian(self) -> bool:
-        """Exact log-probabilities (RL-capable) or a flow-matching sampler."""
+        """The head outputs the Gaussian mean (SFT regresses it), or integrates a flow to it (flow matching)."""
         return self.cfg.family in GAUSSIAN_FAMILIES
 
     @property
@@ -204,10 +219,7 @@ class TenantPolicy(nn.Module):
 
     def mean_action(self, feat: BackboneFeatures | torch.Tensor, proprio: torch.Tensor) -> torch.Tensor:
         """The deterministic action [N, A]: Gaussian mean, or the flow integrated from zero noise."""
-        feats, proprio = self._inputs(feat, proprio)
-        if self.gaussian:
-            return self.head(feats, proprio)
-        return self._sample_flow(feats, proprio, None, deterministic=True)
+        return self._mean(*self._inputs(feat, proprio))
 
     def velocity(self, feat: BackboneFeatures, proprio: torch.Tensor, x: torch.Tensor,
                  tau: torch.Tensor) -> torch.Tensor:
@@ -217,30 +229,27 @@ class TenantPolicy(nn.Module):
         feats, proprio = self._inputs(feat, proprio)
         return self.head.velocity(feats, proprio, x, tau)
 
-    def _sample_flow(self, feats: BackboneFeatures, proprio: torch.Tensor, generator: torch.Generator | None,
-                     deterministic: bool, prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The flow integrated from noise (zeros when ``deterministic``). ``prefix``: (actions [N, chunk, A], mask
-        [N, chunk, 1], 1 where the robot executed the action): real-time chunking by inpainting — after every
-        step the masked positions are put back on their path from the start noise to the executed action
-        (``tau * prefix + (1 - tau) * x0``), so the velocity of the other positions is computed with the prefix
-        in the chunk's attention, and the chunk ends on the prefix exactly (the replacement form of the RTC
-        paper's inpainting, without its guidance term)."""
-        n = len(feats)
-        shape = (n, self.chunk, self.action_dim)
+    def _mean(self, feats: BackboneFeatures, proprio: torch.Tensor, plain: bool = False,
+              prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The Gaussian's mean [N, A]: the OFT head's output, or the flow's Euler chain from zero noise (every
+        step deterministic; the sampled action is this plus the last step's Gaussian noise). ``prefix`` (flow
+        families): (actions [N, chunk, A], mask [N, chunk, 1], 1 where the robot executed the action): real-time
+        chunking by inpainting — after every step the masked positions are put back on their path from the
+        start (zero) noise to the executed action (``tau * prefix``), so the velocity of the other positions is
+        computed with the prefix in the chunk's attention, and the chunk ends on the prefix exactly (the
+        replacement form of the RTC paper's inpainting, without its guidance term)."""
+        if self.gaussian:
+            return self.head(feats, proprio, plain=plain)
         p = next(self.parameters())
-        x0 = (torch.zeros(shape) if deterministic else torch.randn(shape, generator=generator)).to(p.device, p.dtype)
+        x0 = torch.zeros(len(feats), self.chunk, self.action_dim, device=p.device, dtype=p.dtype)
         clamp = None
         if prefix is not None:
             target, mask = (t.to(p.device, p.dtype) for t in prefix)
 
             def clamp(x: torch.Tensor, tau: float) -> torch.Tensor:
-                return torch.where(mask > 0, tau * target + (1.0 - tau) * x0, x)
+                return torch.where(mask > 0, tau * target, x)
         x = integrate(lambda x, tau: self.head.velocity(feats, proprio, x, tau), x0, self.cfg.flow.steps, clamp)
         return x.flatten(1)
-
-    def _dist(self, feat: BackboneFeatures, proprio: torch.Tensor) -> torch.distributions.Normal:
-        mean = self.head(feat, proprio)
-        return torch.distributions.Normal(mean, self.head.log_std.exp().expand_as(mean))
 
     @torch.no_grad()
     def act(self, feat: BackboneFeatures | torch.Tensor, proprio: torch.Tensor, deterministic: bool = False,
@@ -248,19 +257,14 @@ class TenantPolicy(nn.Module):
             prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sample (or take the deterministic action) -> (unclipped action [N, A], logprob [N], value [N]).
 
-        ``noise``: a Gaussian head's standard-normal draws [N, chunk * A] (each row's own; else from ``generator``).
-        Flow families return logprob and value 0 (they have neither; RL is refused for them). ``plain``: a
-        Gaussian head's layers as functional ops (the same numbers, a fraction of the calls' cost for a row or
-        two), for a policy that is a plain module (an inference engine's, an exported one), never a ZeRO-3 one.
-        ``prefix``: a flow family's executed prefix (see :meth:`_sample_flow`); a Gaussian head decodes its chunk's
+        ``noise``: the standard-normal draws [N, chunk * A] (each row's own; else from ``generator``). ``plain``:
+        an OFT head's layers as functional ops (the same numbers, a fraction of the calls' cost for a row or two),
+        for a policy that is a plain module (an inference engine's, an exported one), never a ZeRO-3 one.
+        ``prefix``: a flow family's executed prefix (see :meth:`_mean`); a Gaussian head decodes its chunk's
         positions in parallel, independently, so it has nothing to condition (the engine puts the prefix in front).
         """
         feats, proprio = self._inputs(feat, proprio)
-        if not self.gaussian:
-            action = self._sample_flow(feats, proprio, generator, deterministic, prefix)
-            zeros = action.new_zeros(action.shape[0])
-            return action, zeros, zeros
-        mean = self.head(feats, proprio, plain=plain)  # log-probs: the same numbers as evaluate()'s
+        mean = self._mean(feats, proprio, plain=plain, prefix=prefix)  # log-probs: the same numbers as evaluate()'s
         scale = self.head.log_std.exp().expand_as(mean)
         if deterministic:
             action = mean
@@ -268,16 +272,18 @@ class TenantPolicy(nn.Module):
             if noise is None:
                 noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
             action = mean + scale * noise.to(mean.device, mean.dtype).reshape(mean.shape)
+            if prefix is not None and not self.gaussian:  # executed actions happened: no noise on them
+                executed = prefix[1].to(mean.device).expand(-1, -1, self.action_dim).flatten(1) > 0
+                action = torch.where(executed, mean, action)
         value = self.value(feats, proprio, plain=plain)  # type: ignore[misc]
         return action, gaussian_logprob(action, mean, scale), value
 
     def evaluate(self, feat: BackboneFeatures | torch.Tensor, proprio: torch.Tensor,
                  action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """With autograd: (logprob [N], entropy [N], value [N]) of given (unclipped) actions. RL families only."""
-        if not self.gaussian:
-            raise TypeError(f"the {self.family!r} action head is a flow-matching sampler without action "
-                            f"log-probabilities: RL (PPO / GRPO) needs one of {sorted(GAUSSIAN_FAMILIES)}")
+        """With autograd: (logprob [N], entropy [N], value [N]) of given (unclipped) actions. A flow family's
+        gradient runs back through its whole Euler chain."""
         feats, proprio = self._inputs(feat, proprio)
-        dist = self._dist(feats, proprio)
-        action = torch.as_tensor(action).to(dist.mean.device, dist.mean.dtype)
+        mean = self._mean(feats, proprio)
+        dist = torch.distributions.Normal(mean, self.head.log_std.exp().expand_as(mean))
+        action = torch.as_tensor(action).to(mean.device, mean.dtype)
         return dist.log_prob(action).sum(-1), dist.entropy().sum(-1), self.value(feats, proprio)  # type: ignore[misc]

@@ -255,15 +255,12 @@ def _config(value: Any, field: str, allowed: tuple[str, ...]) -> dict[str, float
     return dict(value)
 
 
-def check_batch(batch: Any, schema: TenantSchema, loss: str, *, chunk: int = 1, gaussian: bool = True,
+def check_batch(batch: Any, schema: TenantSchema, loss: str, *, chunk: int = 1,
                 max_rows: int = 4096, max_instruction_chars: int = 2000) -> dict[str, Any]:
     """A checked copy of a ``forward_backward`` batch: observations as :class:`Observation`, numeric
     fields as finite float32 arrays (``actions`` flattened to [N, chunk * action_dim])."""
     if loss not in BATCH_FIELDS:
         raise SpecError(f"loss: unknown loss {quote(loss)}; expected one of {sorted(BATCH_FIELDS)}")
-    if loss != "sft" and not gaussian:
-        raise SpecError(f"loss {loss!r}: RL losses need a Gaussian action head (oft); this tenant's is a "
-                        "flow-matching expert without action log-probabilities")
     if loss != "sft" and chunk != 1:
         raise SpecError(f"loss {loss!r}: RL trains one action per step, but the tenant's chunk={chunk}")
     if not isinstance(batch, Mapping):

@@ -8,11 +8,10 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from pydantic import Field
 
-from nexus.errors import SpecError
 from nexus.gateway.contract import OVERLOADED_RESPONSE
 from nexus.gateway.routes.common import GW, OpSession, Who
 from nexus.gateway.state import StrictBody
-from nexus.spec import RL_ACTION_HEADS, AdamParams, check_state_name
+from nexus.spec import AdamParams, check_state_name
 from nexus.wire.inputs import check_batch
 
 
@@ -48,7 +47,7 @@ async def forward_backward(tenant: str, body: ForwardBackwardBody, who: Who, gw:
     lim = gw.limits(tenant)
     if spec is not None:
         batch = await asyncio.to_thread(check_batch, body.batch, schema, body.loss, chunk=spec.chunk,
-                                        gaussian=spec.action_head in RL_ACTION_HEADS, max_rows=lim.max_batch_rows,
+                                        max_rows=lim.max_batch_rows,
                                         max_instruction_chars=lim.max_instruction_chars)
     else:  # the actor checks it against the slot
         batch = body.batch
@@ -59,15 +58,12 @@ async def forward_backward(tenant: str, body: ForwardBackwardBody, who: Who, gw:
 @router.post("/v1/tenants/{tenant}/forward", tags=["low level"], responses={429: OVERLOADED_RESPONSE})
 async def forward(tenant: str, body: ForwardBody, who: Who, gw: GW, session: OpSession) -> dict[str, Any]:
     """Without a gradient, ordered with the tenant's training calls: each row's log-probability of its action
-    (``outputs.logprobs``), the policy's entropy and value there (Gaussian heads)."""
+    (``outputs.logprobs``), the policy's entropy and value there."""
     who.may_act_on(tenant)
     spec, schema = await gw.spec_schema(tenant)
     lim = gw.limits(tenant)
     batch = body.batch
     if spec is not None:
-        if spec.action_head not in RL_ACTION_HEADS:
-            raise SpecError(f"tenant {tenant!r}: forward gives log-probabilities of actions, and its "
-                            f"{spec.action_head!r} head is a flow-matching expert without them")
         batch = await asyncio.to_thread(check_batch, body.batch, schema, "sft", chunk=spec.chunk,
                                         max_rows=lim.max_batch_rows,
                                         max_instruction_chars=lim.max_instruction_chars)
