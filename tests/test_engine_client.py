@@ -140,3 +140,39 @@ def test_small_engine_calls_take_the_workers_direct_stream_and_large_ones_or_str
             server.close()
 
     asyncio.run(main())
+
+
+def test_the_engine_stream_under_tls_takes_only_callers_with_the_clusters_certificate(tmp_path):
+    """With the cluster's TLS the stream listens with the worker's Dask context: a caller holding the service's
+    certificate gets its answer, a plain TCP caller gets none."""
+    import asyncio
+
+    from distributed import Security
+
+    from nexus.deploy.tls import ensure_certificates
+    from nexus.wire.engine_client import pack
+    from nexus.wire.engine_stream import StreamClosed, StreamConn, StreamServer, listen_ssl
+
+    f = ensure_certificates(tmp_path)
+    sec = Security(require_encryption=True, tls_ca_file=str(f.ca), tls_client_cert=str(f.cert),
+                   tls_client_key=str(f.key), tls_worker_cert=str(f.cert), tls_worker_key=str(f.key))
+
+    async def echo(engine: str, method: str, payload: bytes):
+        return [engine, method, payload]
+
+    async def main() -> None:
+        server = StreamServer(echo)
+        address = await server.start("127.0.0.1", listen_ssl(SimpleNamespace(security=sec)))
+        try:
+            conn = await StreamConn.open(address, sec.get_connection_args("client")["ssl_context"])
+            assert await conn.call("engine-0.0", "versions", pack({}), timeout=10) == ["engine-0.0", "versions",
+                                                                                     pack({})]
+            conn.close()
+            plain = await StreamConn.open(address)
+            with pytest.raises((StreamClosed, TimeoutError)):
+                await plain.call("engine-0.0", "versions", pack({}), timeout=5)
+            plain.close()
+        finally:
+            server.close()
+
+    asyncio.run(main())
