@@ -307,7 +307,7 @@ def serve(args) -> None:
             asyncio.run(closed_loop(host, port, tokens, names, 16, 3.0, lambda: obs.body(obs.fresh())))  # warm
             for _ in range(3):
                 policy.predict_actions([obs.fresh() for _ in range(group)])
-            eng = nx.engine(0)
+            eng = nx.service.engine(0)
             # the held-out probe: the same action from the gateway and from the exported policy
             r = http.post(f"/v1/tenants/{names[0]}/predict", content=obs.body(obs.probe),
                           headers={"Authorization": f"Bearer {tokens[names[0]]}",

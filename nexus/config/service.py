@@ -263,6 +263,9 @@ class GatewaySettings(BaseModel):
                                                      "(uvloop: libuv's, asyncio: the standard library's)")
     predict_fast_path: bool = Field(True, description="the gateway serves a predict without FastAPI's routing and "
                                     "dependencies (the same answers; nexus.gateway.fast_predict)")
+    engine_stream: bool = Field(True, description="the gateway sends its predicts to the engine's worker over a "
+                                "direct stream (asyncio, the cluster's TLS) instead of Dask's comm "
+                                "(nexus.wire.engine_stream; experiments/serving)")
 
 
 class GcSettings(BaseModel):

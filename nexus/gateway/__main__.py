@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
         openpi_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         openpi_ssl.load_cert_chain(a.certfile, a.keyfile)
-    app = create_app(config, Backend(address, security(config)), tokens, host=bind, openpi_host=bind,
-                     openpi_ssl=openpi_ssl)
+    backend = Backend(address, security(config), engine_stream=config.gateway.engine_stream)
+    app = create_app(config, backend, tokens, host=bind, openpi_host=bind, openpi_ssl=openpi_ssl)
     server = Server(uvicorn.Config(app, loop=config.gateway.event_loop, http=config.gateway.http_parser,
                                    log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                                    ssl_certfile=a.certfile, ssl_keyfile=a.keyfile))

@@ -26,8 +26,9 @@ OPTIONAL = ("nexus_cancel", "nexus_delete_tenant", "nexus_scale_inference", "nex
 
 
 class Backend:
-    def __init__(self, address: str, security: Any = None, timeout: float = 60) -> None:
+    def __init__(self, address: str, security: Any = None, timeout: float = 60, engine_stream: bool = True) -> None:
         self.address, self.security, self.timeout = address, security, timeout
+        self.engine_stream = engine_stream  # predicts over the direct stream to the engine's worker (gateway.*)
         self.client = None
         self.handlers: set[str] = set()
         self._engines = None  # EngineClient: routes each tenant to its engine
@@ -160,7 +161,8 @@ class Backend:
 
     async def predict_many(self, ep: EngineEndpoint, requests: list[list[Any]]) -> dict[str, Any]:
         """Gathered predicts on one engine, straight to its worker (``EngineHost.predict_many``)."""
-        return await call_engine(self.client, ep, "predict_many", requests, timeout=self.engines.request_timeout_s)
+        return await call_engine(self.client, ep, "predict_many", requests, timeout=self.engines.request_timeout_s,
+                                 stream=self.engine_stream)
 
     async def live_version(self, tenant: str) -> int | None:
         """The version the engine serving ``tenant`` answers with now (None: it does not hold the tenant yet)."""

@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from nexus.errors import Unavailable
+from nexus.wire.engine_stream import streams
 from nexus.wire.messages import EngineEndpoint
 
 logger = logging.getLogger("nexus.wire.engine_client")
@@ -76,16 +77,22 @@ def unpack(msg: Any) -> Any:
 
 
 async def call_engine(server, ep: EngineEndpoint, method: str, *args: Any, timeout: float | None = None,
-                      connect_timeout: float = CONNECT_TIMEOUT_S, **kwargs: Any) -> Any:
+                      connect_timeout: float = CONNECT_TIMEOUT_S, stream: bool = False, **kwargs: Any) -> Any:
+    """``method(*args, **kwargs)`` on engine ``ep``. ``stream``: a small call goes over the direct stream to the
+    engine's worker where it offers one (:mod:`nexus.wire.engine_stream`), else over Dask's comm."""
     from distributed.core import send_recv
 
+    payload = pack({"args": list(args), "kwargs": kwargs})
+    if stream and isinstance(payload, bytes):
+        conn = await streams().get(server, ep.address, connect_timeout)
+        if conn is not None:
+            return await conn.call(ep.engine, method, payload, timeout)
     pool = server.rpc
     extra = {k: v for k, v in (("serializers", pool.serializers), ("deserializers", pool.deserializers))
              if v is not None}
     comm = await pool.connect(ep.address, timeout=connect_timeout)
     try:  # packed as the engine's reply is (``NexusWorkerPlugin._h_engine``)
-        coro = send_recv(comm=comm, op=DATA_OP, engine=ep.engine, method=method,
-                         payload=pack({"args": list(args), "kwargs": kwargs}), **extra)
+        coro = send_recv(comm=comm, op=DATA_OP, engine=ep.engine, method=method, payload=payload, **extra)
         reply = await (asyncio.wait_for(coro, timeout) if timeout else coro)
     finally:
         pool.reuse(ep.address, comm)

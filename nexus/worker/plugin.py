@@ -12,6 +12,8 @@ Handlers (plain msgpack from the scheduler; pickled payloads where marked):
 
 * ``nexus_engine(engine, method, payload)`` — an engine call from a worker or client (predict,
   load_weights, engine_stats, ...; pickled payload), gated by its :class:`EngineHost`.
+* ``nexus_engine_stream()`` — the address of this worker's direct stream for engine calls (started on the first
+  ask; :mod:`nexus.wire.engine_stream`: the gateway's predicts), or None where the worker's comm is not TCP/TLS.
 * ``nexus_engine_ctl(engine, action, ...)`` — the control plane's engine operations: sync (pickled
   ``TenantSetup`` objects), drain, stop, unregister, pin, unpin, stats, flush_signals, batching.
 * ``nexus_tracker(calls)`` — an ordered batch of tracker calls.
@@ -50,6 +52,7 @@ from nexus.sim.host import SimHost
 from nexus.wire import devices
 from nexus.wire.dask_streams import send_promptly
 from nexus.wire.engine_client import pack, unpack
+from nexus.wire.engine_stream import LOOKUP_OP, StreamServer, listen_ssl
 from nexus.wire.inputs import wire_json
 from nexus.wire.messages import HEALTH_TOPIC, HEARTBEAT_S, Heartbeat, Rendezvous
 from nexus.wire.signals import TOPIC as SIGNAL_TOPIC
@@ -97,6 +100,7 @@ class NexusWorkerPlugin(WorkerPlugin):
         self._lock = threading.Lock()
         self._beat: PeriodicCallback | None = None
         self._tick: asyncio.Future | None = None  # the environment sessions' periodic work
+        self.stream = StreamServer(self._stream_call)  # engine calls past Dask's comm (nexus.wire.engine_stream)
 
     # -- Dask hooks --------------------------------------------------------------------------------
     def setup(self, worker) -> None:
@@ -107,6 +111,7 @@ class NexusWorkerPlugin(WorkerPlugin):
         # the data path's callers (gateway, producers) unpickle what a handler raises; the control plane's get its
         # NexusErrors as replies (nexus.errors.to_reply)
         worker.handlers.update({"nexus_engine": self._in_worker(self._h_engine), "nexus_env": self._h_env,
+                                LOOKUP_OP: self._h_engine_stream,
                                 **{name: _errors_as_replies(fn) for name, fn in (
                                     ("nexus_engine_ctl", self._in_worker(self._h_engine_ctl)),
                                     ("nexus_tracker", self._h_tracker), ("nexus_io", self._h_io),
@@ -118,6 +123,7 @@ class NexusWorkerPlugin(WorkerPlugin):
     def teardown(self, worker) -> None:
         if self._beat is not None:
             self._beat.stop()
+        self.stream.close()
 
     def _in_worker(self, fn):
         """Run a handler as Dask runs actor methods: ``get_worker()`` works in it (and in the tasks and
@@ -171,6 +177,22 @@ class NexusWorkerPlugin(WorkerPlugin):
         call = unpack(payload)  # both ways packed whole (``nexus.wire.engine_client.pack``)
         out = await self._engine(engine).call(method, call.get("args", []), call.get("kwargs", {}))
         return {"result": pack(out)}
+
+    async def _h_engine_stream(self) -> str | None:
+        """The direct stream's address, on this worker's own host and with its own TLS (started on the first ask)."""
+        address = self.worker.address
+        if not address.startswith(("tcp://", "tls://")):
+            return None  # in-process comms (tests): Dask's
+        return await self.stream.start(get_address_host(address), listen_ssl(self.worker))
+
+    async def _stream_call(self, engine: str, method: str, payload: bytes) -> Any:
+        """An engine call that came over the stream: as ``_h_engine``, the reply pickled whole by the stream."""
+        token = _worker_cvar.set(self.worker)
+        try:
+            call = unpack(payload)
+            return await self._engine(engine).call(method, call.get("args", []), call.get("kwargs", {}))
+        finally:
+            _worker_cvar.reset(token)
 
     async def _h_engine_ctl(self, engine: str, action: str, **msg: Any) -> Any:
         out = await self._engine(engine).control(action, **msg)
