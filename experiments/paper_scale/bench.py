@@ -122,10 +122,11 @@ def summary(xs: list[float]) -> dict[str, Any]:
             "values": xs}
 
 
-def tune(svcs: Services, wf: WorkloadFile, tries: int) -> dict[str, Any]:
-    """Each mode runs the same first ``tries`` candidates on the calibration seed; the fewest device-seconds wins."""
+def tune(svcs: Services, wf: WorkloadFile, picks: list[int]) -> dict[str, Any]:
+    """Each mode runs the same candidates (``picks``: their indices) on the calibration seed; the fewest
+    device-seconds wins."""
     seed = wf.tuning.calibration_seed
-    cands = wf.tuning.candidates[:tries]
+    cands = [wf.tuning.candidates[i] for i in picks]
     got: dict[str, list[tuple[float, Mechanisms]]] = {m: [] for m in MODES}
     for c in cands:
         for mode in MODES:
@@ -144,24 +145,27 @@ def score(svcs: Services, frozen: dict[str, Mechanisms], seeds: list[int]) -> li
     return runs
 
 
-def attribution(svcs: Services, frozen: dict[str, Mechanisms], runs: list[dict[str, Any]]) -> dict[str, Any]:
+def attribution(svcs: Services, frozen: dict[str, Mechanisms], runs: list[dict[str, Any]], names: list[str],
+                save: Any) -> dict[str, Any]:
     """Each mechanism's own gain in each mode: device time with it off over device time with it on, the rest of
     the mode's frozen configuration kept (the frozen run of the first score seed is one of the two)."""
     seed = runs[0]["seed"]
-    out: dict[str, Any] = {}
-    for mode in MODES:
-        base = frozen[mode]
-        done = {base.label(): runs[0][mode]["device_s"]}
-        out[mode] = {}
-        for name in MECHANISMS:
+    out: dict[str, Any] = {"seed": seed, "modes": {}}
+    for name in names:
+        for mode in MODES:
+            base = frozen[mode]
+            done = {base.label(): runs[0][mode]["device_s"], **out.setdefault("_done", {}).setdefault(mode, {})}
             off, on = base.toggled(name)
             for c in (off, on):
                 if c.label() not in done:
                     done[c.label()] = run_once(svcs, mode, c, seed)["device_s"]
-            out[mode][name] = {"off": off.label(), "on": on.label(), "off_device_s": done[off.label()],
-                               "on_device_s": done[on.label()], "gain": done[off.label()] / done[on.label()],
-                               "frozen_has_it": on == base}
-    return {"seed": seed, "modes": out}
+            out["_done"][mode] = done
+            out["modes"].setdefault(mode, {})[name] = {
+                "off": off.label(), "on": on.label(), "off_device_s": done[off.label()],
+                "on_device_s": done[on.label()], "gain": done[off.label()] / done[on.label()],
+                "frozen_has_it": on == base}
+            save(out)
+    return out
 
 
 def table(section: dict[str, Any]) -> str:
@@ -181,7 +185,7 @@ def table(section: dict[str, Any]) -> str:
     if "attribution" in section:
         lines.append("  mechanism        | gain alone (isolated) | gain shared")
         a = section["attribution"]["modes"]
-        for name in MECHANISMS:
+        for name in [n for n in MECHANISMS if n in a.get("shared", {})]:
             cells = [f"{a[m][name]['gain']:.3f}{'*' if a[m][name]['frozen_has_it'] else ' '}" for m in MODES]
             lines.append(f"  {name:16s} | {cells[0]:21s} | {cells[1]}")
         lines.append("  (* on in that mode's frozen configuration)")
@@ -189,43 +193,63 @@ def table(section: dict[str, Any]) -> str:
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
+    """Tuning, scoring, attribution and the k check, the section saved after each (a cut run keeps what it did)."""
     wf = load(args.workload)
     seeds = wf.tuning.score_seeds[:args.runs] if args.runs else wf.tuning.score_seeds
-    svcs = Services(wf, args.k)
+    picks = [int(x) for x in args.candidates.split(",")] if args.candidates else list(range(len(wf.tuning.candidates)))
+    t0 = time.time()
+    section: dict[str, Any] = {"workload": wf.name, "description": wf.description, "k": args.k,
+                               "calibration": wf.calibration, "paper": PAPER}
+
+    def save(part: dict[str, Any] | None = None) -> None:
+        section.update(part or {})
+        section["meta"] = {"command": "python experiments/paper_scale/bench.py " + " ".join(sys.argv[1:]),
+                           "cpu_count": os.cpu_count(), "load_avg_end": os.getloadavg(), "bench_s": time.time() - t0}
+        out = Path(args.out)
+        doc = json.loads(out.read_text()) if out.exists() else {}
+        doc[args.section or wf.name] = section
+        out.write_text(json.dumps(doc, indent=1, default=float))
+
+    svcs = Services(wf, args.k, keep=args.keep)
     try:
-        print(f"{wf.name}: tuning both modes on seed {wf.tuning.calibration_seed} (k = {args.k:g})", flush=True)
         if args.frozen:
             fz = json.loads(Path(args.out).read_text())[args.frozen]["frozen"]
-            tuned = {"from": args.frozen, "frozen": {m: Mechanisms(**fz[m]) for m in MODES}}
+            frozen = {m: Mechanisms(**fz[m]) for m in MODES}
+            save({"tuning": {"from": args.frozen, "frozen": {m: frozen[m].model_dump() for m in MODES}}})
         else:
-            tuned = tune(svcs, wf, args.tries)
-        frozen = tuned["frozen"]
+            print(f"{wf.name}: tuning both modes on seed {wf.tuning.calibration_seed} (k = {args.k:g})", flush=True)
+            tuned = tune(svcs, wf, picks)
+            frozen = tuned["frozen"]
+            save({"tuning": {**tuned, "frozen": {m: frozen[m].model_dump() for m in MODES}}})
+        section["frozen"] = {m: frozen[m].model_dump() for m in MODES}
         print(f"frozen: isolated {frozen['isolated'].label()}, shared {frozen['shared'].label()}; scoring seeds "
               f"{seeds}", flush=True)
         runs = score(svcs, frozen, seeds)
-        section: dict[str, Any] = {
-            "workload": wf.name, "description": wf.description, "k": args.k, "calibration": wf.calibration,
-            "tuning": {**tuned, "frozen": {m: frozen[m].model_dump() for m in MODES}},
-            "frozen": {m: frozen[m].model_dump() for m in MODES},
-            "headline": summary([r["efficiency"] for r in runs]),
-            "utilization_single_device": {m: {s: statistics.median(r[m]["utilization_single_device"][s] for r in runs)
-                                              for s in ("actor", "inference", "simulator")} for m in MODES},
-            "groups": {m: {"mean_rows": statistics.median(r[m]["mean_group_rows"] for r in runs),
-                           "mixed_share": statistics.median(r[m]["mixed_group_share"] for r in runs)} for m in MODES},
-            "runs": runs, "paper": PAPER}
+        save({"headline": summary([r["efficiency"] for r in runs]),
+              "utilization_single_device": {m: {s: statistics.median(r[m]["utilization_single_device"][s]
+                                                                     for r in runs)
+                                                for s in ("actor", "inference", "simulator")} for m in MODES},
+              "groups": {m: {"mean_rows": statistics.median(r[m]["mean_group_rows"] for r in runs),
+                             "mixed_share": statistics.median(r[m]["mixed_group_share"] for r in runs)}
+                         for m in MODES},
+              "runs": runs})
+        print(table(section), flush=True)
         if args.attribution:
-            section["attribution"] = attribution(svcs, frozen, runs)
+            names = args.attribution.split(",") if args.attribution != "all" else list(MECHANISMS)
+            attribution(svcs, frozen, runs, names, lambda a: save({"attribution": {
+                "seed": a["seed"], "modes": a["modes"]}}))
     finally:
         svcs.close()
     section["k_check"] = {}
     for k2 in [float(x) for x in args.k_check.split(",") if x]:
-        svcs = Services(wf, k2)
+        svcs = Services(wf, k2, keep=2)
         try:
             ks = [r["efficiency"] for r in score(svcs, frozen, seeds[:args.k_check_runs])]
         finally:
             svcs.close()
         section["k_check"][f"{k2:g}"] = {"values": ks, "median": statistics.median(ks),
                                          "same_seeds_at_k": [r["efficiency"] for r in runs[:args.k_check_runs]]}
+        save()
     return section
 
 
@@ -241,28 +265,22 @@ def main() -> None:
     ap.add_argument("what", choices=("compare",), help="also: validate, calibrate (each with its own --help)")
     ap.add_argument("--workload", required=True, help="a workload TOML file, or a name in workloads/")
     ap.add_argument("--k", type=float, default=5.0, help="time scale: every service time divided by k")
-    ap.add_argument("--tries", type=int, default=0, help="tuning tries per mode (0: every candidate)")
+    ap.add_argument("--candidates", default="", help="the tuning candidates both modes try, by index (default: all)")
+    ap.add_argument("--keep", type=int, default=3, help="emulated services kept up at once")
     ap.add_argument("--runs", type=int, default=0, help="score seeds to run (0: all the workload's)")
     ap.add_argument("--frozen", default=None, help="skip tuning: take the frozen configurations of this "
                     "results.json section (tuned before on the calibration seed)")
-    ap.add_argument("--attribution", action="store_true", help="each mechanism off and on in both modes")
+    ap.add_argument("--attribution", default="", help="mechanisms to turn off and on in both modes, in order "
+                    "(comma-separated, or all)")
     ap.add_argument("--k-check", default="", help="other time scales to rerun the frozen pair at, e.g. 3")
     ap.add_argument("--k-check-runs", type=int, default=2)
     ap.add_argument("--section", default=None, help="results.json section (default: the workload's name)")
     ap.add_argument("--out", default=str(HERE / "results.json"))
     args = ap.parse_args()
-    if args.tries == 0:
-        args.tries = 1000
     t0 = time.time()
     section = compare(args)
-    section["meta"] = {"command": "python experiments/paper_scale/bench.py " + " ".join(sys.argv[1:]),
-                       "cpu_count": os.cpu_count(), "load_avg_end": os.getloadavg(), "bench_s": time.time() - t0}
-    out = Path(args.out)
-    doc = json.loads(out.read_text()) if out.exists() else {}
-    doc[args.section or section["workload"]] = section
-    out.write_text(json.dumps(doc, indent=1, default=float))
     print(table(section))
-    print(f"wrote {out} ({time.time() - t0:.0f} s)")
+    print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
 
 
 if __name__ == "__main__":
