@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nexus.config.service import Scheduler, nest
+from nexus.errors import Conflict
 from nexus.spec import TenantSpec
 
 
@@ -77,8 +78,15 @@ class EmulatedService:
         self.root = Path(tempfile.mkdtemp(prefix="nexus-emulated-")) / "service"
         self.nx = local(self.root, emulation=emu, scheduler=first_policy,
                         datapath=workload.datapath or None)
-        for name, spec in workload.tenants().items():
-            self.nx.create_tenant(TenantSpec(name=name, **spec))
+        self.created: set[str] = set()
+        self.add_tenants(workload.jobs)
+
+    def add_tenants(self, jobs: list[Job]) -> None:
+        """The tenants of ``jobs`` not created yet (a run's seed makes tenants of its own: their specs' seeds)."""
+        for j in jobs:
+            if j.tenant not in self.created:
+                self.nx.create_tenant(TenantSpec(name=j.tenant, **j.spec))
+                self.created.add(j.tenant)
         self.nx.flush()  # the tracker's start-up (its warm-up, the boot's writes) done before a run is timed
 
     def close(self) -> None:
@@ -88,26 +96,58 @@ class EmulatedService:
     def engines(self) -> list:
         return [self.nx.service.engine(i) for i in range(self.devices.inference)]
 
-    def run(self, pol: dict[str, Any]) -> dict[str, Any]:
-        """The workload under ``pol``: jobs submitted at their arrival times; accounting over the run."""
+    def run(self, pol: dict[str, Any], jobs: list[Job] | None = None, serial: bool = False) -> dict[str, Any]:
+        """The workload (or ``jobs``) under ``pol``: jobs submitted at their arrival times — or, ``serial``, all at
+        the start one after another in their order (the isolated baseline: each job alone, in turn, its device
+        time not charged for waiting on arrivals); accounting over the run."""
         nx = self.nx
+        jobs = self.workload.jobs if jobs is None else jobs
+        self.add_tenants(jobs)
         nx.service.internal("nexus_set_scheduler", scheduler=pol)
         engines = self.engines()
         for e in engines:
             e.reset_stats().result()
         t0 = time.time()
-        handles: dict[str, Any] = {}
+        handles: dict[str, Any] = {}  # per job: its tenant's name, #i for a tenant's i-th job after its first
+        labels, seen = [], {}
+        for j in jobs:
+            seen[j.tenant] = seen.get(j.tenant, -1) + 1
+            labels.append(j.tenant if not seen[j.tenant] else f"{j.tenant}#{seen[j.tenant]}")
+        arrival = {n: t0 + (0.0 if serial else j.arrival_s) for n, j in zip(labels, jobs, strict=True)}
         lock = threading.Lock()
 
-        def submit(j: Job) -> None:
-            delay = t0 + j.arrival_s - time.time()
+        def submit(label: str, j: Job) -> Any:
+            delay = arrival[label] - time.time()
             if delay > 0:
                 time.sleep(delay)
-            h = nx.tenant(j.tenant).submit(j.job)
+            for _ in range(600):  # the tenant's previous job ended; the service may not have let it go yet
+                try:
+                    h = nx.tenant(j.tenant).submit(j.job)
+                    break
+                except Conflict:
+                    time.sleep(0.05)
+            else:
+                raise RuntimeError(f"{label}: the tenant's previous job never let go")
             with lock:
-                handles[j.tenant] = h
+                handles[label] = h
+            return h
 
-        threads = [threading.Thread(target=submit, args=(j,), daemon=True) for j in self.workload.jobs]
+        def stream(items: list[tuple[str, Job]], prev: Any = None) -> None:
+            """A tenant's jobs in order: each at its arrival, or when the tenant's previous one ends if later (a
+            tenant runs one training job at a time)."""
+            for label, j in items:
+                if prev is not None:
+                    prev.result(timeout=7200)
+                prev = submit(label, j)
+
+        streams: dict[str, list[tuple[str, Job]]] = {}
+        for label, j in zip(labels, jobs, strict=True):
+            streams.setdefault(j.tenant, []).append((label, j))
+        firsts = {}
+        if serial:  # each tenant's first job now, in the workload's order (the isolated policy keeps that order)
+            firsts = {t: submit(*items[0]) for t, items in streams.items()}
+        threads = [threading.Thread(target=stream, args=(items[1:], firsts[t]) if serial else (items,), daemon=True)
+                   for t, items in streams.items()]
         for t in threads:
             t.start()
         spans: dict[tuple, dict] = {}  # the monitoring view keeps the newest 2000 spans: poll as the run goes
@@ -147,7 +187,6 @@ class EmulatedService:
                 sizes[int(rows)] = sizes.get(int(rows), 0) + n
             groups += sum(s["tenants_hist"].values())
             mixed += sum(n for t, n in s["tenants_hist"].items() if int(t) > 1)
-        arrival = {j.tenant: t0 + j.arrival_s for j in self.workload.jobs}
         spans.update({(s["service"], s["worker"], s["t0"]): s for s in nx.monitoring(since=t0)["spans"]})
         return {
             "policy": pol["name"], "t0": t0, "t1": t1, "makespan_s": t1 - t0, "device_s": acc["device_s"],
