@@ -71,7 +71,8 @@ def main() -> None:
     ap.add_argument("--from-root", type=Path, help="rebuild the results from a stopped run's service root")
     args = ap.parse_args()
     if args.from_root is not None:
-        out = {"env": ENV, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        # the run's own settings are its jobs' (each tenant's "updates"); --episodes must be the run's
+        out = {"env": ENV, "args": {"from_root": str(args.from_root), "episodes": args.episodes},
                "stopped_early": True, **from_root(args.from_root)}
         args.out.write_text(json.dumps(out, indent=1))
         table(out)
