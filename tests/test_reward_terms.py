@@ -2,14 +2,14 @@
 exposes, checked against the catalog (a bad term is a 422 naming it, nothing created), computed from the real
 simulator's state, and logged per term (job history, job result, MLflow) while RL trains on them.
 
-Whether a dense and a sparse tenant learn side by side is measured in experiments/rl_learning/reward_terms.py
-(minutes of training: too long for a test)."""
+Whether a dense and a sparse tenant learn side by side is measured in experiments/reward_terms/run.py
+(minutes of training: too long for a test); the tenants' RL through the service is in test_rl_learning.py
+(it shares that module's service)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import httpx
 import numpy as np
 import pytest
 
@@ -122,48 +122,3 @@ def test_every_declared_term_is_read_by_its_simulator(name):
     assert all(np.isfinite(v) for v in res.terms.values())
     dist = next(k for k in res.terms if k.endswith("_dist"))
     assert 0.0 < res.terms[dist] < 1.0  # metres between the gripper and the cube at the start
-
-
-@pytest.mark.cluster
-def test_two_tenants_train_on_their_own_rewards_and_log_them_per_term(tmp_path):
-    """Over the gateway's HTTP: a bad term is a 422 naming it and creates nothing; a dense-reward and a
-    sparse-reward tenant on one env run RL side by side; each rollout's per-term rewards are in the job's
-    history and result and in MLflow, and add up to the rollout's return."""
-    from mlflow.tracking import MlflowClient
-
-    from nexus.client.api import Nexus
-
-    with Nexus.local(tmp_path, n_sim=2) as nx:
-        url, auth = nx.service.gateway_url, {"Authorization": f"Bearer {nx.service.operator_token}"}
-        r = httpx.post(url + "/v1/tenants", json={"name": "bad", "env": PUSH, "reward": DENSE}, headers=auth,
-                       timeout=60)
-        assert r.status_code == 422 and r.json()["error"]["class"] == "SpecError", r.text
-        assert "'obj_to_goal_dist_below'" in r.json()["error"]["message"]
-        assert httpx.get(url + "/v1/tenants/bad", headers=auth, timeout=60).status_code == 404
-        assert "bad" not in {t["tenant"] for t in nx.status()["tenants"]}
-
-        specs = {"dense": dense_terms(), "sparse": SPARSE}
-        jobs = {}
-        for name, terms in specs.items():
-            t = nx.create_tenant({"name": name, "env": PUSH, "hidden_dim": 32, "seed": 1, "reward": terms})
-            jobs[name] = t.submit({"kind": "rl", "updates": 2, "episodes_per_batch": 2, "collectors": 1,
-                                   "ppo": {"update_epochs": 1}})
-        results = {name: job.result(timeout=900) for name, job in jobs.items()}
-        nx.flush()
-        st = nx.status()
-        client = MlflowClient(tracking_uri=f"sqlite:///{st['config']['root']}/mlflow.db")
-        experiments = [e.experiment_id for e in client.search_experiments()]
-        for name, terms in specs.items():
-            res, keys = results[name], [f"reward/{t['term']}" for t in terms]
-            assert res["updates"] == 2 and set(keys) <= set(res)
-            rows = [h for j in nx.tenant_log(name)["jobs"] if j["kind"] == "rl" for h in j["history"]
-                    if h["kind"] == "rollout"]
-            assert len(rows) == 2
-            for h in rows:
-                assert sum(h[k] for k in keys) == pytest.approx(h["return"], rel=1e-4, abs=1e-4)
-            if name == "sparse":  # episodes end at success: the success term's sum is the success flag
-                assert all(h["reward/success"] == pytest.approx(h["success_rate"]) for h in rows)
-            (run,) = client.search_runs(experiments, filter_string=f"tags.`nexus.job` = '{jobs[name].id}'")
-            for k in keys:
-                logged = [m.value for m in client.get_metric_history(run.info.run_id, f"rollout/{k}")]
-                assert logged == pytest.approx([h[k] for h in rows], rel=1e-5), k

@@ -9,6 +9,7 @@ import math
 import os
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -193,3 +194,47 @@ if __name__ == "__main__":  # calibration: python tests/test_rl_learning.py 2 3 
             print(json.dumps({"seed": s, "before": o["before"]["mean_return"], "after": o["after"]["mean_return"],
                               "success": [o["before"]["success_rate"], o["after"]["success_rate"]],
                               "rollouts": o["rollout_returns"]}), flush=True)
+
+
+@pytest.mark.cluster
+def test_two_tenants_train_on_their_own_rewards_and_log_them_per_term(nx):
+    """Over the gateway's HTTP: a bad term is a 422 naming it and creates nothing; a dense-reward and a
+    sparse-reward tenant on one env run RL side by side; each rollout's per-term rewards are in the job's
+    history and result and in MLflow, and add up to the rollout's return."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.test_reward_terms import DENSE, PUSH, SPARSE, dense_terms
+
+    url, auth = nx.service.gateway_url, {"Authorization": f"Bearer {nx.service.operator_token}"}
+    r = httpx.post(url + "/v1/tenants", json={"name": "bad", "env": PUSH, "reward": DENSE}, headers=auth,
+                   timeout=60)
+    assert r.status_code == 422 and r.json()["error"]["class"] == "SpecError", r.text
+    assert "'obj_to_goal_dist_below'" in r.json()["error"]["message"]
+    assert httpx.get(url + "/v1/tenants/bad", headers=auth, timeout=60).status_code == 404
+    assert "bad" not in {t["tenant"] for t in nx.status()["tenants"]}
+
+    specs = {"dense": dense_terms(), "sparse": SPARSE}
+    jobs = {}
+    for name, terms in specs.items():
+        t = nx.create_tenant({"name": f"reward-{name}", "env": PUSH, "hidden_dim": 32, "seed": 1, "reward": terms})
+        jobs[name] = t.submit({"kind": "rl", "updates": 2, "episodes_per_batch": 2, "collectors": 1,
+                               "ppo": {"update_epochs": 1}})
+    results = {name: job.result(timeout=900) for name, job in jobs.items()}
+    nx.flush()
+    st = nx.status()
+    client = MlflowClient(tracking_uri=f"sqlite:///{st['config']['root']}/mlflow.db")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    for name, terms in specs.items():
+        res, keys = results[name], [f"reward/{t['term']}" for t in terms]
+        assert res["updates"] == 2 and set(keys) <= set(res)
+        rows = [h for j in nx.tenant_log(f"reward-{name}")["jobs"] if j["kind"] == "rl" for h in j["history"]
+                if h["kind"] == "rollout"]
+        assert len(rows) == 2
+        for h in rows:
+            assert sum(h[k] for k in keys) == pytest.approx(h["return"], rel=1e-4, abs=1e-4)
+        if name == "sparse":  # episodes end at success: the success term's sum is the success flag
+            assert all(h["reward/success"] == pytest.approx(h["success_rate"]) for h in rows)
+        (run,) = client.search_runs(experiments, filter_string=f"tags.`nexus.job` = '{jobs[name].id}'")
+        for k in keys:
+            logged = [m.value for m in client.get_metric_history(run.info.run_id, f"rollout/{k}")]
+            assert logged == pytest.approx([h[k] for h in rows], rel=1e-5), k
