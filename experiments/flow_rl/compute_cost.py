@@ -110,7 +110,7 @@ def main() -> None:
                          "ratio_total")}
     args.out.write_text(json.dumps({"demo": str(DEMO.relative_to(HERE.parents[1])), "steps": args.steps,
                                     "reps": reps, "summary": summary}, indent=1))
-    print("\n| per update (800 steps) | π s | OFT s | π / OFT |\n|---|---:|---:|---:|")
+    print(f"\n| per update ({args.steps} steps) | π s | OFT s | π / OFT |\n|---|---:|---:|---:|")
     for k in ("act", "update"):
         print(f"| {k} | {summary[f'pi_{k}_s']['median']:.1f} | {summary[f'oft_{k}_s']['median']:.1f} | "
               f"{summary[f'ratio_{k}']['median']:.2f} ({summary[f'ratio_{k}']['min']:.2f}-"
