@@ -31,8 +31,8 @@ class _Strict(BaseModel):
 
 class JobStream(_Strict):
     """One job, or a stream of like jobs, a tenant submits: ``once`` at ``at_s``; ``every`` ``count`` jobs
-    ``every_s`` apart from ``at_s`` (a tenant submitting continuously); ``poisson`` ``count`` jobs over
-    ``window_s`` from ``at_s``, exponential gaps drawn from the run's seed. Times are seconds at k = 1."""
+    ``every_s`` apart from ``at_s`` (a tenant submitting continuously); ``poisson`` ``count`` jobs from ``at_s``,
+    exponential gaps of mean ``window_s / count`` drawn from the run's seed. Times are seconds at k = 1."""
 
     job: dict[str, Any] = Field(description="the job as submitted (nexus.spec JobSpec: kind rl | sft | eval)")
     arrivals: Literal["once", "every", "poisson"] = "once"
