@@ -21,6 +21,7 @@ from distributed import get_worker
 
 from nexus.config.service import ServiceConfig
 from nexus.emulator.clock import DeviceTimeline
+from nexus.emulator.host import spend_cpu
 from nexus.emulator.lender import DeviceLender
 from nexus.emulator.settings import EmulationSettings
 from nexus.engine.engine import InferenceEngine
@@ -79,6 +80,8 @@ class EmulatedEngine(InferenceEngine):
         self._worker = self._lending_worker() if emu.lend_inference else None  # the messages go from it
         self.lender = DeviceLender() if self._worker is not None else None
         self.share = 0.0  # the part of the device's time forwards take lately (what lent steps lose to them)
+        self.on_host = emu.device_work == "host_cpu"  # forwards spend CPU on the host's cores (nexus.emulator.host)
+        self.request_cpu_s = emu.table.host.engine_request_s if emu.table is not None else 0.0
         self._told: set[asyncio.Task] = set()  # messages to the simulator workers on their way
 
     def _device_waits(self, arrivals: list[float], now: float, reason: str,
@@ -107,6 +110,10 @@ class EmulatedEngine(InferenceEngine):
         milliseconds a device would not spend."""
         families = Counter(self._family(r.tenant) for r in group)
         self._busy = self.times.forward_s(dict(families), len({r.tenant for r in group}))
+        if self.on_host:  # in a thread of its own, as a real forward: the loop goes on taking requests
+            self._busy = await asyncio.to_thread(self._on_host, self._busy, len(group))
+            self.timeline.end([0], time.monotonic())
+            return self._outputs(group)
         end = self._start + self._busy
         if self.lender is not None:
             self._tell(self._start, end)
@@ -115,6 +122,12 @@ class EmulatedEngine(InferenceEngine):
         if left > 0:
             await asyncio.sleep(left)
         return self._outputs(group)
+
+    def _on_host(self, forward_s: float, requests: int) -> float:
+        """The group's handling and its forward on the host's cores: -> the forward's wall time (what the device is
+        charged; the handling is the host's, charged to no device)."""
+        spend_cpu(self.request_cpu_s * requests)
+        return spend_cpu(forward_s)
 
     def _tell(self, start: float, end: float) -> None:
         """The simulator workers hear of the forward (``lend_inference``): it runs on the device first from its start

@@ -23,6 +23,7 @@ from distributed import get_worker
 from nexus.config import catalog
 from nexus.control.dispatch.sim_share import ready_from
 from nexus.emulator.clock import DeviceClock
+from nexus.emulator.host import spend_cpu
 from nexus.emulator.lanes import Lanes, lane_label
 from nexus.emulator.lent import LentDevices
 from nexus.emulator.settings import EmulationSettings, ServiceTimes
@@ -82,6 +83,8 @@ def run_rollout(sim: SimHost, req: RolloutRequest, emu: EmulationSettings, lanes
                             f"{name}/{req.job}/{uuid.uuid4().hex[:8]}", features=False, features_max_dim=0)
         obs = observation(req.tenant.schema)
         wait = rtt = engine_wait = compute = lent_s = 0.0
+        on_host = emu.device_work == "host_cpu"
+        request_cpu_s = times.cal.host.sim_request_s if on_host else 0.0
         pieces = []  # those run on lent devices (what pushed them too late is read at the end)
         requests = rows = 0
         versions: set[int] = set()
@@ -92,6 +95,9 @@ def run_rollout(sim: SimHost, req: RolloutRequest, emu: EmulationSettings, lanes
             (pushing the piece back), or take it back between two steps, and the rest runs here again. Steps revoked
             on a lent device since (its owner took it back before they began, on its devices' clock) run again first."""
             nonlocal lent_s
+            if on_host:  # on the host's cores (device_work "host_cpu": no lending)
+                clock.spend_on_host(seconds, lanes.locks[lane])
+                return
             redo = sum(p.take_revoked() for p in pieces)
             if redo > 0:
                 clock.revoke(redo)
@@ -114,6 +120,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest, emu: EmulationSettings, lanes
                 n = min(k, req.episodes - first)
                 run_on_device(times.reset_s(req.env))
                 for c in range(math.ceil(length / cost.chunk)):
+                    spend_cpu(request_cpu_s)  # the request's handling on the host's cores (observations, reply)
                     clock.settle()  # the request was made as early on the devices' clock as the host time owed
                     ahead = clock.debt
                     sent = time.perf_counter()
