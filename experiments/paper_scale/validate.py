@@ -149,9 +149,15 @@ def predict(args: argparse.Namespace) -> None:
                                 "simulator_split_s": res["simulator_split_s"]})
                 print(f"emulated {m:8s} run {r}: " + ", ".join(f"{q} {runs[m][-1][q]:.1f}" for q in QUANTITIES)
                       + f"; load {load:.1f}", flush=True)
+            score(doc, runs, t0)  # after every round: a run cut short by the host keeps the rounds it made
     finally:
         for s in services.values():
             s.close()
+
+
+def score(doc: dict, runs: dict[str, list[dict]], t0: float) -> None:
+    """Each quantity's relative error of the medians, printed and written."""
+    models = list(runs)
     meas = doc["real"]["median"]
     pred = {m: {q: statistics.median(r[q] for r in rs) for q in QUANTITIES} for m, rs in runs.items()}
     err = {m: {q: (p[q] - meas[q]) / meas[q] for q in QUANTITIES} for m, p in pred.items()}
@@ -165,7 +171,7 @@ def predict(args: argparse.Namespace) -> None:
                        "command": "python experiments/paper_scale/validate.py " + " ".join(sys.argv[1:]),
                        "bench_s": time.time() - t0}
     OUT.write_text(json.dumps(doc, indent=1, default=float))
-    print(f"wrote {OUT}")
+    print(f"wrote {OUT}", flush=True)
 
 
 def main() -> None:
