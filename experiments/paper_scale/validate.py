@@ -130,7 +130,7 @@ def workload() -> Workload:
 def predict(args: argparse.Namespace) -> None:
     """The scored workload emulated with each device model, runs interleaved; errors of the medians."""
     doc = json.loads(OUT.read_text()) if OUT.exists() else {}
-    if "real" not in doc:
+    if "real" not in doc and not args.wait_real:
         raise SystemExit(f"{OUT} has no real runs: run `validate.py real` first")
     t0 = time.time()
     pol = policy("priority")
@@ -158,6 +158,7 @@ def predict(args: argparse.Namespace) -> None:
 def score(doc: dict, runs: dict[str, list[dict]], t0: float) -> None:
     """Each quantity's relative error of the medians, printed and written."""
     models = list(runs)
+    doc["real"] = json.loads(OUT.read_text())["real"]  # the real runs as they are now (they may still be running)
     meas = doc["real"]["median"]
     pred = {m: {q: statistics.median(r[q] for r in rs) for q in QUANTITIES} for m, rs in runs.items()}
     err = {m: {q: (p[q] - meas[q]) / meas[q] for q in QUANTITIES} for m, p in pred.items()}
@@ -181,6 +182,8 @@ def main() -> None:
     r.add_argument("--runs", type=int, default=3)
     p = sub.add_parser("predict", help="the scored workload emulated")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--wait-real", action="store_true", help="start before the real runs are written (they are "
+                   "read when scored)")
     p.add_argument("--models", default="sleep,host_cpu", help="device_work values compared")
     args = ap.parse_args()
     {"real": real, "predict": predict}[args.cmd](args)
