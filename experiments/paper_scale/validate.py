@@ -12,8 +12,12 @@ Scored workload (never used for calibration, ``SCORED``): the same four tenants 
 per batch split over 2 rollout tasks, 2 collectors per job, 2 producers per simulator worker (2 SIM workers), all
 four jobs at once under the default ``priority`` policy on a 1-1-2 service.
 
-    python experiments/paper_scale/validate.py real --runs 3     # the real service on this CPU (~4 min)
-    python experiments/paper_scale/validate.py predict --runs 3  # the emulator, both device models (~6 min)
+    python experiments/paper_scale/calibrate.py --host           # the frozen calibration (isolated runs only)
+    python experiments/paper_scale/validate.py real --runs 3     # the real service on this CPU (~4 min idle)
+    python experiments/paper_scale/validate.py predict --runs 3  # the emulator, both device models (~6 min idle)
+
+On a host shared with other work, ``host_cpu`` predicts the run under the load the host has while it runs, as
+the real run met its own: compare runs made under like load (each run records the load average).
 
 ``real`` writes the real runs into ``validation.json``; ``predict`` emulates them with device work that sleeps
 (``device_work = "sleep"``: devices apart from the host, the emulator's model before) and with device work
