@@ -162,7 +162,12 @@ def predict(args: argparse.Namespace) -> None:
 def score(doc: dict, runs: dict[str, list[dict]], t0: float) -> None:
     """Each quantity's relative error of the medians, printed and written."""
     models = list(runs)
-    doc["real"] = json.loads(OUT.read_text())["real"]  # the real runs as they are now (they may still be running)
+    real_now = json.loads(OUT.read_text()).get("real") if OUT.exists() else None  # they may still be running
+    if real_now is None:  # nothing to score against yet: keep the emulated runs
+        doc["emulated"] = {"runs": runs, "calibration": CALIBRATION, "bench_s": time.time() - t0}
+        OUT.write_text(json.dumps(doc, indent=1, default=float))
+        return
+    doc["real"] = real_now
     meas = doc["real"]["median"]
     pred = {m: {q: statistics.median(r[q] for r in rs) for q in QUANTITIES} for m, rs in runs.items()}
     err = {m: {q: (p[q] - meas[q]) / meas[q] for q in QUANTITIES} for m, p in pred.items()}
