@@ -107,6 +107,51 @@ def test_emulator_settings_live_outside_the_service_config_and_shape_it(tmp_path
     assert isinstance(emu.table, Calibration)
 
 
+def test_device_work_on_the_hosts_cores_is_charged_the_host_time_the_shared_cores_made_it(tmp_path, monkeypatch):
+    from nexus.emulator import engine as engine_mod
+    from nexus.emulator.engine import EmulatedEngine
+    from nexus.emulator.host import spend_cpu
+
+    # it spends CPU of its own thread (what the operating system shares between the services), not a sleep
+    cpu = time.thread_time()
+    spend_cpu(0.02)
+    assert time.thread_time() - cpu >= 0.02
+    # a producer's steps: charged the host time they took (3x their calibrated CPU: others shared the cores), and
+    # the time waited for the device's lock (another producer's step on it) as queued, not as stepping
+    host = Clock()
+
+    class Taken:  # the device's lock, held 0.5 s by another producer's step
+        def __enter__(self) -> None:
+            host.advance(0.5)
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    clock = DeviceClock(now=host)
+    assert clock.spend_on_host(0.1, Taken(), spend=lambda s: host.advance(3 * s)) == pytest.approx(0.3)
+    assert clock.slept == pytest.approx(0.3) and clock.queued == pytest.approx(0.5) and clock.debt == 0.0
+    # an engine's forward: its handling per request (the calibration's [host], charged to no device), then the
+    # forward, charged its host time
+    cal = tmp_path / "cpu.toml"
+    cal.write_text('source = "test"\n[host]\nengine_request_s = 0.001\n[forward.default]\ncall_s = 0.002\n'
+                   'row_s = 0.001\n[update.rl]\ncall_s = 0.1\nrow_s = 0\n[update.sft]\ncall_s = 0.02\nrow_s = 0\n'
+                   '[env.default]\nstep_s = 0.01\n')
+    spent: list[float] = []
+    monkeypatch.setattr(engine_mod, "spend_cpu", lambda s: spent.append(s) or 2 * s)
+    eng = EmulatedEngine(ServiceConfig(root=str(tmp_path)),
+                         EmulationSettings(calibration=str(cal), device_work="host_cpu"))
+    eng.heads.specs["a"] = (SimpleNamespace(env="e", action_head="oft"), SimpleNamespace(action_dim=4))
+    eng.heads.live["a"] = (1, None)
+    asyncio.run(eng._forward_group([SimpleNamespace(tenant="a", version=None)] * 3))
+    assert spent == [pytest.approx(0.003), pytest.approx(0.005)]  # 3 requests' handling; call + 3 rows
+    assert eng._busy == pytest.approx(0.010) and eng.queue.compute_of(0.0) == eng._busy
+    eng.close()
+    # seconds of CPU are not divided by a time scale, and work on the host's cores lends no device
+    for bad in ({"time_scale": 10}, {"lend_actor": True}, {"lend_inference": True}):
+        with pytest.raises(ValueError, match="host_cpu"):
+            EmulationSettings(calibration=str(cal), device_work="host_cpu", **bad)
+
+
 def test_lanes_hold_distinct_devices_and_wait_when_all_are_busy():
     lanes = Lanes(2)
     assert lane_label("sim-0", 1, 0) == "sim-0" and lane_label("sim-0", 4, 3) == "sim-0#3"

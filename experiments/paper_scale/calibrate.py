@@ -12,7 +12,15 @@ metered actor, inference and simulator seconds and the simulator's stepping time
 * RL update = metered actor seconds / updates, fitted over the RL tenants as call + row x rows x epochs;
   SFT step = metered actor seconds / steps.
 
-Medians over the isolated rounds. ``python experiments/paper_scale/calibrate.py``
+Medians over the isolated rounds. With ``--host`` (``device_work = "host_cpu"``, :mod:`nexus.emulator.host`), also
+the ``[host]`` CPU the real processes spend per unit of work besides their device work — per role, the isolated
+rounds' process CPU time less its metered device time (the engine's per action request, the simulators' per request,
+the actor's per training item) — less what the emulated processes spend themselves for the same work, measured in an
+isolated emulated run of the same workload (device work that sleeps, so their CPU is their own): the host work the
+emulator does not do already. Isolated runs only, real and emulated.
+
+    python experiments/paper_scale/calibrate.py           # device times only
+    python experiments/paper_scale/calibrate.py --host    # ... and [host] (one emulated isolated run, ~1 min)
 """
 
 from __future__ import annotations
@@ -51,14 +59,68 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options; --help
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--host", action="store_true", help="also the [host] CPU per unit of work (an emulated run)")
+    args = ap.parse_args()
     doc = json.loads(SOURCE.read_text())
-    shared = next(m for m in doc["meta"]["policies"] if m != "isolated")
-    write(doc, "isolated", OUT, "the isolated runs'")
-    write(doc, shared, OUT.with_name(OUT.stem + "_shared.toml"), f"the shared ({shared}) runs'")
+    write(doc, "isolated", OUT, "the isolated runs'")  # the device times the emulated run below takes
+    if args.host:
+        write(doc, "isolated", OUT, "the isolated runs'", host_costs(doc))
 
 
-def write(doc: dict, mode: str, out: Path, which: str) -> None:
+def units(res: dict) -> dict[str, float]:
+    """Per role, the units its host work is counted in: action requests (engine, simulators), training items."""
+    requests = sum(r.get("requests", 0) for r in res.values())
+    return {"infer": requests, "sim": requests,
+            "actor": sum(r.get("updates", 0) + r.get("steps", 0) for r in res.values())}
+
+
+def role_cpu(cpu: dict[str, float]) -> dict[str, float]:
+    return {role: sum(v for k, v in cpu.items() if k.startswith(role)) for role in ("infer", "sim", "actor")}
+
+
+def host_costs(doc: dict) -> dict[str, float]:
+    """The [host] section: real non-device CPU per unit (isolated rounds) less the emulated processes' own."""
+    real: dict[str, list[float]] = {"infer": [], "sim": [], "actor": []}
+    n = {role: statistics.median(units({t: s["result"] for t, s in rd["isolated"]["service_times"].items()})[role]
+                                 for rd in doc["rounds"]) for role in real}
+    for rd in doc["rounds"]:
+        run = rd["isolated"]
+        st = run["service_times"]
+        cpu = role_cpu(run["cpu_s"])
+        device = {"infer": sum(s["metering_s"]["inference"] for s in st.values()),
+                  "sim": run["simulator_split_s"]["stepping"],
+                  "actor": sum(s["metering_s"]["actor"] for s in st.values())}
+        for role in real:
+            real[role].append(max(0.0, cpu[role] - device[role]) / max(n[role], 1))
+    own = {role: cpu / max(n[role], 1) for role, cpu in emulated_own_cpu(doc).items()}
+    host = {role: max(0.0, statistics.median(real[role]) - own[role]) for role in real}
+    for role in real:
+        print(f"host CPU per unit, {role}: real {1000 * statistics.median(real[role]):.2f} ms less the emulated "
+              f"processes' own {1000 * own[role]:.2f} ms -> {1000 * host[role]:.2f} ms")
+    return host
+
+
+def emulated_own_cpu(doc: dict) -> dict[str, float]:
+    """Per role, the CPU the emulated processes spend themselves (device work asleep) on the calibration workload
+    run isolated on the emulator, as the real isolated rounds ran it (the same jobs: the same units)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from emulated import EmulatedService, Job, Workload, policy
+
+    meta = doc["meta"]
+    wl = Workload("multitenant", [Job(name, {**spec, "hidden_dim": 128, "seed": len(name)}, meta["jobs"][name])
+                                  for name, (spec, _) in meta["tenant_specs"].items()],
+                  datapath={"envs_per_producer": meta["envs"]})
+    svc = EmulatedService(wl, f"1-1-{meta['n_sim']}", OUT.stem, 1.0, "isolated")
+    try:
+        cpu0 = role_cpu(svc.nx.service.cpu_seconds())
+        svc.run(policy("isolated"))
+        return {k: v - cpu0[k] for k, v in role_cpu(svc.nx.service.cpu_seconds()).items()}
+    finally:
+        svc.close()
+
+
+def write(doc: dict, mode: str, out: Path, which: str, host: dict[str, float] | None = None) -> None:
     """One calibration from the runs of ``mode``."""
     meta = doc["meta"]
     specs, jobs = meta["tenant_specs"], meta["jobs"]
@@ -101,6 +163,10 @@ def write(doc: dict, mode: str, out: Path, which: str) -> None:
         'description = "the tiny Qwen3-VL service on 2 shared CPU cores (experiments/multitenant)"',
         "dp_efficiency = 1.0",
         "sync_s = 0.0",
+        *([] if host is None else [
+            "", "[host]  # CPU per unit besides device work, the emulator's own subtracted (calibrate.py --host)",
+            f"engine_request_s = {host['infer']:.6f}", f"sim_request_s = {host['sim']:.6f}",
+            f"actor_item_s = {host['actor']:.6f}"]),
         "",
         "[forward.default]",
         f"call_s = {statistics.mean(f['call_s'] for f in forward.values()):.6f}",

@@ -22,6 +22,7 @@ from nexus.config.service import ServiceConfig
 from nexus.data.output_dir import TenantOutputDir
 from nexus.data.tenant_dirs import job_seq
 from nexus.emulator.clock import DeviceTimeline
+from nexus.emulator.host import spend_cpu
 from nexus.emulator.lanes import Lanes, lane_label
 from nexus.emulator.lender import DeviceLender
 from nexus.emulator.settings import EmulationSettings
@@ -71,6 +72,8 @@ class EmulatedActorHost:
         self.offloaded: dict[str, int] = {}
         self.rendezvous = None
         self.lender = DeviceLender() if emu.lend_actor else None  # idle devices step simulators
+        self.on_host = emu.device_work == "host_cpu"  # updates spend CPU on the host's cores (nexus.emulator.host)
+        self.item_cpu_s = emu.table.host.actor_item_s if emu.table is not None else 0.0
 
     @property
     def slots(self) -> dict[str, int]:  # the heartbeat counts slots
@@ -141,7 +144,12 @@ def run_update(actor: EmulatedActorHost, req: UpdateRequest, data: Any = None) -
         version = actor.versions[name] + 1
         push = actor.writes and req.sync.should_push(version)
         devices = [actor.label(lane) for lane in lanes]
-        start = actor.timeline.start(lanes, _ready_at(actor, req))
+        if actor.on_host:  # the item's handling, then the update, on the host's cores: its wall time is charged
+            spend_cpu(actor.item_cpu_s)
+            start = time.time()
+            duration = spend_cpu(duration)
+        else:
+            start = actor.timeline.start(lanes, _ready_at(actor, req))
         # taken back at that start, not at this late arrival (the host's dispatch): steps lent since are run again
         back = actor.lender.reclaim(devices, start) if actor.lender is not None else 0.0
         t0 = max(start, back)  # their simulator work (its last step begun by then) ends then

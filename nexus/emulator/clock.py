@@ -6,8 +6,11 @@ speed would see (1/k: all of it at k = 1, where emulated and host seconds are on
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+
+from nexus.emulator.host import spend_cpu
 
 
 def host_share(late: float, k: float) -> float:
@@ -64,6 +67,22 @@ class DeviceClock:
         already (``DevicePiece.revoked``): not spent — they are run again — and the time slept for them is owed."""
         self.slept -= seconds
         self.debt += seconds
+
+    def spend_on_host(self, seconds: float, device: threading.Lock,
+                      spend: Callable[[float], object] = spend_cpu) -> float:
+        """``seconds`` of device work spent as CPU on the host's cores (``device_work = "host_cpu"``), one piece at a
+        time on ``device`` (the wait for it is ``queued``; ``spend``: what spends it, :func:`spend_cpu`): the host time
+        it takes, whatever the other work on the cores made it, is what is spent. -> that."""
+        self.settle()
+        t0 = self.now()
+        with device:
+            t1 = self.now()
+            spend(seconds)
+            took = self.now() - t1
+        self.queued += t1 - t0
+        self.slept += took
+        self.settle()
+        return took
 
     def spend(self, seconds: float, queued: float = 0.0,
               cut: Callable[[float], tuple[float, float]] | None = None) -> float:

@@ -23,6 +23,7 @@ from distributed import get_worker
 
 from nexus.config.service import ServiceConfig
 from nexus.emulator.clock import DeviceTimeline
+from nexus.emulator.host import spend_cpu
 from nexus.emulator.lender import DeviceLender
 from nexus.emulator.settings import EmulationSettings
 from nexus.engine.engine import InferenceEngine
@@ -85,6 +86,8 @@ class EmulatedEngine(InferenceEngine):
         self._worker = self._lending_worker() if emu.lend_inference else None  # the messages go from it
         self.lender = DeviceLender() if self._worker is not None else None
         self.share = 0.0  # the part of the device's time forwards take lately (what lent steps lose to them)
+        self.on_host = emu.device_work == "host_cpu"  # forwards spend CPU on the host's cores (nexus.emulator.host)
+        self.request_cpu_s = emu.table.host.engine_request_s if emu.table is not None else 0.0
         self._told: set[asyncio.Task] = set()  # messages to the simulator workers on their way
 
     def _device_waits(self, arrivals: list[float], now: float, reason: str,
@@ -113,6 +116,10 @@ class EmulatedEngine(InferenceEngine):
         milliseconds a device would not spend."""
         families = Counter(self._family(r.tenant) for r in group)
         alone = self.times.forward_s(dict(families), len({r.tenant for r in group}))
+        if self.on_host:  # in a thread of its own, as a real forward: the loop goes on taking requests
+            self._busy = await asyncio.to_thread(self._on_host, alone, len(group))
+            self.timeline.end([0], time.monotonic())
+            return self._outputs(group)
         self._busy = self.shared_s(alone, self._start + time.time() - time.monotonic())
         end = self._start + self._busy
         if self.lender is not None:
@@ -122,6 +129,12 @@ class EmulatedEngine(InferenceEngine):
         if left > 0:
             await asyncio.sleep(left)
         return self._outputs(group)
+
+    def _on_host(self, forward_s: float, requests: int) -> float:
+        """The group's handling and its forward on the host's cores: -> the forward's wall time (what the device is
+        charged; the handling is the host's, charged to no device)."""
+        spend_cpu(self.request_cpu_s * requests)
+        return spend_cpu(forward_s)
 
     def shared_s(self, alone: float, start: float) -> float:
         """A forward of ``alone`` seconds from ``start`` (wall clock) on a device lent work occupies until its worker's

@@ -41,6 +41,7 @@ class Lanes:
         self._queue: list[list[tuple[float, DevicePiece]]] = [[] for _ in range(n)]
         self._done_at = [0.0] * n
         self._cv = threading.Condition()
+        self.locks = [threading.Lock() for _ in range(n)]  # a device's work on the host's cores: one piece at a time
 
     def _open(self) -> list[int]:
         return sorted((i for i in range(self.n) if self._holders[i] < self.share),

@@ -58,6 +58,11 @@ class EmulatedLocalService(LocalService):
         self.emulation = emu
         self.settings_path = settings_path
 
+    def start(self, timeout: float = 600) -> LocalService:
+        """As :meth:`LocalService.start`, with longer to come up: benchmarks start emulated services on shared hosts
+        whose load can keep a process's imports past the real service's 2 minutes."""
+        return super().start(timeout)
+
     def _start(self, timeout: float) -> LocalService:
         self.emulation.save(self.settings_path)  # in the root, which start() made and locked
         return super()._start(timeout)

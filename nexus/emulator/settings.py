@@ -135,6 +135,16 @@ class EnvCost(BaseModel):
                                     "copies (not given: a move rebuilds the envs there, a reset)")
 
 
+class HostCost(BaseModel):
+    """CPU seconds the real processes spend on the host per unit of work besides the device work (spent with
+    ``device_work = "host_cpu"``, charged to no device; :mod:`nexus.emulator.host`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    engine_request_s: float = Field(0.0, ge=0, description="an engine's handling of one action request")
+    sim_request_s: float = Field(0.0, ge=0, description="a producer's handling of one request (observations, reply)")
+    actor_item_s: float = Field(0.0, ge=0, description="an actor rank's handling of one training item")
+
+
 class Calibration(BaseModel):
     """Service times of one kind of hardware, with where they come from (``source``: required)."""
 
@@ -147,6 +157,7 @@ class Calibration(BaseModel):
     env: dict[str, EnvCost]
     dp_efficiency: float = Field(0.7, gt=0, le=1, description="data-parallel efficiency per doubling of devices")
     sync_s: float = Field(0.0, ge=0, description="one weight push of a tenant's head")
+    host: HostCost = HostCost()
     notes: dict[str, str | float | int] = Field(default_factory=dict, description="derivation, free form")
 
     @model_validator(mode="after")
@@ -197,6 +208,10 @@ class EmulationSettings(BaseModel):
                                       "for 8 GPUs)")
     link_gb_s: float = Field(PCIE5_X16_GB_S, gt=0, description="GB/s one way between two devices, for moving a "
                              "producer's simulator state (PCIe Gen5 x16; 450 on an HGX H100's NVLink)")
+    device_work: Literal["sleep", "host_cpu"] = Field(
+        "sleep", description="how device work takes its time: 'sleep' (devices apart from the host); 'host_cpu' (a "
+        "calibration of this host's own CPU cores: the work spends its seconds as CPU time on them, so services "
+        "sharing the cores slow each other as the real ones do; time scale 1, no lending; nexus.emulator.host)")
     seed: int = Field(0, ge=0, description="emulated episode outcomes")
     table: Calibration | None = Field(None, description="the loaded calibration (filled in; workers never "
                                       "re-read the file)")
@@ -205,6 +220,9 @@ class EmulationSettings(BaseModel):
     def _load(self) -> EmulationSettings:
         if self.actor_group > self.devices.actor or (self.actor_group and self.devices.actor % self.actor_group):
             raise ValueError(f"actor_group {self.actor_group} must divide devices.actor {self.devices.actor}")
+        if self.device_work == "host_cpu" and (self.time_scale != 1 or self.lend_actor or self.lend_inference):
+            raise ValueError("device_work 'host_cpu' spends CPU seconds on this host's cores: time_scale 1 and no "
+                             "lending (lend_actor, lend_inference off)")
         if self.table is None:
             object.__setattr__(self, "table", load_calibration(self.calibration))
         return self

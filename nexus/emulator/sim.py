@@ -29,6 +29,7 @@ from nexus.config import catalog
 from nexus.control.dispatch.sim_share import ready_from
 from nexus.emulator.clock import DeviceClock
 from nexus.emulator.cores import HostCores
+from nexus.emulator.host import spend_cpu
 from nexus.emulator.lanes import Lanes, lane_label
 from nexus.emulator.lent import LentDevices
 from nexus.emulator.settings import EmulationSettings, ServiceTimes
@@ -74,8 +75,8 @@ def run_rollout(sim: SimHost, req: RolloutRequest, emu: EmulationSettings, lanes
     cost = times.env(req.env)
     length = cost.episode_steps or entry.max_episode_steps
     k = producer_envs(entry, req.datapath.envs_per_producer, req.episodes)
-    on_host = times.physics(req.env, entry.simulator) == "cpu"  # CPU MuJoCo: host cores, never a (lent) GPU
-    if on_host:
+    cpu_physics = times.physics(req.env, entry.simulator) == "cpu"  # CPU MuJoCo: host cores, never a (lent) GPU
+    if cpu_physics:
         cores, lent = cores or HostCores(k), None
     move_s = times.move_s(req.env, k)
     rl = req.version is None
@@ -95,6 +96,8 @@ def run_rollout(sim: SimHost, req: RolloutRequest, emu: EmulationSettings, lanes
                             f"{name}/{req.job}/{uuid.uuid4().hex[:8]}", features=False, features_max_dim=0)
         obs = observation(req.tenant.schema)
         wait = rtt = engine_wait = compute = lent_s = 0.0
+        host_work = emu.device_work == "host_cpu"  # this host's own cores stand for the devices
+        request_cpu_s = times.cal.host.sim_request_s if host_work else 0.0
         pieces = []  # those run on lent devices (what pushed them too late is read at the end)
         requests = rows = 0
         versions: set[int] = set()
@@ -108,7 +111,10 @@ def run_rollout(sim: SimHost, req: RolloutRequest, emu: EmulationSettings, lanes
             here again, the state moved back. Steps revoked on a lent device since (its owner took it back before
             they began, on its devices' clock) run again first. A CPU-physics env's work takes host cores."""
             nonlocal lent_s, state_on
-            if on_host:
+            if host_work:  # on this host's cores (device_work "host_cpu": no lending)
+                clock.spend_on_host(seconds, lanes.locks[lane])
+                return
+            if cpu_physics:
                 if seconds <= 0:
                     return
                 clock.settle()
@@ -140,6 +146,7 @@ def run_rollout(sim: SimHost, req: RolloutRequest, emu: EmulationSettings, lanes
                 n = min(k, req.episodes - first)
                 run_on_device(times.reset_s(req.env))
                 for c in range(math.ceil(length / cost.chunk)):
+                    spend_cpu(request_cpu_s)  # the request's handling on the host's cores (observations, reply)
                     clock.settle()  # the request was made as early on the devices' clock as the host time owed
                     ahead = clock.debt
                     sent = time.perf_counter()
