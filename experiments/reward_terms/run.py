@@ -15,7 +15,7 @@ the jobs' histories (``reward/<term>``).
 
     python experiments/reward_terms/run.py                      # 40 updates each, ~25 min on 2 loaded cores
     python experiments/reward_terms/run.py --updates 10 --eval-every 5 --out /tmp/rt.json   # a smoke run
-    python experiments/reward_terms/run.py --from-root /tmp/nexus-reward-terms-XXXX/service  # an interrupted run
+    python experiments/reward_terms/run.py --from-root "$STOPPED_RUN_ROOT"  # an interrupted run
 
 ``--from-root`` rebuilds the results of a run stopped early from its service root (the tenants' finished job
 records and evaluation reports); the json says which updates it covers.
